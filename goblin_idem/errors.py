@@ -1,0 +1,43 @@
+"""Exceptions and the exact reply texts of the GOBLIN command spec.
+
+Store errors are `redis.exceptions.ResponseError` whatever the store, so one `except`
+clause serves MemoryStore and RedisStore in every mode, and the texts are the ones a
+Goblin server replies (redis-py strips the leading ``ERR `` as it does for any server).
+"""
+
+from __future__ import annotations
+
+from redis.exceptions import ResponseError
+
+__all__ = [
+    "NOT_INTEGER",
+    "VALUE_TOO_LARGE",
+    "WRONGTYPE",
+    "GoblinError",
+    "LockError",
+    "LockNotOwnedError",
+    "ResponseError",
+    "invalid_expire",
+]
+
+WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
+NOT_INTEGER = "value is not an integer or out of range"
+VALUE_TOO_LARGE = (
+    "new cannot fit the configured value encoding (larger values belong in a blob store)"
+)
+
+
+def invalid_expire(command: str) -> str:
+    return f"invalid expire time in '{command}' command"
+
+
+class GoblinError(Exception):
+    """Base of the errors goblin-idem raises itself (store replies are ResponseError)."""
+
+
+class LockError(GoblinError):
+    """A Lock could not be acquired or released as asked."""
+
+
+class LockNotOwnedError(LockError):
+    """The lock's lease was lost (expired or taken) while the caller believed it held it."""

@@ -1,0 +1,232 @@
+"""MemoryStore: the GOBLIN commands in-process, the embedded default store."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import ResponseError
+
+from .errors import WRONGTYPE, invalid_expire
+from .store import (
+    CLAIMED,
+    ClaimReply,
+    KeyT,
+    as_bytes,
+    caexpire_ms,
+    check_size,
+    claim_reply,
+    claim_seconds,
+)
+
+__all__ = ["MemoryStore"]
+
+# Redis' own default ceiling for a string value (proto-max-bulk-len).
+DEFAULT_MAX_VALUE_BYTES = 512 * 1024 * 1024
+# Expired entries reclaimed per write at most, so one write never pays for a whole backlog.
+_EVICT_PER_WRITE = 64
+
+
+@dataclass(slots=True)
+class _Entry:
+    value: bytes | dict[bytes, bytes] | dict[bytes, float]
+    kind: str  # "string", "hash" or "zset": enough for WRONGTYPE to mean what it does on Redis
+    deadline: float | None  # time.monotonic() seconds, None for no TTL
+
+
+class MemoryStore:
+    """The four GOBLIN commands and plain GET/SET/PTTL/DEL on a dict, in this process.
+
+    Same replies and error texts as RedisStore. Every method runs without awaiting
+    anything, so under asyncio each call is atomic with respect to every other. Expiry is
+    lazy (a key past its deadline reads as absent) on the monotonic clock, and each write
+    also reclaims a few expired entries, so memory tracks the live keys.
+
+    It is per-process: two workers (uvicorn ``--workers 2``, gunicorn) each have their own
+    and do not see each other's claims. Use RedisStore as soon as more than one process
+    serves the same keys.
+    """
+
+    def __init__(self, *, max_value_bytes: int | None = DEFAULT_MAX_VALUE_BYTES) -> None:
+        self.max_value_bytes = max_value_bytes
+        self._data: dict[bytes, _Entry] = {}
+        self._deadlines: list[tuple[float, bytes]] = []
+
+    def __len__(self) -> int:
+        """Entries held, including expired ones not reclaimed yet."""
+        return len(self._data)
+
+    async def aclose(self) -> None:
+        self._data.clear()
+        self._deadlines.clear()
+
+    # -- internals --
+
+    def _live(self, key: bytes) -> _Entry | None:
+        entry = self._data.get(key)
+        if entry is not None and entry.deadline is not None and entry.deadline <= time.monotonic():
+            del self._data[key]
+            return None
+        return entry
+
+    def _string(self, key: bytes) -> bytes | None:
+        entry = self._live(key)
+        if entry is None:
+            return None
+        if entry.kind != "string":
+            raise ResponseError(WRONGTYPE)
+        return entry.value  # type: ignore[return-value]
+
+    def _expire_at(self, key: bytes, entry: _Entry, deadline: float | None) -> None:
+        entry.deadline = deadline
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, key))
+
+    def _put(self, key: bytes, value: bytes, deadline: float | None) -> None:
+        self._evict()
+        entry = _Entry(check_size(value, self.max_value_bytes), "string", None)
+        self._data[key] = entry
+        self._expire_at(key, entry, deadline)
+
+    def _evict(self) -> None:
+        """Drop up to a few entries whose deadline passed (a heap item may be stale: the
+        key was renewed or rewritten since, which its entry's own deadline tells)."""
+        now = time.monotonic()
+        heap = self._deadlines
+        for _ in range(_EVICT_PER_WRITE):
+            if not heap or heap[0][0] > now:
+                return
+            _, key = heapq.heappop(heap)
+            entry = self._data.get(key)
+            if entry is not None and entry.deadline is not None and entry.deadline <= now:
+                del self._data[key]
+
+    # -- the four GOBLIN commands --
+
+    async def claim(
+        self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
+    ) -> ClaimReply:
+        """SET claim_key token NX EX seconds, else GET result_key, as one step."""
+        ck, rk = as_bytes(claim_key), as_bytes(result_key)
+        tok = as_bytes(token, "token")
+        lease = claim_seconds(seconds)
+        if self._live(ck) is None:
+            self._put(ck, tok, time.monotonic() + lease)
+            return CLAIMED
+        # Same reply mapping as the wire: a stored b"CLAIMED" reads as the sentinel.
+        return claim_reply(self._string(rk))
+
+    async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
+        k, e = as_bytes(key), as_bytes(expected, "expected")
+        ttl = caexpire_ms(ms)
+        if self._string(k) != e:
+            return 0
+        if ttl <= 0:
+            del self._data[k]
+        else:
+            self._expire_at(k, self._data[k], time.monotonic() + ttl / 1000)
+        return 1
+
+    async def cas(self, key: KeyT, expected: KeyT, new: KeyT) -> bool:
+        k, e = as_bytes(key), as_bytes(expected, "expected")
+        n = check_size(as_bytes(new, "new"), self.max_value_bytes)
+        if self._string(k) != e:
+            return False
+        self._data[k].value = n  # the entry's deadline, its TTL, stays as it was
+        return True
+
+    async def cad(self, key: KeyT, expected: KeyT) -> int:
+        k, e = as_bytes(key), as_bytes(expected, "expected")
+        if self._string(k) != e:
+            return 0
+        del self._data[k]
+        return 1
+
+    # -- compound steps --
+
+    async def publish(
+        self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
+    ) -> int:
+        """SET result PX ttl + CAEXPIRE claim, as one step."""
+        ttl = caexpire_ms(ttl_ms)
+        if ttl <= 0:
+            raise ResponseError(invalid_expire("set"))
+        await self.set(result_key, value, px=ttl)
+        return await self.caexpire(claim_key, token, ttl)
+
+    async def caexpire_many(
+        self, renewals: Sequence[tuple[KeyT, KeyT, int]]
+    ) -> list[int | Exception]:
+        replies: list[int | Exception] = []
+        for key, expected, ms in renewals:
+            try:
+                replies.append(await self.caexpire(key, expected, ms))
+            except ResponseError as exc:
+                replies.append(exc)
+        return replies
+
+    # -- plain commands --
+
+    async def get(self, key: KeyT) -> bytes | None:
+        return self._string(as_bytes(key))
+
+    async def set(
+        self,
+        key: KeyT,
+        value: KeyT,
+        *,
+        ex: int | None = None,
+        px: int | None = None,
+        nx: bool = False,
+    ) -> bool:
+        """SET with Redis' meaning: a plain SET drops any TTL the key had."""
+        k, v = as_bytes(key), as_bytes(value, "value")
+        if ex is not None and px is not None:
+            raise ResponseError("syntax error")
+        ttl_ms = ex * 1000 if ex is not None else px
+        if ttl_ms is not None and ttl_ms <= 0:
+            raise ResponseError(invalid_expire("set"))
+        if nx and self._live(k) is not None:
+            return False
+        self._put(k, v, None if ttl_ms is None else time.monotonic() + ttl_ms / 1000)
+        return True
+
+    async def pttl(self, key: KeyT) -> int:
+        """Milliseconds left; -1 for a key without TTL, -2 for a missing key."""
+        entry = self._live(as_bytes(key))
+        if entry is None:
+            return -2
+        if entry.deadline is None:
+            return -1
+        return max(0, round((entry.deadline - time.monotonic()) * 1000))
+
+    async def delete(self, *keys: KeyT) -> int:
+        removed = 0
+        for key in keys:
+            k = as_bytes(key)
+            if self._live(k) is not None:
+                del self._data[k]
+                removed += 1
+        return removed
+
+    # -- other types, so WRONGTYPE means what it does on a server --
+
+    async def hset(self, key: KeyT, field: KeyT, value: KeyT) -> int:
+        return self._collection(as_bytes(key), "hash", as_bytes(field), as_bytes(value, "value"))
+
+    async def zadd(self, key: KeyT, member: KeyT, score: float) -> int:
+        return self._collection(as_bytes(key), "zset", as_bytes(member), float(score))
+
+    def _collection(self, key: bytes, kind: str, member: bytes, value: bytes | float) -> int:
+        self._evict()
+        entry = self._live(key)
+        if entry is None:
+            entry = self._data[key] = _Entry({}, kind, None)
+        elif entry.kind != kind:
+            raise ResponseError(WRONGTYPE)
+        members: dict[bytes, object] = entry.value  # type: ignore[assignment]
+        added = int(member not in members)
+        members[member] = value
+        return added

@@ -1,0 +1,281 @@
+"""Store behaviour beyond the spec pages: the compound steps, RedisStore's modes and pool,
+MemoryStore's eviction, and what happens when a server is not there."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+import redis.asyncio
+from conftest import Backend
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, ResponseError
+from servers import Server, free_port, start_cluster, start_server
+
+from goblin_idem import CLAIMED, MemoryStore, RedisStore, Store
+from goblin_idem.errors import NOT_INTEGER, WRONGTYPE
+from goblin_idem.scripts import ALL as ALL_SCRIPTS
+
+# -- publish and caexpire_many, on every store ----------------------------------------------
+
+
+async def test_publish_stores_the_result_and_extends_the_claim(store: Store) -> None:
+    assert await store.claim("{k}:c", "{k}:r", "tok", 1) is CLAIMED
+    assert await store.publish("{k}:r", b"record", 60_000, "{k}:c", "tok") == 1
+    assert await store.get("{k}:r") == b"record"
+    assert 59_000 < await store.pttl("{k}:r") <= 60_000
+    assert 59_000 < await store.pttl("{k}:c") <= 60_000  # the lease now lasts as the result
+    await asyncio.sleep(1.1)  # past the original 1 s lease
+    assert await store.claim("{k}:c", "{k}:r", "other", 1) == b"record"
+
+
+async def test_publish_after_losing_the_claim_replies_0(store: Store) -> None:
+    assert await store.claim("{k}:c", "{k}:r", "tok", 30) is CLAIMED
+    await store.set("{k}:c", "someone-else", px=30_000)
+    assert await store.publish("{k}:r", b"record", 60_000, "{k}:c", "tok") == 0
+    assert await store.get("{k}:r") == b"record"  # the work happened: its result is kept
+    assert await store.get("{k}:c") == b"someone-else"
+
+
+async def test_publish_rejects_a_bad_ttl(store: Store) -> None:
+    with pytest.raises(ResponseError):
+        await store.publish("{k}:r", b"record", 0, "{k}:c", "tok")
+    with pytest.raises(ResponseError, match=NOT_INTEGER):
+        await store.publish("{k}:r", b"record", "soon", "{k}:c", "tok")  # type: ignore[arg-type]
+    assert await store.get("{k}:r") is None
+
+
+async def test_caexpire_many_renews_each_in_place(backend: Backend) -> None:
+    store = backend.store
+    await store.set("a", "ta", px=1000)
+    await store.set("b", "tb", px=1000)
+    await backend.make_hash("h")
+    replies = await store.caexpire_many(
+        [("a", "ta", 60_000), ("b", "wrong", 60_000), ("missing", "x", 60_000), ("h", "x", 1)]
+    )
+    assert replies[:3] == [1, 0, 0]
+    assert isinstance(replies[3], ResponseError) and str(replies[3]) == WRONGTYPE
+    assert await store.pttl("a") > 59_000
+    assert await store.pttl("b") <= 1000
+    assert await store.caexpire_many([]) == []
+
+
+# -- RedisStore -----------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["redis", "valkey"])
+def server(request: pytest.FixtureRequest) -> Server:
+    s: Server = request.getfixturevalue(f"{request.param}_server")
+    return s
+
+
+async def test_auto_mode_picks_script_on_a_stock_server(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = RedisStore.from_url(server.url)
+    try:
+        assert store.mode == "auto"
+        with caplog.at_level(logging.INFO, logger="goblin_idem.store"):
+            assert await store.claim("{d}:c", "{d}:r", "t", 5) in (CLAIMED, None)
+            await store.cad("{d}:c", "t")
+        assert store.mode == "script"
+        lines = [r.getMessage() for r in caplog.records if r.name == "goblin_idem.store"]
+        assert lines == [
+            "goblin-idem store mode: script "
+            "(server lacks GOBLIN.CLAIM; running the Lua scripts with EVALSHA)"
+        ]
+        # detection loaded the scripts, so the first EVALSHA did not meet NOSCRIPT
+        loaded = await store.client.script_exists(*(s.sha for s in ALL_SCRIPTS))
+        assert all(loaded)
+    finally:
+        await store.aclose()
+
+
+async def test_concurrent_first_calls_detect_once(server: Server) -> None:
+    store = RedisStore.from_url(server.url)
+    try:
+        await store.client.execute_command("CONFIG", "RESETSTAT")
+        await asyncio.gather(*(store.get(f"k{i}") for i in range(1)))
+        await asyncio.gather(*(store.cad(f"k{i}", "t") for i in range(50)))
+        stats = await store.client.info("commandstats")
+        assert stats["cmdstat_command|list"]["calls"] == 1
+        assert stats["cmdstat_evalsha"]["calls"] == 50
+    finally:
+        await store.aclose()
+
+
+async def test_noscript_is_reloaded_and_retried(server: Server) -> None:
+    store = RedisStore.from_url(server.url, mode="script")
+    try:
+        await store.client.script_flush()
+        assert await store.claim("{n}:c", "{n}:r", "t", 30) is CLAIMED
+        await store.client.script_flush()
+        assert await store.publish("{n}:r", b"v", 30_000, "{n}:c", "t") == 1
+        await store.client.script_flush()
+        assert await store.caexpire_many([("{n}:c", "t", 30_000)]) == [1]
+        await store.client.script_flush()
+        assert await store.cas("{n}:r", "v", "w") is True
+        await store.client.script_flush()
+        assert await store.cad("{n}:c", "t") == 1
+    finally:
+        await store.aclose()
+
+
+async def test_native_mode_on_a_server_without_the_module_says_so(server: Server) -> None:
+    store = RedisStore.from_url(server.url, mode="native")
+    try:
+        with pytest.raises(ResponseError, match=r"unknown command 'goblin\.claim'"):
+            await store.claim("{x}:c", "{x}:r", "t", 30)
+    finally:
+        await store.aclose()
+
+
+async def test_decode_responses_client_is_refused(server: Server) -> None:
+    client = server.client(decode_responses=True)
+    try:
+        with pytest.raises(ValueError, match="decode_responses=False"):
+            RedisStore(client)
+    finally:
+        await client.aclose()
+
+
+async def test_bad_mode_is_refused(server: Server) -> None:
+    client = server.client()
+    try:
+        with pytest.raises(ValueError, match="mode must be"):
+            RedisStore(client, mode="lua")  # type: ignore[arg-type]
+    finally:
+        await client.aclose()
+
+
+async def test_from_url_pool_waits_instead_of_failing(server: Server) -> None:
+    """More concurrent calls than connections: the pool queues them (a plain redis-py pool
+    raises MaxConnectionsError on the 101st)."""
+    store = RedisStore.from_url(server.url, max_connections=4, pool_timeout=10)
+    try:
+        replies = await asyncio.gather(
+            *(store.claim(f"{{p{i}}}:c", f"{{p{i}}}:r", "t", 30) for i in range(300))
+        )
+        assert all(r is CLAIMED for r in replies)
+        assert len(store.client.connection_pool._in_use_connections) == 0  # type: ignore[union-attr]
+        assert len(store.client.connection_pool._available_connections) <= 4  # type: ignore[union-attr]
+    finally:
+        await store.aclose()
+
+
+async def test_a_store_that_is_down_raises_a_connection_error() -> None:
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RedisConnectionError):
+            await store.claim("{x}:c", "{x}:r", "t", 30)
+        assert time.monotonic() - started < 10
+        assert store.mode == "auto"  # nothing was decided; the next call asks again
+    finally:
+        await store.aclose()
+
+
+async def test_store_recovers_when_the_server_comes_back() -> None:
+    server = start_server("redis")
+    store = RedisStore.from_url(server.url, socket_timeout=1)
+    try:
+        assert await store.claim("{r}:c", "{r}:r", "t", 30) is CLAIMED
+        server.stop(remove_dir=False)
+        with pytest.raises(RedisConnectionError):
+            await store.claim("{r}:c", "{r}:r", "t", 30)
+        server.restart()  # an empty server: no keys, no scripts
+        assert await store.claim("{r}:c", "{r}:r", "t", 30) is CLAIMED
+    finally:
+        await store.aclose()
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+async def test_cluster_script_mode(kind: str) -> None:
+    cluster = start_cluster(kind, masters=3)
+    try:
+        client = cluster.client()
+        store = RedisStore(client)
+        try:
+            assert await store.detect() == "script"
+            # keys spread over the three masters; claim and result share a hash tag
+            owners = set()
+            for i in range(30):
+                ck, rk = f"{{job{i}}}:claim", f"{{job{i}}}:result"
+                assert await store.claim(ck, rk, "t", 30) is CLAIMED
+                assert await store.publish(rk, b"done", 60_000, ck, "t") == 1
+                assert await store.claim(ck, rk, "u", 30) == b"done"
+                owners.add(client.get_node_from_key(ck).name)
+            assert len(owners) == 3
+            # a node that forgot its scripts reloads them on the NOSCRIPT it answers
+            node = client.get_node_from_key("{job0}:claim")
+            await client.execute_command("SCRIPT FLUSH", target_nodes=node)
+            assert await store.cad("{job0}:claim", "t") == 1
+            # claim and result in different slots: refused before anything is sent
+            with pytest.raises(RedisClusterException, match="same key slot"):
+                await store.claim("a:claim", "b:result", "t", 30)
+        finally:
+            await client.aclose()
+    finally:
+        cluster.stop()
+
+
+# -- MemoryStore ----------------------------------------------------------------------------
+
+
+async def test_memory_store_reclaims_expired_entries() -> None:
+    store = MemoryStore()
+    for i in range(5000):
+        await store.set(f"k{i}", "v", px=50)
+    assert len(store) == 5000
+    await asyncio.sleep(0.1)
+    for i in range(200):  # each write reclaims a bounded batch of expired entries
+        await store.set(f"live{i}", "v", px=60_000)
+    assert len(store) == 200
+
+
+async def test_memory_store_renewals_do_not_leak() -> None:
+    store = MemoryStore()
+    await store.set("lease", "t", px=20)
+    for _ in range(50):
+        assert await store.caexpire("lease", "t", 20) == 1
+    await asyncio.sleep(0.05)
+    for i in range(5):
+        await store.set(f"x{i}", "v")
+    assert await store.get("lease") is None
+    assert len(store._deadlines) == 0  # stale deadlines of the renewals were dropped too
+
+
+async def test_memory_store_set_options() -> None:
+    store = MemoryStore()
+    assert await store.set("k", "v1", ex=10)
+    assert 9_000 < await store.pttl("k") <= 10_000
+    assert not await store.set("k", "v2", nx=True)
+    assert await store.get("k") == b"v1"
+    assert await store.set("k", "v3")
+    assert await store.pttl("k") == -1  # a plain SET drops the TTL, as on Redis
+    with pytest.raises(ResponseError, match="invalid expire time in 'set' command"):
+        await store.set("k", "v", px=0)
+    assert await store.delete("k", "missing") == 1
+    assert await store.delete() == 0
+
+
+async def test_memory_store_wrongtype_on_mixed_collections() -> None:
+    store = MemoryStore()
+    await store.hset("h", "f", "v")
+    with pytest.raises(ResponseError, match=WRONGTYPE):
+        await store.zadd("h", "m", 1)
+    with pytest.raises(ResponseError, match=WRONGTYPE):
+        await store.get("h")
+    assert await store.set("h", "now a string")  # SET replaces any type, as on Redis
+    assert await store.get("h") == b"now a string"
+
+
+async def test_redis_client_passed_in_is_not_closed_by_the_store(server: Server) -> None:
+    client = redis.asyncio.Redis(host=server.host, port=server.port)
+    store = RedisStore(client, mode="script")
+    await store.aclose()
+    assert await client.ping()
+    await client.aclose()
