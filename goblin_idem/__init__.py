@@ -1,20 +1,29 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
 
 from .errors import GoblinError, LockError, LockNotOwnedError
+from .lease import Lease, Lock, Watchdog
 from .memory import MemoryStore
+from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
 from .store import CLAIMED, Claimed, ClaimReply, KeyT, RedisStore, Store
 
 __all__ = [
     "CLAIMED",
     "ClaimReply",
     "Claimed",
+    "Counters",
     "GoblinError",
+    "IdempotencyMiddleware",
     "KeyT",
+    "Lease",
+    "Lock",
     "LockError",
     "LockNotOwnedError",
     "MemoryStore",
     "RedisStore",
+    "RoutePolicy",
     "Store",
+    "Watchdog",
+    "idempotent",
 ]
 
 __version__ = "0.1.0"

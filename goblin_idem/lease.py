@@ -1,0 +1,253 @@
+"""Leases kept alive by one shared watchdog, and the Lock built on them.
+
+A claim or lock is written with a short lease so that a dead holder frees it. A live holder
+keeps it by renewing with CAEXPIRE at a third of the lease: the renewal succeeds only
+while the key still holds the holder's token, so it can never extend someone else's lease.
+One watchdog task per store renews every due lease in a single pipelined round trip,
+instead of one timer task per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import ClassVar
+
+from .errors import LockError, LockNotOwnedError
+from .store import KeyT, Store, as_bytes
+
+__all__ = ["Lease", "Lock", "Watchdog"]
+
+logger = logging.getLogger("goblin_idem.lease")
+
+
+@dataclass(eq=False)
+class Lease:
+    """One held key: renewed by the watchdog until released, or until a renewal replies 0."""
+
+    key: bytes
+    token: bytes
+    ms: int
+    label: str = ""  # what the log names instead of the key (a hash for idempotency keys)
+    on_lost: Callable[[Lease], None] | None = None
+    due: float = field(default=0.0)
+    lost: bool = False
+
+    def schedule(self, now: float) -> None:
+        self.due = now + self.ms / 3000
+
+
+class Watchdog:
+    """Renews every held lease of one store at lease/3, all due renewals in one pipeline.
+
+    The loop task exists only while leases are held, on the event loop that holds them.
+    A renewal that errs (store down) is retried on the next tick, a third of a lease
+    later at most; one that replies 0 marks the lease lost and stops renewing it.
+    """
+
+    _shared: ClassVar[weakref.WeakKeyDictionary[Store, Watchdog]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, store: Store, *, retry_seconds: float = 0.5) -> None:
+        self.store = store
+        self.retry_seconds = retry_seconds
+        self.renewals = 0
+        self.lost = 0
+        self._leases: set[Lease] = set()
+        self._renewing: set[Lease] = set()
+        self._batch_done: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    @classmethod
+    def for_store(cls, store: Store) -> Watchdog:
+        """The watchdog shared by everything (middleware, Locks) that holds leases on `store`."""
+        dog = cls._shared.get(store)
+        if dog is None:
+            dog = cls._shared[store] = cls(store)
+        return dog
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def hold(
+        self,
+        key: KeyT,
+        token: KeyT,
+        ms: int,
+        *,
+        label: str = "",
+        on_lost: Callable[[Lease], None] | None = None,
+    ) -> Lease:
+        lease = Lease(as_bytes(key), as_bytes(token), ms, label, on_lost)
+        lease.schedule(time.monotonic())
+        self._leases.add(lease)
+        task = self._task
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        elif lease.due < self._next_due():
+            self._wake.set()
+        return lease
+
+    async def release(self, lease: Lease) -> None:
+        """Stop renewing `lease`, and return only once no renewal of it is in flight.
+
+        A caller about to give the key a longer TTL (publishing a result) must not have a
+        late lease-length renewal land after it and cut that TTL short again.
+        """
+        self._leases.discard(lease)
+        while lease in self._renewing and self._batch_done is not None:
+            await self._batch_done.wait()
+
+    def _next_due(self) -> float:
+        return min((lease.due for lease in self._leases), default=float("inf"))
+
+    async def _run(self) -> None:
+        while self._leases:
+            delay = self._next_due() - time.monotonic()
+            if delay > 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await self._renew_due()
+        self._task = None
+
+    async def _renew_due(self) -> None:
+        now = time.monotonic()
+        due = [lease for lease in self._leases if lease.due <= now]
+        self._renewing.update(due)
+        self._batch_done = done = asyncio.Event()
+        try:
+            replies = await self.store.caexpire_many([(x.key, x.token, x.ms) for x in due])
+        except Exception as exc:  # the store is down: keep the leases and try again soon
+            logger.warning("lease renewal failed for %d lease(s): %r", len(due), exc)
+            replies = [exc] * len(due)
+        finally:
+            self._renewing.clear()
+            done.set()
+        now = time.monotonic()
+        for lease, reply in zip(due, replies, strict=True):
+            if lease not in self._leases:  # released while the renewal was in flight
+                continue
+            if isinstance(reply, Exception):
+                lease.due = now + min(self.retry_seconds, lease.ms / 3000)
+            elif reply == 1:
+                self.renewals += 1
+                lease.schedule(now)
+            else:
+                self._lose(lease)
+
+    def _lose(self, lease: Lease) -> None:
+        self._leases.discard(lease)
+        if lease.lost:
+            return
+        lease.lost = True
+        self.lost += 1
+        logger.warning("lease lost: %s is no longer held by this token", lease.label or "a key")
+        if lease.on_lost is not None:
+            lease.on_lost(lease)
+
+
+class Lock:
+    """A distributed lock: SET NX PX to take it, CAEXPIRE to keep it, CAD to release it.
+
+    Only the holder's token can renew or release it, so a holder that stalled past its
+    lease cannot free a lock somebody else has taken since. `lost` turns True when a
+    renewal found the lock gone; `check()` raises LockNotOwnedError then, and so does
+    `release()`.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        name: KeyT,
+        *,
+        lease_ms: int = 30_000,
+        blocking: bool = True,
+        timeout: float | None = None,
+        retry_interval: float = 0.05,
+        watchdog: Watchdog | None = None,
+    ) -> None:
+        if lease_ms <= 0:
+            raise ValueError("lease_ms must be positive")
+        self.store = store
+        self.name = as_bytes(name)
+        self.lease_ms = lease_ms
+        self.blocking = blocking
+        self.timeout = timeout
+        self.retry_interval = retry_interval
+        self.token = secrets.token_hex(16).encode()
+        self._watchdog = watchdog
+        self._lease: Lease | None = None
+
+    @property
+    def watchdog(self) -> Watchdog:
+        if self._watchdog is None:
+            self._watchdog = Watchdog.for_store(self.store)
+        return self._watchdog
+
+    @property
+    def held(self) -> bool:
+        """Held by this object as far as it knows (a lost lease is not held)."""
+        return self._lease is not None and not self._lease.lost
+
+    @property
+    def lost(self) -> bool:
+        return self._lease is not None and self._lease.lost
+
+    async def acquire(self, *, blocking: bool | None = None, timeout: float | None = None) -> bool:
+        if self._lease is not None:
+            raise LockError("this Lock object already holds the lock")
+        blocking = self.blocking if blocking is None else blocking
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if await self.store.set(self.name, self.token, px=self.lease_ms, nx=True):
+                self._lease = self.watchdog.hold(
+                    self.name, self.token, self.lease_ms, label=f"lock {self.name!r}"
+                )
+                return True
+            if not blocking or (deadline is not None and time.monotonic() >= deadline):
+                return False
+            await asyncio.sleep(self.retry_interval)
+
+    def check(self) -> None:
+        """Raise LockNotOwnedError if the lease was lost while held."""
+        if self.lost:
+            raise LockNotOwnedError(f"lock {self.name!r} was lost: its lease expired or was taken")
+
+    async def owned(self) -> bool:
+        """Ask the store whether the lock still holds this object's token."""
+        return self._lease is not None and await self.store.get(self.name) == self.token
+
+    async def release(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is None:
+            raise LockError("cannot release a lock that is not held")
+        await self.watchdog.release(lease)
+        if await self.store.cad(self.name, self.token) != 1:
+            raise LockNotOwnedError(
+                f"lock {self.name!r} was not held at release: its lease expired or was taken"
+            )
+
+    async def __aenter__(self) -> Lock:
+        if not await self.acquire():
+            raise LockError(f"could not acquire lock {self.name!r}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.release()

@@ -1,0 +1,588 @@
+"""IdempotencyMiddleware: exactly-once POST/PATCH with byte-exact replay.
+
+One request, in store round trips: a request with a key costs one GOBLIN.CLAIM; the one
+that wins it runs the app and publishes the response in one more (result + claim TTL in a
+MULTI/EXEC) before the last body chunk reaches the client; every duplicate is answered
+from the claim's reply alone. A request without a key costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import functools
+import logging
+import os
+import re
+import secrets
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import problems
+from .keys import DEFAULT_KEY_PATTERN, KeyNames, credentials_scope, key_names, valid_key
+from .lease import Lease, Watchdog
+from .memory import MemoryStore
+from .record import Record, RecordError, decode, encode, fingerprint
+from .store import CLAIMED, Store
+
+__all__ = ["Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
+
+logger = logging.getLogger("goblin_idem.middleware")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# What a store that is down or misbehaving raises; all of it ends in 503 (fail closed).
+STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError, RecordError)
+
+# Never stored or replayed: they describe one connection, not the response.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+REPLAYED = (b"idempotent-replayed", b"true")
+_POLICY_ATTR = "__goblin_idem__"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePolicy:
+    """Per-route settings; None means "as the middleware is configured"."""
+
+    enabled: bool = True
+    required: bool | None = None
+    ttl_seconds: int | None = None
+    lease_seconds: int | None = None
+
+
+def idempotent(
+    func: F | None = None,
+    *,
+    enabled: bool = True,
+    required: bool | None = None,
+    ttl_seconds: int | None = None,
+    lease_seconds: int | None = None,
+) -> Any:
+    """Mark a Starlette/FastAPI endpoint with its own idempotency settings.
+
+    Put it under the route decorator (``@app.post(...)`` then ``@idempotent(required=True)``).
+    The middleware finds the route the request will reach and applies its policy;
+    ``enabled=False`` exempts the route.
+    """
+    policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds)
+
+    def mark(f: F) -> F:
+        setattr(f, _POLICY_ATTR, policy)
+        return f
+
+    return mark(func) if func is not None else mark
+
+
+@dataclass
+class Counters:
+    """What the middleware did, since start. `on_event` sees each increment as it happens."""
+
+    claimed: int = 0
+    replayed: int = 0
+    in_flight: int = 0
+    mismatch: int = 0
+    released: int = 0
+    lease_lost: int = 0
+    store_errors: int = 0
+    too_large: int = 0
+    invalid_key: int = 0
+    missing_key: int = 0
+    not_replayable: int = 0
+    publish_errors: int = 0
+    unprotected: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    required: bool
+    ttl_ms: int
+    lease_seconds: int
+
+
+class IdempotencyMiddleware:
+    """Makes POST/PATCH endpoints safe to retry with an ``Idempotency-Key`` header.
+
+    - no key: passed through (400 problem on a required route); a malformed key: 400.
+    - first request with a key: claims it, runs the app once while a watchdog renews the
+      claim's lease, publishes status, headers and body, then finishes the response.
+    - a duplicate of a completed request: the same response, byte for byte, plus
+      ``Idempotent-Replayed: true``; with another method, path, query or body: 422.
+    - a duplicate while the first is running: 409 with ``Retry-After``.
+    - the app raised, answered 5xx or never finished its response: the claim is released
+      so that a retry runs the work; nothing is stored.
+    - the store is unreachable: 503 and the app is not run (``fail_open=True`` runs it
+      unprotected instead).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: Store | None = None,
+        header: str = "Idempotency-Key",
+        methods: Iterable[str] = ("POST", "PATCH"),
+        required: bool = False,
+        lease_seconds: int = 30,
+        ttl_seconds: int = 86_400,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] = (),
+        required_paths: Sequence[str] = (),
+        key_pattern: re.Pattern[bytes] | Callable[[bytes], bool] = DEFAULT_KEY_PATTERN,
+        scope: Callable[[Scope], bytes | str] | None = None,
+        fingerprint_headers: Iterable[str] = (),
+        max_body_bytes: int = 1024 * 1024,
+        max_response_bytes: int = 1024 * 1024,
+        retry_after_seconds: int = 1,
+        wait_ms: int = 0,
+        poll_interval_ms: int = 50,
+        store_server_errors: bool = False,
+        fail_open: bool = False,
+        namespace: str = "idem",
+        on_event: Callable[[str, str], None] | None = None,
+    ) -> None:
+        if lease_seconds <= 0 or ttl_seconds <= 0:
+            raise ValueError("lease_seconds and ttl_seconds must be positive")
+        self.app = app
+        self.store: Store = store if store is not None else MemoryStore()
+        self.header_name = header
+        self.header = header.lower().encode("latin-1")
+        self.methods = frozenset(m.upper() for m in methods)
+        self.defaults = _Settings(required, ttl_seconds * 1000, lease_seconds)
+        self.include = tuple(include) if include is not None else None
+        self.exclude = tuple(exclude)
+        self.required_paths = tuple(required_paths)
+        self.key_pattern = key_pattern
+        self.scope_of = scope
+        self.fingerprint_headers = tuple(h.lower().encode("latin-1") for h in fingerprint_headers)
+        self.max_body_bytes = max_body_bytes
+        self.max_response_bytes = max_response_bytes
+        self.retry_after = str(retry_after_seconds).encode()
+        self.wait_ms = wait_ms
+        self.poll_interval = poll_interval_ms / 1000
+        self.store_server_errors = store_server_errors
+        self.fail_open = fail_open
+        self.namespace = namespace.encode()
+        self.on_event = on_event
+        self.counters = Counters()
+        self.watchdog = Watchdog.for_store(self.store)
+        self._background: set[asyncio.Task[Any]] = set()
+        self._path_settings = functools.lru_cache(maxsize=4096)(self._settings_for_path)
+        self._has_marked: bool | None = None  # does any route's endpoint carry a RoutePolicy?
+
+    # -- bookkeeping --
+
+    def _count(self, event: str, key_hash: str = "") -> None:
+        setattr(self.counters, event, getattr(self.counters, event) + 1)
+        if self.on_event is not None:
+            try:
+                self.on_event(event, key_hash)
+            except Exception:  # a metrics hook must never fail a request
+                logger.exception("on_event hook failed")
+
+    # -- which requests are covered, and how --
+
+    def _settings_for_path(self, path: str) -> _Settings | None:
+        def any_match(patterns: Sequence[str]) -> bool:
+            return any(fnmatch.fnmatchcase(path, p) for p in patterns)
+
+        if self.include is not None and not any_match(self.include):
+            return None
+        if any_match(self.exclude):
+            return None
+        if any_match(self.required_paths):
+            return replace(self.defaults, required=True)
+        return self.defaults
+
+    def _settings(self, scope: Scope) -> _Settings | None:
+        settings = self._path_settings(scope["path"])
+        routes = getattr(scope.get("app"), "routes", None)
+        if self._has_marked is None:
+            self._has_marked = _any_marked(routes or ())
+        if not self._has_marked or not routes:
+            return settings
+        policy = _route_policy(routes, scope)
+        if policy is None:
+            return settings
+        if not policy.enabled:
+            return None
+        base = settings or self.defaults
+        return _Settings(
+            base.required if policy.required is None else policy.required,
+            base.ttl_ms if policy.ttl_seconds is None else policy.ttl_seconds * 1000,
+            base.lease_seconds if policy.lease_seconds is None else policy.lease_seconds,
+        )
+
+    # -- the request --
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self.methods:
+            await self.app(scope, receive, send)
+            return
+        settings = self._settings(scope)
+        if settings is None:
+            await self.app(scope, receive, send)
+            return
+
+        key = None
+        content_length = None
+        for name, value in scope["headers"]:
+            if name == self.header:
+                key = value
+            elif name == b"content-length":
+                content_length = value
+        if key is None:
+            if settings.required:
+                self._count("missing_key")
+                await problems.send_problem(
+                    send,
+                    problems.MISSING_KEY,
+                    f"{self.header_name} is required for {scope['method']} {scope['path']}.",
+                )
+                return
+            await self.app(scope, receive, send)
+            return
+        if not valid_key(key, self.key_pattern):
+            self._count("invalid_key")
+            await problems.send_problem(
+                send,
+                problems.INVALID_KEY,
+                f"{self.header_name} must be 1 to 255 printable ASCII characters.",
+            )
+            return
+
+        body = await self._read_body(receive, send, content_length)
+        if body is None:
+            return
+        names = key_names(self.namespace, self._scope_bytes(scope), key)
+        fp = fingerprint(
+            scope["method"],
+            scope["path"],
+            scope.get("query_string", b""),
+            body,
+            self._fingerprint_header_values(scope) if self.fingerprint_headers else (),
+        )
+        token = f"{os.getpid()}:{secrets.token_hex(8)}".encode()
+        try:
+            reply = await self.store.claim(names.claim, names.result, token, settings.lease_seconds)
+            deadline = asyncio.get_running_loop().time() + self.wait_ms / 1000
+            while reply is None and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(self.poll_interval)
+                reply = await self.store.claim(
+                    names.claim, names.result, token, settings.lease_seconds
+                )
+            record = None if reply is None or reply is CLAIMED else decode(reply)
+        except STORE_ERRORS as exc:
+            await self._store_failed(exc, scope, _replay_receive(body, receive), send, names)
+            return
+
+        if reply is CLAIMED:
+            self._count("claimed", names.hash)
+            await self._run(scope, receive, send, body, names, token, fp, settings)
+        elif record is None:
+            self._count("in_flight", names.hash)
+            await problems.send_problem(
+                send,
+                problems.IN_FLIGHT,
+                "A request with this key is in progress; retry after the Retry-After delay.",
+                [(b"retry-after", self.retry_after)],
+            )
+        else:
+            await self._answer_duplicate(record, fp, send, names)
+
+    def _scope_bytes(self, scope: Scope) -> bytes:
+        if self.scope_of is None:
+            return credentials_scope(scope["headers"])
+        value = self.scope_of(scope)
+        return value.encode() if isinstance(value, str) else value
+
+    def _fingerprint_header_values(self, scope: Scope) -> list[bytes]:
+        found = dict.fromkeys(self.fingerprint_headers, b"")
+        for name, value in scope["headers"]:
+            if name in found:
+                found[name] = value
+        return list(found.values())
+
+    async def _read_body(
+        self, receive: Receive, send: Send, content_length: bytes | None
+    ) -> bytes | None:
+        """The whole request body, or None once answered (413) or the client left."""
+        if content_length is not None and content_length.isdigit():
+            if int(content_length) > self.max_body_bytes:
+                await self._too_large(send)
+                return None
+        chunks = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None  # nothing was claimed; nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._too_large(send)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _too_large(self, send: Send) -> None:
+        self._count("too_large")
+        await problems.send_problem(
+            send,
+            problems.BODY_TOO_LARGE,
+            f"An idempotent request body may be at most {self.max_body_bytes} bytes.",
+        )
+
+    async def _store_failed(
+        self, exc: BaseException, scope: Scope, receive: Receive, send: Send, names: KeyNames
+    ) -> None:
+        self._count("store_errors", names.hash)
+        if self.fail_open:
+            logger.warning("store error for key %s, running unprotected: %r", names.hash, exc)
+            self._count("unprotected", names.hash)
+            await self.app(scope, receive, send)
+            return
+        logger.error("store error for key %s, answering 503: %r", names.hash, exc)
+        await problems.send_problem(
+            send,
+            problems.STORE_UNAVAILABLE,
+            "The request was not run. Retry it with the same key.",
+            [(b"retry-after", self.retry_after)],
+        )
+
+    async def _answer_duplicate(
+        self, record: Record, fp: bytes, send: Send, names: KeyNames
+    ) -> None:
+        if record.fingerprint != fp:
+            self._count("mismatch", names.hash)
+            await problems.send_problem(
+                send,
+                problems.KEY_REUSED,
+                "The key was first used with another method, path, query or body. "
+                "Use a new key for a new request.",
+            )
+            return
+        if not record.replayable:
+            self._count("not_replayable", names.hash)
+            await problems.send_problem(
+                send,
+                problems.NOT_REPLAYABLE,
+                f"The first request completed with status {record.status}. "
+                "Do not retry it with this key.",
+            )
+            return
+        self._count("replayed", names.hash)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": record.status,
+                "headers": [*record.headers, REPLAYED],
+            }
+        )
+        await send({"type": "http.response.body", "body": record.body, "more_body": False})
+
+    # -- the one run --
+
+    async def _run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes,
+        names: KeyNames,
+        token: bytes,
+        fp: bytes,
+        settings: _Settings,
+    ) -> None:
+        lease = self.watchdog.hold(
+            names.claim,
+            token,
+            settings.lease_seconds * 1000,
+            label=names.hash,
+            on_lost=self._lease_lost,
+        )
+        responder = _Responder(self, send, lease, names, token, fp, settings)
+        try:
+            await self.app(scope, _replay_receive(body, receive), responder.send)
+        finally:
+            if not responder.finished:
+                # Raised, cancelled, or returned without a complete response: the work
+                # may not have happened, so free the key for the client's retry.
+                await self._shielded(self._release(lease, names, token))
+
+    def _lease_lost(self, lease: Lease) -> None:
+        self._count("lease_lost", lease.label)
+
+    async def _shielded(self, coro: Any) -> None:
+        """Run a store step to completion even if the request task is being cancelled."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            pass
+
+    async def _release(self, lease: Lease, names: KeyNames, token: bytes) -> None:
+        await self.watchdog.release(lease)
+        self._count("released", names.hash)
+        try:
+            await self.store.cad(names.claim, token)
+        except STORE_ERRORS as exc:
+            logger.warning("could not release key %s (its lease will expire): %r", names.hash, exc)
+
+    async def _publish(
+        self, lease: Lease, names: KeyNames, token: bytes, record: Record, ttl_ms: int
+    ) -> None:
+        await self.watchdog.release(lease)
+        data = encode(record)
+        for attempt in (1, 2):
+            try:
+                renewed = await self.store.publish(names.result, data, ttl_ms, names.claim, token)
+            except STORE_ERRORS as exc:
+                if attempt == 1:
+                    continue
+                self._count("publish_errors", names.hash)
+                logger.error(
+                    "could not publish the response for key %s; a retry after the lease "
+                    "may run the work again: %r",
+                    names.hash,
+                    exc,
+                )
+                return
+            if renewed != 1:
+                self._count("lease_lost", names.hash)
+                logger.warning(
+                    "key %s: the claim lapsed before the response was published", names.hash
+                )
+            return
+
+
+class _Responder:
+    """Wraps `send` for the one run: passes the response through as it streams, keeps a
+    copy, and holds back the final body message until the response is published (or the
+    claim released), so a client that saw the whole response can rely on its replay."""
+
+    def __init__(
+        self,
+        mw: IdempotencyMiddleware,
+        send: Send,
+        lease: Lease,
+        names: KeyNames,
+        token: bytes,
+        fp: bytes,
+        settings: _Settings,
+    ) -> None:
+        self.mw = mw
+        self._send = send
+        self.lease = lease
+        self.ttl_ms = settings.ttl_ms
+        self.names = names
+        self.token = token
+        self.fp = fp
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.keep = True
+        self.finished = False
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = message["status"]
+            self.headers = list(message.get("headers", ()))
+            self.keep = self.status < 500 or self.mw.store_server_errors
+        elif kind == "http.response.body":
+            chunk = message.get("body", b"")
+            if self.keep:
+                self.size += len(chunk)
+                if self.size <= self.mw.max_response_bytes:
+                    self.chunks.append(chunk)
+                else:
+                    self.chunks.clear()
+            if not message.get("more_body", False) and not self.finished:
+                self.finished = True
+                await self.mw._shielded(self._complete())
+        await self._send(message)
+
+    async def _complete(self) -> None:
+        mw, names = self.mw, self.names
+        if not self.keep:
+            await mw._release(self.lease, names, self.token)
+            return
+        if self.size > mw.max_response_bytes:
+            mw._count("too_large", names.hash)
+            record = Record(self.status, [], b"", self.fp, replayable=False)
+        else:
+            body = b"".join(self.chunks)
+            headers = _replay_headers(self.status, self.headers, body)
+            record = Record(self.status, headers, body, self.fp)
+        await mw._publish(self.lease, names, self.token, record, self.ttl_ms)
+
+
+def _replay_headers(
+    status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> list[tuple[bytes, bytes]]:
+    """The headers to replay: in order, repeated ones kept, hop-by-hop ones dropped, and a
+    Content-Length that matches the body (a streamed response had none)."""
+    kept = [(n.lower(), v) for n, v in headers if n.lower() not in HOP_BY_HOP]
+    if status >= 200 and status not in (204, 304) and all(n != b"content-length" for n, _ in kept):
+        kept.append((b"content-length", str(len(body)).encode()))
+    return kept
+
+
+def _replay_receive(body: bytes, receive: Receive) -> Receive:
+    """The request body, already read, as one message; then the client's own receive (so
+    an app waiting for http.disconnect still sees it)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _any_marked(routes: Iterable[Any]) -> bool:
+    return any(
+        hasattr(getattr(route, "endpoint", None), _POLICY_ATTR)
+        or _any_marked(getattr(route, "routes", None) or ())
+        for route in routes
+    )
+
+
+def _route_policy(routes: Iterable[Any], scope: Scope) -> RoutePolicy | None:
+    """The policy of the endpoint the router will pick for this request (through Mounts)."""
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is not Match.FULL:
+            continue
+        policy: RoutePolicy | None = getattr(getattr(route, "endpoint", None), _POLICY_ATTR, None)
+        if policy is not None:
+            return policy
+        inner = getattr(route, "routes", None)
+        return _route_policy(inner, {**scope, **child}) if inner else None
+    return None

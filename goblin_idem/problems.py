@@ -1,0 +1,76 @@
+"""RFC 9457 problem+json responses, one stable `type` per case the middleware answers itself."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from starlette.types import Send
+
+__all__ = [
+    "BODY_TOO_LARGE",
+    "INVALID_KEY",
+    "IN_FLIGHT",
+    "KEY_REUSED",
+    "MISSING_KEY",
+    "NOT_REPLAYABLE",
+    "STORE_UNAVAILABLE",
+    "TYPE_BASE",
+    "Problem",
+    "send_problem",
+]
+
+TYPE_BASE = "urn:goblin-idem:problem:"
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    slug: str
+    status: int
+    title: str
+
+    @property
+    def type(self) -> str:
+        return TYPE_BASE + self.slug
+
+
+MISSING_KEY = Problem("missing-key", 400, "An Idempotency-Key header is required")
+INVALID_KEY = Problem("invalid-key", 400, "The Idempotency-Key header is not valid")
+BODY_TOO_LARGE = Problem("body-too-large", 413, "The request body is too large")
+IN_FLIGHT = Problem(
+    "in-flight", 409, "A request with this Idempotency-Key is still being processed"
+)
+NOT_REPLAYABLE = Problem(
+    "not-replayable",
+    409,
+    "The request with this Idempotency-Key completed, but its response was too large to replay",
+)
+KEY_REUSED = Problem(
+    "key-reused", 422, "This Idempotency-Key was already used for a different request"
+)
+STORE_UNAVAILABLE = Problem(
+    "store-unavailable", 503, "The idempotency store is unavailable; the request was not run"
+)
+
+
+async def send_problem(
+    send: Send,
+    problem: Problem,
+    detail: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    body = json.dumps(
+        {"type": problem.type, "title": problem.title, "status": problem.status, "detail": detail}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": problem.status,
+            "headers": [
+                (b"content-type", b"application/problem+json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or ()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
