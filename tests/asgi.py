@@ -1,0 +1,99 @@
+"""A minimal ASGI driver: one request in, every message the app sent out.
+
+httpx's ASGITransport hides what the tests here need to see (each body chunk, a client that
+disconnects mid-request, the exact header list), so the middleware tests drive ASGI directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import ASGIApp, Message
+
+
+@dataclass
+class Reply:
+    status: int = 0
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    chunks: list[bytes] = field(default_factory=list)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    def header(self, name: str) -> bytes | None:
+        for n, v in self.headers:
+            if n == name.lower().encode():
+                return v
+        return None
+
+    def without(self, *names: str) -> list[tuple[bytes, bytes]]:
+        drop = {n.lower().encode() for n in names}
+        return [(n, v) for n, v in self.headers if n not in drop]
+
+
+def http_scope(
+    method: str = "POST",
+    path: str = "/",
+    headers: Sequence[tuple[str, str]] = (),
+    query: bytes = b"",
+) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": query,
+        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+    }
+
+
+async def request(
+    app: ASGIApp,
+    method: str = "POST",
+    path: str = "/",
+    *,
+    key: str | None = None,
+    body: bytes | Sequence[bytes] = b"",
+    headers: Sequence[tuple[str, str]] = (),
+    query: bytes = b"",
+    disconnect: asyncio.Event | None = None,
+) -> Reply:
+    """Send one request; `body` as a list is sent in that many chunks. Setting
+    `disconnect` makes the client's next receive() answer http.disconnect."""
+    all_headers = list(headers)
+    if key is not None:
+        all_headers.append(("Idempotency-Key", key))
+    chunks = [body] if isinstance(body, bytes) else list(body)
+    scope = http_scope(method, path, all_headers, query)
+    pending: list[Message] = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+        for i, c in enumerate(chunks)
+    ]
+    gone = disconnect or asyncio.Event()
+    reply = Reply()
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop(0)
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            reply.status = message["status"]
+            reply.headers = list(message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            reply.chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return reply

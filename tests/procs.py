@@ -1,0 +1,67 @@
+"""Child processes for the crash and cross-process tests: a uvicorn server over a real store,
+and a Lock holder. Each is started by PID and stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).parent
+
+
+def spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": str(HERE), **env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
+def start_uvicorn(port: int, env: dict[str, str], timeout: float = 15.0) -> subprocess.Popen[bytes]:
+    proc = spawn(
+        [
+            "-m",
+            "uvicorn",
+            "crash_app:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env,
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"uvicorn exited: {err}")
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+            return proc
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    stop(proc, signal.SIGKILL)
+    raise RuntimeError("uvicorn did not answer")

@@ -1,0 +1,144 @@
+"""Lock: exclusion across processes, renewal by the shared watchdog, freeing after a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+import redis.asyncio
+from conftest import Backend
+from procs import spawn, stop
+from servers import Server
+
+from goblin_idem import Lock, LockError, LockNotOwnedError, RedisStore, Store, Watchdog
+
+
+async def test_only_one_holder_at_a_time(store: Store) -> None:
+    first = Lock(store, "job", lease_ms=5000)
+    second = Lock(store, "job", lease_ms=5000)
+    assert await first.acquire()
+    assert not await second.acquire(blocking=False)
+    assert not await second.acquire(timeout=0.2)
+    await first.release()
+    assert await second.acquire(blocking=False)
+    await second.release()
+
+
+async def test_renewal_keeps_a_long_holder(store: Store) -> None:
+    lock = Lock(store, "long", lease_ms=300)
+    other = Lock(store, "long", lease_ms=300)
+    async with lock:
+        for _ in range(6):  # 1.2 s: four leases' worth
+            await asyncio.sleep(0.2)
+            assert not await other.acquire(blocking=False)
+            assert await lock.owned()
+        lock.check()
+    assert lock.watchdog.renewals >= 3
+    assert await store.get("long") is None
+
+
+async def test_lost_lock_raises_lock_not_owned(store: Store) -> None:
+    lock = Lock(store, "stolen", lease_ms=300)
+    await lock.acquire()
+    await store.set("stolen", "thief", px=10_000)
+    await asyncio.sleep(0.3)  # the next renewal finds the thief's token
+    assert lock.lost and not lock.held
+    with pytest.raises(LockNotOwnedError):
+        lock.check()
+    with pytest.raises(LockNotOwnedError):
+        await lock.release()
+    assert await store.get("stolen") == b"thief"  # the thief's lock was not released
+
+
+async def test_blocking_acquire_waits_for_release(store: Store) -> None:
+    holder = Lock(store, "wait", lease_ms=5000)
+    await holder.acquire()
+    waiter = Lock(store, "wait", lease_ms=5000, retry_interval=0.02)
+    task = asyncio.create_task(waiter.acquire(timeout=5))
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    await holder.release()
+    assert await task
+    await waiter.release()
+
+
+async def test_misuse_is_a_clear_error(store: Store) -> None:
+    lock = Lock(store, "m")
+    with pytest.raises(LockError):
+        await lock.release()
+    await lock.acquire()
+    with pytest.raises(LockError):
+        await lock.acquire()
+    await lock.release()
+    busy = Lock(store, "m2", blocking=False)
+    await Lock(store, "m2").acquire()
+    with pytest.raises(LockError, match="could not acquire"):
+        async with busy:
+            pass
+    with pytest.raises(ValueError):
+        Lock(store, "x", lease_ms=0)
+
+
+async def test_middleware_and_locks_share_one_watchdog(backend: Backend) -> None:
+    from goblin_idem import IdempotencyMiddleware
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        return None
+
+    mw = IdempotencyMiddleware(app, store=backend.store)
+    assert Lock(backend.store, "x").watchdog is mw.watchdog is Watchdog.for_store(backend.store)
+
+
+def lock_holder(server: Server, name: str, lease_ms: int, hold_ms: int, log: str):  # type: ignore[no-untyped-def]
+    return spawn(["lock_holder.py", server.url, name, str(lease_ms), str(hold_ms), log], {})
+
+
+async def wait_for(
+    client: redis.asyncio.Redis, key: str, n: int, timeout: float = 15
+) -> list[bytes]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        items: list[bytes] = await client.lrange(key, 0, -1)
+        if len(items) >= n:
+            return items
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{key} has {await client.lrange(key, 0, -1)}")
+
+
+async def test_mutual_exclusion_across_processes(redis_server: Server) -> None:
+    client = redis_server.client()
+    await client.flushall()
+    # a 300 ms lease and 700 ms of work each: without renewal the holders would overlap
+    procs = [lock_holder(redis_server, "shared", 300, 700, "log") for _ in range(3)]
+    try:
+        log = await wait_for(client, "log", 6)
+        for i in range(0, 6, 2):  # enter/exit strictly paired: never two holders at once
+            assert log[i].startswith(b"enter ") and log[i + 1] == b"exit " + log[i][6:]
+        for p in procs:
+            assert p.wait(timeout=10) == 0
+    finally:
+        for p in procs:
+            stop(p)
+        await client.aclose()
+
+
+async def test_killed_holder_frees_after_its_lease(redis_server: Server) -> None:
+    client = redis_server.client()
+    await client.flushall()
+    proc = lock_holder(redis_server, "crashy", 1000, 60_000, "log")
+    store = RedisStore(client, mode="script")
+    try:
+        await wait_for(client, "log", 1)
+        stop(proc, signal.SIGKILL)  # dies holding the lock
+        killed_at = time.monotonic()
+        lock = Lock(store, "crashy", lease_ms=5000, retry_interval=0.05)
+        assert not await lock.acquire(blocking=False)
+        assert await lock.acquire(timeout=5)
+        waited = time.monotonic() - killed_at
+        assert 0.3 < waited < 2.0  # freed by the lease, not before, not much after
+        await lock.release()
+    finally:
+        stop(proc)
+        await client.aclose()
