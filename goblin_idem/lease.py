@@ -63,6 +63,7 @@ class Watchdog:
         self._batch_done: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._sleep_until = 0.0  # when the loop wakes next, unless woken
 
     @classmethod
     def for_store(cls, store: Store) -> Watchdog:
@@ -91,7 +92,7 @@ class Watchdog:
         if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
-        elif lease.due < self._next_due():
+        elif lease.due < self._sleep_until:  # O(1): leases mostly share one length
             self._wake.set()
         return lease
 
@@ -110,7 +111,8 @@ class Watchdog:
 
     async def _run(self) -> None:
         while self._leases:
-            delay = self._next_due() - time.monotonic()
+            self._sleep_until = self._next_due()
+            delay = self._sleep_until - time.monotonic()
             if delay > 0:
                 self._wake.clear()
                 try:

@@ -433,14 +433,12 @@ class IdempotencyMiddleware:
         self._count("lease_lost", lease.label)
 
     async def _shielded(self, coro: Any) -> None:
-        """Run a store step to completion even if the request task is being cancelled."""
+        """Run a store step to completion even if the request task is cancelled meanwhile
+        (the step then finishes in the background and the cancellation goes on)."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            pass
+        await asyncio.shield(task)
 
     async def _release(self, lease: Lease, names: KeyNames, token: bytes) -> None:
         await self.watchdog.release(lease)

@@ -9,11 +9,13 @@ import redis.asyncio
 from servers import Server, start_server
 
 from goblin_idem import MemoryStore, RedisStore
+from goblin_idem.native import build_module
 from goblin_idem.store import Store
 
-# Every store the conformance suite runs against: the embedded store, and the Lua scripts
-# on a real redis-server 7 and valkey-server 9.
-BACKENDS = ["memory", "redis-script", "valkey-script"]
+# Every store the conformance suite runs against: the embedded store; the Lua scripts on a
+# real redis-server 7 and valkey-server 9; and the same servers with the goblin module loaded,
+# answering GOBLIN.* natively.
+BACKENDS = ["memory", "redis-script", "valkey-script", "redis-native", "valkey-native"]
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +28,25 @@ def redis_server() -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def valkey_server() -> Iterator[Server]:
     server = start_server("valkey")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def native_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_module(tmp_path_factory.mktemp("native"))
+
+
+@pytest.fixture(scope="session")
+def redis_native_server(native_module: Path) -> Iterator[Server]:
+    server = start_server("redis", modules=[str(native_module)])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_native_server(native_module: Path) -> Iterator[Server]:
+    server = start_server("valkey", modules=[str(native_module)])
     yield server
     server.stop()
 
@@ -54,8 +75,10 @@ class Backend:
 
 
 def server_for(request: pytest.FixtureRequest, name: str) -> Server:
-    kind = name.split("-", 1)[0]
-    server: Server = request.getfixturevalue(f"{kind}_server")
+    """ "redis-script" runs on a stock server, "redis-native" on one with the module."""
+    kind, mode = name.split("-", 1)
+    fixture = f"{kind}_native_server" if mode == "native" else f"{kind}_server"
+    server: Server = request.getfixturevalue(fixture)
     return server
 
 

@@ -815,6 +815,32 @@ def request_(request: pytest.FixtureRequest) -> pytest.FixtureRequest:
     return request
 
 
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+async def test_round_trips_per_request_native(request_: Any, kind: str) -> None:
+    server: Server = request_.getfixturevalue(f"{kind}_native_server")
+    store = RedisStore.from_url(server.url)
+    assert await store.detect() == "native"
+    mw = IdempotencyMiddleware(Handler(), store=store)
+    client = store.client
+    try:
+        await client.flushall()
+        await client.execute_command("CONFIG", "RESETSTAT")
+        await request(mw, key="new")
+        stats = await client.info("commandstats")
+        calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
+        calls.pop("config|resetstat", None)
+        # CLAIM, then MULTI / SET / GOBLIN.CAEXPIRE / EXEC pipelined: 2 round trips
+        assert calls == {"goblin.claim": 1, "multi": 1, "set": 1, "goblin.caexpire": 1, "exec": 1}
+        await client.execute_command("CONFIG", "RESETSTAT")
+        assert (await request(mw, key="new")).header("idempotent-replayed") == b"true"
+        stats = await client.info("commandstats")
+        calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
+        calls.pop("config|resetstat", None)
+        assert calls == {"goblin.claim": 1}
+    finally:
+        await store.aclose()
+
+
 def test_bad_configuration_is_refused() -> None:
     with pytest.raises(ValueError):
         IdempotencyMiddleware(Handler(), lease_seconds=0)

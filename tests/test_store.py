@@ -279,3 +279,98 @@ async def test_redis_client_passed_in_is_not_closed_by_the_store(server: Server)
     await store.aclose()
     assert await client.ping()
     await client.aclose()
+
+
+# -- native mode ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+async def test_auto_mode_picks_native_where_the_module_is_loaded(
+    request: pytest.FixtureRequest, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    server: Server = request.getfixturevalue(f"{kind}_native_server")
+    store = RedisStore.from_url(server.url)
+    try:
+        with caplog.at_level(logging.INFO, logger="goblin_idem.store"):
+            assert await store.detect() == "native"
+        assert [r.getMessage() for r in caplog.records if r.name == "goblin_idem.store"] == [
+            "goblin-idem store mode: native (GOBLIN.CLAIM found on the server)"
+        ]
+        await store.client.execute_command("CONFIG", "RESETSTAT")
+        assert await store.claim("{n}:c", "{n}:r", "t", 30) is CLAIMED
+        stats = await store.client.info("commandstats")
+        assert stats["cmdstat_goblin.claim"]["calls"] == 1
+        assert "cmdstat_evalsha" not in stats
+    finally:
+        await store.aclose()
+
+
+INPUTS: list[tuple[str, tuple[object, ...]]] = [
+    ("claim", ("{s}:c", "{s}:r", "t1", 30)),
+    ("claim", ("{s}:c", "{s}:r", "t2", 30)),
+    ("cas", ("{s}:c", "t1", b"\x00t3")),
+    ("cas", ("{s}:c", "t1", "t4")),
+    ("caexpire", ("{s}:c", b"\x00t3", 5000)),
+    ("caexpire", ("{s}:c", "nope", 5000)),
+    ("claim", ("{s}:h", "{s}:c", "t", 30)),
+    ("cad", ("{s}:c", "nope")),
+    ("cad", ("{s}:c", b"\x00t3")),
+    ("caexpire", ("{s}:c", b"\x00t3", -1)),
+    ("claim", ("{s}:c", "{s}:r", "t", 0)),
+    ("caexpire", ("{s}:h", "x", 10)),
+]
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+async def test_native_and_script_reply_alike_side_by_side(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """The same inputs through both modes, one after the other: same replies, same errors."""
+    native_server: Server = request.getfixturevalue(f"{kind}_native_server")
+    stores = [
+        RedisStore.from_url(native_server.url, mode="native"),
+        RedisStore.from_url(native_server.url, mode="script"),
+    ]
+    outcomes: list[list[object]] = []
+    try:
+        for store in stores:
+            await store.client.flushall()
+            await store.client.hset("{s}:h", "f", "v")
+            seen: list[object] = []
+            for method, args in INPUTS:
+                try:
+                    seen.append(await getattr(store, method)(*args))
+                except ResponseError as exc:
+                    seen.append(("error", str(exc)))
+                seen.append(round(await store.pttl("{s}:c") / 1000))
+            outcomes.append(seen)
+        assert outcomes[0] == outcomes[1]
+        assert ("error", WRONGTYPE) in outcomes[0]
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+async def test_cluster_native_mode(kind: str, native_module: object) -> None:
+    cluster = start_cluster(kind, masters=3, modules=[str(native_module)])
+    try:
+        client = cluster.client()
+        store = RedisStore(client)
+        try:
+            assert await store.detect() == "native"
+            owners = set()
+            for i in range(30):
+                ck, rk = f"{{job{i}}}:claim", f"{{job{i}}}:result"
+                assert await store.claim(ck, rk, "t", 30) is CLAIMED
+                assert await store.publish(rk, b"done", 60_000, ck, "t") == 1
+                assert await store.claim(ck, rk, "u", 30) == b"done"
+                assert await store.caexpire_many([(ck, "t", 60_000)]) == [1]
+                owners.add(client.get_node_from_key(ck).name)
+            assert len(owners) == 3
+            with pytest.raises(RedisClusterException, match="same key slot"):
+                await store.claim("a:claim", "b:result", "t", 30)
+        finally:
+            await client.aclose()
+    finally:
+        cluster.stop()

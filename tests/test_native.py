@@ -1,0 +1,913 @@
+"""The `goblin` server module itself, on stock redis-server 7 and valkey-server 9.
+
+Replies are read off the socket as raw RESP bytes, so every reply-table row, error text and
+spec transcript is checked byte for byte. Beyond the spec pages: parity with the spec's Lua
+bodies, replication to a replica without the module, AOF reload (with and without the
+module), cluster routing, WATCH / keyspace-event behaviour, maxmemory, and module
+load/unload. Leases expire for real: nothing here mocks a clock.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+import redis
+import redis.exceptions
+from servers import KINDS, Cluster, Server, start_cluster, start_server
+
+from goblin_idem.native import build_module, source_path
+from goblin_idem.scripts import CAD_LUA, CAEXPIRE_LUA, CAS_LUA, CLAIM_LUA
+
+Arg = bytes | str | int
+
+WRONGTYPE = b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
+NOT_INT = b"-ERR value is not an integer or out of range\r\n"
+CLAIMED = b"$7\r\nCLAIMED\r\n"
+NIL = b"$-1\r\n"
+OK = b"+OK\r\n"
+ZERO = b":0\r\n"
+ONE = b":1\r\n"
+LLONG_MAX = 2**63 - 1
+BINARY_KEY = b"k:\x00\xff\xfe{tag}\r\n"
+BINARY_VALUE = b"\x00\x01\x80\xff not utf-8 \xc3\x28 \x00"
+NON_INTEGERS: list[Arg] = [
+    "abc",
+    "1.5",
+    "30.0",
+    "",
+    " 30",
+    "30 ",
+    "+30",
+    "030",
+    "0x1e",
+    "1e3",
+    "9223372036854775808",
+    "-9223372036854775809",
+]
+
+
+def arity_error(command: str) -> bytes:
+    return f"-ERR wrong number of arguments for '{command}' command\r\n".encode()
+
+
+def expire_error(command: str) -> bytes:
+    return f"-ERR invalid expire time in '{command}' command\r\n".encode()
+
+
+def bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+# -- a raw RESP client: the reply exactly as the server wrote it ----------------------------
+
+
+def _encode(args: Sequence[Arg]) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        data = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def _read_reply(f: BinaryIO) -> bytes:
+    line = f.readline()
+    if not line.endswith(b"\r\n"):
+        raise ConnectionError(f"truncated reply {line!r}")
+    kind, rest = line[:1], line[1:-2]
+    if kind == b"$" and rest != b"-1":
+        return line + f.read(int(rest) + 2)
+    if kind == b"*" and rest != b"-1":
+        return line + b"".join(_read_reply(f) for _ in range(int(rest)))
+    return line
+
+
+class Raw:
+    """One plain connection; `call` returns the full reply bytes."""
+
+    def __init__(self, server: Server) -> None:
+        self.sock = socket.create_connection((server.host, server.port), timeout=10)
+        self.file: BinaryIO = self.sock.makefile("rb")
+
+    def call(self, *args: Arg) -> bytes:
+        self.sock.sendall(_encode(args))
+        return _read_reply(self.file)
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+# -- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def module_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_module(tmp_path_factory.mktemp("native"))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def server(request: pytest.FixtureRequest, module_path: Path) -> Iterator[Server]:
+    s = start_server(request.param, modules=[str(module_path)])
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def r(server: Server) -> Iterator[redis.Redis]:
+    client = server.sync_client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def raw(server: Server, r: redis.Redis) -> Iterator[Callable[..., bytes]]:
+    conn = Raw(server)
+    yield conn.call
+    conn.close()
+
+
+# -- GOBLIN.CLAIM ---------------------------------------------------------------------------
+
+
+def test_claim_reply_table(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    # the claim was free and is now taken -> CLAIMED (bulk), token stored with the lease
+    assert raw("GOBLIN.CLAIM", "claim:1", "result:1", "worker-3", 30) == CLAIMED
+    assert r.get("claim:1") == b"worker-3"
+    assert 29_000 < r.pttl("claim:1") <= 30_000
+    assert r.exists("result:1") == 0
+    # the claim was held; result_key is absent -> nil
+    assert raw("GOBLIN.CLAIM", "claim:1", "result:1", "worker-9", 30) == NIL
+    assert r.get("claim:1") == b"worker-3"  # a lost claim changes nothing
+    # the claim was held; result_key has a value -> that value
+    r.set("result:1", "done")
+    assert raw("GOBLIN.CLAIM", "claim:1", "result:1", "worker-9", 30) == bulk(b"done")
+    # the claim was held; result_key is a non-string -> WRONGTYPE
+    r.hset("result:h", "f", "v")
+    r.zadd("result:z", {"m": 1})
+    assert raw("GOBLIN.CLAIM", "claim:1", "result:h", "w", 30) == WRONGTYPE
+    assert raw("GOBLIN.CLAIM", "claim:1", "result:z", "w", 30) == WRONGTYPE
+
+
+@pytest.mark.parametrize("kind", ["hash", "zset", "list"])
+def test_claim_key_of_any_type_just_fails_the_claim(
+    raw: Callable[..., bytes], r: redis.Redis, kind: str
+) -> None:
+    {
+        "hash": lambda: r.hset("c", "f", "v"),
+        "zset": lambda: r.zadd("c", {"m": 1}),
+        "list": lambda: r.rpush("c", "x"),
+    }[kind]()
+    assert raw("GOBLIN.CLAIM", "c", "r", "t", 30) == NIL
+    r.set("r", "v")
+    assert raw("GOBLIN.CLAIM", "c", "r", "t", 30) == bulk(b"v")
+    assert r.type("c") == kind.encode()
+
+
+def test_claim_spec_example_webhook(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    assert raw("GOBLIN.CLAIM", "claim:evt88", "result:evt88", "worker-3", 30) == CLAIMED
+    # a duplicate that races in while worker-3 is still charging
+    assert raw("GOBLIN.CLAIM", "claim:evt88", "result:evt88", "worker-9", 30) == NIL
+    assert raw("SET", "result:evt88", "charged:txn_551", "EX", 86400) == OK
+    # a duplicate delivery of the same event, seconds later
+    assert raw("GOBLIN.CLAIM", "claim:evt88", "result:evt88", "worker-9", 30) == bulk(
+        b"charged:txn_551"
+    )
+
+
+def test_claim_lease_really_expires(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    # worker-3 crashes and never publishes; after the lease the work is claimable again
+    assert raw("GOBLIN.CLAIM", "claim:evt88", "result:evt88", "worker-3", 1) == CLAIMED
+    assert raw("GOBLIN.CLAIM", "claim:evt88", "result:evt88", "worker-9", 1) == NIL
+    time.sleep(1.1)
+    assert raw("GOBLIN.CLAIM", "claim:evt88", "result:evt88", "worker-9", 30) == CLAIMED
+    assert r.get("claim:evt88") == b"worker-9"
+    assert r.pttl("claim:evt88") > 29_000
+
+
+def test_claim_elapsed_result_reads_nil(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    r.set("c", "held")
+    r.set("r", "old", px=100)
+    time.sleep(0.15)
+    assert raw("GOBLIN.CLAIM", "c", "r", "t", 30) == NIL
+
+
+@pytest.mark.parametrize("seconds", NON_INTEGERS)
+def test_claim_seconds_not_an_integer(raw: Callable[..., bytes], seconds: Arg) -> None:
+    assert raw("GOBLIN.CLAIM", "c", "r", "t", seconds) == NOT_INT
+    assert raw("EXISTS", "c") == ZERO
+
+
+@pytest.mark.parametrize(
+    "seconds", [0, -1, -30, -(2**63), LLONG_MAX // 1000 + 1, LLONG_MAX // 1000, LLONG_MAX]
+)
+def test_claim_seconds_invalid_expire(raw: Callable[..., bytes], seconds: int) -> None:
+    # LLONG_MAX // 1000 itself passes the first bound, but now + ms overflows
+    assert raw("GOBLIN.CLAIM", "c", "r", "t", seconds) == expire_error("goblin.claim")
+    assert raw("EXISTS", "c") == ZERO
+    # same texts as the SET ... EX the command mirrors
+    assert raw("SET", "c", "t", "NX", "EX", seconds) == expire_error("set")
+
+
+def test_claim_validates_seconds_before_touching_keys(
+    raw: Callable[..., bytes], r: redis.Redis
+) -> None:
+    r.set("c", "held")
+    r.hset("r", "f", "v")  # would be WRONGTYPE if it were read
+    assert raw("GOBLIN.CLAIM", "c", "r", "t", 0) == expire_error("goblin.claim")
+    assert raw("GOBLIN.CLAIM", "c", "r", "t", "x") == NOT_INT
+    assert raw("GOBLIN.CLAIM", "free", "r", "t", -5) == expire_error("goblin.claim")
+    assert r.exists("free") == 0
+
+
+def test_claim_very_long_lease_that_fits(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    seconds = 9_000_000_000_000_000  # 9e18 ms: fits in an int64 with today's clock
+    assert raw("GOBLIN.CLAIM", "c", "r", "t", seconds) == CLAIMED
+    assert r.pttl("c") > 8_900_000_000_000_000_000
+
+
+def test_claim_binary_and_empty(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    key, res = BINARY_KEY, BINARY_KEY + b":result"
+    assert raw("GOBLIN.CLAIM", key, res, BINARY_VALUE, 30) == CLAIMED
+    assert r.get(key) == BINARY_VALUE
+    assert raw("GOBLIN.CLAIM", key, res, b"other", 30) == NIL
+    r.set(res, BINARY_VALUE)
+    assert raw("GOBLIN.CLAIM", key, res, b"other", 30) == bulk(BINARY_VALUE)
+    # empty key names, an empty token, an empty (not missing) result
+    assert raw("GOBLIN.CLAIM", "", "", "", 30) == CLAIMED
+    assert r.get("") == b""
+    assert raw("GOBLIN.CLAIM", "", "", "x", 30) == b"$0\r\n\r\n"
+    r.set("r0", "")
+    r.set("c0", "held")
+    assert raw("GOBLIN.CLAIM", "c0", "r0", "t", 30) == b"$0\r\n\r\n"
+
+
+def test_claim_same_key_for_claim_and_result(raw: Callable[..., bytes]) -> None:
+    assert raw("GOBLIN.CLAIM", "k", "k", "t1", 30) == CLAIMED
+    assert raw("GOBLIN.CLAIM", "k", "k", "t2", 30) == bulk(b"t1")
+
+
+# -- GOBLIN.CAEXPIRE ------------------------------------------------------------------------
+
+
+def test_caexpire_spec_example(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    assert raw("SET", "lock:job", "client-42-uuid", "NX", "PX", 30000) == OK
+    assert raw("GOBLIN.CAEXPIRE", "lock:job", "wrong-owner", 30000) == ZERO
+    assert raw("GOBLIN.CAEXPIRE", "lock:job", "client-42-uuid", 30000) == ONE
+    assert 29_900 <= r.pttl("lock:job") <= 30_000
+
+
+def test_caexpire_watchdog_example(raw: Callable[..., bytes]) -> None:
+    assert raw("SET", "lock:job", "unique-token", "NX", "PX", 30000) == OK
+    assert raw("GOBLIN.CAEXPIRE", "lock:job", "unique-token", 30000) == ONE
+    assert raw("GOBLIN.CAD", "lock:job", "unique-token") == ONE
+    assert raw("EXISTS", "lock:job") == ZERO
+
+
+def test_caexpire_reply_table(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    r.set("k", "tok", px=60_000)
+    # != expected -> 0, lease untouched
+    assert raw("GOBLIN.CAEXPIRE", "k", "other", 5000) == ZERO
+    assert r.pttl("k") > 59_000
+    # == expected -> 1, TTL (re)set to ms
+    assert raw("GOBLIN.CAEXPIRE", "k", "tok", 5000) == ONE
+    assert 4_900 < r.pttl("k") <= 5_000
+    # a key without TTL gets one
+    r.set("p", "tok")
+    assert raw("GOBLIN.CAEXPIRE", "p", "tok", 5000) == ONE
+    assert 4_900 < r.pttl("p") <= 5_000
+    # missing -> 0, not created
+    assert raw("GOBLIN.CAEXPIRE", "missing", "tok", 5000) == ZERO
+    assert r.exists("missing") == 0
+    # non-string -> WRONGTYPE
+    r.hset("h", "f", "v")
+    r.zadd("z", {"m": 1})
+    assert raw("GOBLIN.CAEXPIRE", "h", "tok", 5000) == WRONGTYPE
+    assert raw("GOBLIN.CAEXPIRE", "z", "tok", 5000) == WRONGTYPE
+    assert r.ttl("h") == -1
+
+
+@pytest.mark.parametrize("ms", [0, -1, -(2**63)])
+def test_caexpire_non_positive_deletes_and_replies_1(
+    raw: Callable[..., bytes], r: redis.Redis, ms: int
+) -> None:
+    r.set("k", "tok", px=60_000)
+    assert raw("GOBLIN.CAEXPIRE", "k", "other", ms) == ZERO
+    assert r.exists("k") == 1
+    assert raw("GOBLIN.CAEXPIRE", "k", "tok", ms) == ONE
+    assert r.exists("k") == 0
+
+
+@pytest.mark.parametrize("ms", NON_INTEGERS)
+def test_caexpire_ms_not_an_integer(raw: Callable[..., bytes], r: redis.Redis, ms: Arg) -> None:
+    r.set("k", "tok")
+    assert raw("GOBLIN.CAEXPIRE", "k", "tok", ms) == NOT_INT
+    assert raw("GOBLIN.CAEXPIRE", "missing", "tok", ms) == NOT_INT
+    assert r.ttl("k") == -1
+
+
+def test_caexpire_overflow(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    r.set("k", "tok")
+    for ms in (LLONG_MAX, LLONG_MAX - 1000):
+        assert raw("GOBLIN.CAEXPIRE", "k", "tok", ms) == expire_error("goblin.caexpire")
+        assert raw("GOBLIN.CAEXPIRE", "missing", "x", ms) == expire_error("goblin.caexpire")
+        assert raw("PEXPIRE", "k", ms) == expire_error("pexpire")
+    assert r.ttl("k") == -1
+
+
+def test_caexpire_elapsed_key_is_missing(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    r.set("k", "tok", px=100)
+    time.sleep(0.15)
+    assert raw("GOBLIN.CAEXPIRE", "k", "tok", 5000) == ZERO
+    assert r.exists("k") == 0
+
+
+# -- GOBLIN.CAS -----------------------------------------------------------------------------
+
+
+def test_cas_spec_ttl_example(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    assert raw("SET", "config", "v1", "PX", 30000) == OK
+    before = r.execute_command("PEXPIRETIME", "config")
+    assert raw("GOBLIN.CAS", "config", "v1", "v2") == OK
+    assert 29_000 < r.pttl("config") <= 30_000  # still ticking
+    assert r.execute_command("PEXPIRETIME", "config") == before  # the same deadline
+    assert raw("SET", "config", "v3") == OK
+    assert raw("PTTL", "config") == b":-1\r\n"  # a bare SET drops it: the contrast
+
+
+def test_cas_spec_counter_example(raw: Callable[..., bytes]) -> None:
+    assert raw("SET", "counter:42", "v1") == OK
+    assert raw("GOBLIN.CAS", "counter:42", "v0", "v2") == ZERO
+    assert raw("GOBLIN.CAS", "counter:42", "v1", "v2") == OK
+    assert raw("GET", "counter:42") == bulk(b"v2")
+    assert raw("PTTL", "counter:42") == b":-1\r\n"  # no TTL before, none after
+
+
+def test_cas_spec_optimistic_loop(raw: Callable[..., bytes]) -> None:
+    raw("SET", "doc:1", "current")
+    assert raw("GET", "doc:1") == bulk(b"current")
+    assert raw("GOBLIN.CAS", "doc:1", "current", "next") == OK
+    assert raw("GOBLIN.CAS", "doc:1", "current", "next2") == ZERO  # someone raced us
+    assert raw("GET", "doc:1") == bulk(b"next")
+
+
+def test_cas_reply_table(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    assert raw("GOBLIN.CAS", "missing", "", "v") == ZERO
+    assert raw("GOBLIN.CAS", "missing", "v1", "v2") == ZERO
+    assert r.exists("missing") == 0  # never created
+    r.hset("h", "f", "v")
+    r.zadd("z", {"m": 1})
+    assert raw("GOBLIN.CAS", "h", "v1", "v2") == WRONGTYPE
+    assert raw("GOBLIN.CAS", "z", "v1", "v2") == WRONGTYPE
+
+
+def test_cas_elapsed_key_is_not_recreated(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    r.set("k", "v1", px=100)
+    time.sleep(0.15)
+    assert raw("GOBLIN.CAS", "k", "v1", "v2") == ZERO
+    assert r.exists("k") == 0
+
+
+def test_cas_compare_is_byte_exact(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    r.set(BINARY_KEY, BINARY_VALUE)
+    for near in (
+        BINARY_VALUE[:-1],
+        BINARY_VALUE + b"\x00",
+        BINARY_VALUE.upper(),
+        b" " + BINARY_VALUE,
+        b"",
+    ):
+        assert raw("GOBLIN.CAS", BINARY_KEY, near, b"x") == ZERO
+    assert raw("GOBLIN.CAS", BINARY_KEY, BINARY_VALUE, b"\xff\x00") == OK
+    assert r.get(BINARY_KEY) == b"\xff\x00"
+    # empty strings on either side, and integer-looking values (int-encoded on the server)
+    r.set("e", "")
+    assert raw("GOBLIN.CAS", "e", "", "12345") == OK
+    assert raw("GOBLIN.CAS", "e", "012345", "x") == ZERO
+    assert raw("GOBLIN.CAS", "e", "12345", "") == OK
+    assert r.get("e") == b""
+    r.set("Tok", "Value")
+    assert raw("GOBLIN.CAS", "Tok", "value", "x") == ZERO
+    assert raw("GOBLIN.CAS", "tok", "Value", "x") == ZERO
+
+
+def test_cas_ten_megabyte_value(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    big = bytes(range(256)) * (10 * 1024 * 1024 // 256)
+    r.set("blob", "v1", px=30000)
+    deadline = r.execute_command("PEXPIRETIME", "blob")
+    assert raw("GOBLIN.CAS", "blob", "v1", big) == OK
+    assert r.get("blob") == big
+    assert raw("GOBLIN.CAS", "blob", big[:-1] + b"x", "v2") == ZERO
+    assert raw("GOBLIN.CAS", "blob", big, "v2") == OK
+    assert r.get("blob") == b"v2"
+    assert r.execute_command("PEXPIRETIME", "blob") == deadline
+
+
+# -- GOBLIN.CAD -----------------------------------------------------------------------------
+
+
+def test_cad_spec_example(raw: Callable[..., bytes]) -> None:
+    assert raw("SET", "lock:job", "client-42-uuid", "NX", "PX", 30000) == OK
+    assert raw("GOBLIN.CAD", "lock:job", "someone-else") == ZERO
+    assert raw("EXISTS", "lock:job") == ONE
+    assert raw("GOBLIN.CAD", "lock:job", "client-42-uuid") == ONE
+    assert raw("GOBLIN.CAD", "lock:job", "client-42-uuid") == ZERO
+
+
+def test_cad_reply_table(raw: Callable[..., bytes], r: redis.Redis) -> None:
+    r.hset("h", "f", "v")
+    r.zadd("z", {"m": 1})
+    assert raw("GOBLIN.CAD", "h", "v") == WRONGTYPE
+    assert raw("GOBLIN.CAD", "z", "v") == WRONGTYPE
+    assert r.exists("h", "z") == 2
+    assert raw("GOBLIN.CAD", "missing", "") == ZERO
+    r.set(BINARY_KEY, BINARY_VALUE)
+    assert raw("GOBLIN.CAD", BINARY_KEY, BINARY_VALUE[:-1]) == ZERO
+    assert raw("GOBLIN.CAD", BINARY_KEY, BINARY_VALUE) == ONE
+    r.set("e", "")
+    assert raw("GOBLIN.CAD", "e", "x") == ZERO
+    assert raw("GOBLIN.CAD", "e", "") == ONE
+    r.set("gone", "v", px=100)
+    time.sleep(0.15)
+    assert raw("GOBLIN.CAD", "gone", "v") == ZERO
+
+
+# -- arity, command table -------------------------------------------------------------------
+
+ARITY = {"goblin.claim": 5, "goblin.caexpire": 4, "goblin.cas": 4, "goblin.cad": 3}
+
+
+@pytest.mark.parametrize("command", sorted(ARITY))
+def test_wrong_arity(raw: Callable[..., bytes], command: str) -> None:
+    n = ARITY[command]
+    for argc in (1, n - 1, n + 1, n + 3):
+        for spelling in (command.upper(), command):
+            args = [spelling, *["x"] * (argc - 1)]
+            assert raw(*args) == arity_error(command)
+    assert raw("SET", "a") == arity_error("set")  # the server's own wording, mirrored
+
+
+def test_command_table(server: Server, r: redis.Redis) -> None:
+    info = r.command()
+    expected = {
+        "goblin.claim": (5, 1, 2, "denyoom"),
+        "goblin.caexpire": (4, 1, 1, None),
+        "goblin.cas": (4, 1, 1, "denyoom"),
+        "goblin.cad": (3, 1, 1, None),
+    }
+    for name, (arity, first, last, oom) in expected.items():
+        entry = info[name]
+        assert (entry["arity"], entry["first_key_pos"], entry["last_key_pos"]) == (
+            arity,
+            first,
+            last,
+        )
+        assert entry["step_count"] == 1
+        assert {"write", "fast"} <= set(entry["flags"])
+        assert ("denyoom" in entry["flags"]) == (oom is not None)
+        assert "movablekeys" not in entry["flags"]
+    assert r.command_getkeys("goblin.claim", "a", "b", "t", "5") == ["a", "b"]
+    assert r.command_getkeys("goblin.caexpire", "k", "t", "5") == ["k"]
+    assert r.command_getkeys("goblin.cas", "k", "t", "n") == ["k"]
+    assert r.command_getkeys("goblin.cad", "k", "t") == ["k"]
+    specs = info["goblin.claim"]["key_specifications"]
+    assert [set(s[b"flags"]) for s in specs] == [{b"OW", b"insert"}, {b"RO", b"access"}]
+
+
+def test_acl_key_permissions_follow_key_specs(server: Server, r: redis.Redis) -> None:
+    # write-only on claims, read-only on results: enough for GOBLIN.CLAIM, not for CAS
+    r.execute_command("ACL", "SETUSER", "worker", "on", ">pw", "+@all", "%W~claim:*", "%R~result:*")
+    try:
+        with server.sync_client(username="worker", password="pw") as w:
+            assert w.execute_command("GOBLIN.CLAIM", "claim:1", "result:1", "t", 30) == b"CLAIMED"
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                w.execute_command("GOBLIN.CLAIM", "result:1", "claim:1", "t", 30)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                w.execute_command("GOBLIN.CAS", "claim:1", "t", "u")  # reads the value
+    finally:
+        r.execute_command("ACL", "DELUSER", "worker")
+
+
+# -- parity with the spec's Lua bodies ------------------------------------------------------
+
+SETUPS: dict[str, list[tuple[Arg, ...]]] = {
+    "empty": [],
+    "held": [("SET", "c", "tok", "PX", 60000)],
+    "held+result": [("SET", "c", "tok", "PX", 60000), ("SET", "r", "done")],
+    "held+empty-result": [("SET", "c", "tok"), ("SET", "r", "")],
+    "hash-claim": [("HSET", "c", "f", "v"), ("SET", "r", "done")],
+    "int-value": [("SET", "c", "12345", "PX", 60000)],
+}
+CALLS: list[tuple[str, str, list[Arg], list[Arg]]] = [
+    ("GOBLIN.CLAIM", CLAIM_LUA, ["c", "r"], ["w", 30]),
+    ("GOBLIN.CAEXPIRE", CAEXPIRE_LUA, ["c"], ["tok", 5000]),
+    ("GOBLIN.CAEXPIRE", CAEXPIRE_LUA, ["c"], ["12345", 0]),
+    ("GOBLIN.CAEXPIRE", CAEXPIRE_LUA, ["c"], ["nope", 5000]),
+    ("GOBLIN.CAS", CAS_LUA, ["c"], ["tok", "new"]),
+    ("GOBLIN.CAS", CAS_LUA, ["c"], ["12345", ""]),
+    ("GOBLIN.CAS", CAS_LUA, ["c"], ["nope", "new"]),
+    ("GOBLIN.CAD", CAD_LUA, ["c"], ["tok"]),
+    ("GOBLIN.CAD", CAD_LUA, ["c"], ["12345"]),
+    ("GOBLIN.CAD", CAD_LUA, ["c"], [""]),
+]
+
+
+def _state(r: redis.Redis) -> list[object]:
+    out: list[object] = []
+    for key in ("c", "r"):
+        kind = r.type(key)
+        ttl = r.pttl(key)
+        value = r.get(key) if kind == b"string" else None
+        out.append((key, kind, value, round(ttl / 1000) if ttl > 0 else ttl))
+    return out
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_same_replies_and_effects_as_the_lua_bodies(
+    raw: Callable[..., bytes], r: redis.Redis, setup: str
+) -> None:
+    for command, lua, keys, args in CALLS:
+        results = []
+        for native in (True, False):
+            r.flushall()
+            for step in SETUPS[setup]:
+                r.execute_command(*step)
+            if native:
+                reply = raw(command, *keys, *args)
+            else:
+                reply = raw("EVAL", lua, len(keys), *keys, *args)
+            if reply.startswith(b"-WRONGTYPE"):
+                reply = WRONGTYPE  # Lua appends where in the script it failed
+            results.append((reply, _state(r)))
+        assert results[0] == results[1], (command, args)
+
+
+# -- side effects the scripts have and the module must match: WATCH, keyspace events --------
+
+
+def test_only_real_changes_abort_a_watch(server: Server, r: redis.Redis) -> None:
+    r.set("c", "tok", px=60_000)
+    for call, aborts in [
+        (("GOBLIN.CLAIM", "c", "r", "t2", 30), False),  # lost claim
+        (("GOBLIN.CAS", "c", "nope", "x"), False),
+        (("GOBLIN.CAD", "c", "nope"), False),
+        (("GOBLIN.CAEXPIRE", "c", "nope", 1000), False),
+        (("GOBLIN.CAEXPIRE", "c", "tok", 50_000), True),
+        (("GOBLIN.CAS", "c", "tok", "tok"), True),
+        (("GOBLIN.CAD", "c", "tok"), True),
+        (("GOBLIN.CLAIM", "c", "r", "tok", 30), True),  # won claim
+    ]:
+        with r.pipeline() as p:
+            p.watch("c")
+            r.execute_command(*call)
+            p.multi()
+            p.get("c")
+            if aborts:
+                with pytest.raises(redis.exceptions.WatchError):
+                    p.execute()
+            else:
+                assert p.execute() == [r.get("c")], call
+
+
+def _events(r: redis.Redis, calls: Sequence[Sequence[Arg]]) -> list[tuple[bytes, bytes]]:
+    with r.pubsub() as ps:
+        ps.psubscribe("__keyevent@0__:*")
+        assert ps.get_message(timeout=2) is not None  # the psubscribe confirmation
+        for call in calls:
+            r.execute_command(*call)
+        r.execute_command("PUBLISH", "__keyevent@0__:end", "end")
+        out: list[tuple[bytes, bytes]] = []
+        while True:
+            msg = ps.get_message(timeout=2)
+            assert msg is not None
+            if msg["channel"] == b"__keyevent@0__:end":
+                return out
+            out.append((msg["channel"].rsplit(b":", 1)[1], msg["data"]))
+
+
+def test_keyspace_events_match_the_scripts(server: Server, r: redis.Redis) -> None:
+    kind = server.kind
+    r.config_set("notify-keyspace-events", "Eg$x")
+    try:
+        sequences: list[list[tuple[Arg, ...]]] = []
+        for native in (True, False):
+
+            def call(
+                cmd: str, lua: str, keys: list[Arg], args: list[Arg], native: bool = native
+            ) -> tuple[Arg, ...]:
+                return (cmd, *keys, *args) if native else ("EVAL", lua, len(keys), *keys, *args)
+
+            sequences.append(
+                [
+                    call("GOBLIN.CLAIM", CLAIM_LUA, ["c", "r"], ["t", 30]),
+                    call("GOBLIN.CLAIM", CLAIM_LUA, ["c", "r"], ["t", 30]),
+                    call("GOBLIN.CAEXPIRE", CAEXPIRE_LUA, ["c"], ["t", 9000]),
+                    call("GOBLIN.CAEXPIRE", CAEXPIRE_LUA, ["c"], ["x", 9000]),
+                    call("GOBLIN.CAS", CAS_LUA, ["c"], ["t", "u"]),
+                    call("GOBLIN.CAS", CAS_LUA, ["c"], ["t", "u"]),
+                    call("GOBLIN.CAD", CAD_LUA, ["c"], ["u"]),
+                    call("GOBLIN.CAD", CAD_LUA, ["c"], ["u"]),
+                    ("SET", "d", "v"),
+                    call("GOBLIN.CAEXPIRE", CAEXPIRE_LUA, ["d"], ["v", 0]),
+                ]
+            )
+        r.flushall()
+        native_events = _events(r, sequences[0])
+        r.flushall()
+        script_events = _events(r, sequences[1])
+        assert native_events == script_events
+        # a deadline already past: "del" on Redis, "expired" on Valkey 8.1+ (as PEXPIRE)
+        past = b"expired" if kind == "valkey" else b"del"
+        assert native_events == [
+            (b"set", b"c"),
+            (b"expire", b"c"),
+            (b"expire", b"c"),
+            (b"set", b"c"),
+            (b"del", b"c"),
+            (b"set", b"d"),
+            (past, b"d"),
+        ]
+    finally:
+        r.config_set("notify-keyspace-events", "")
+
+
+def test_maxmemory_refuses_only_commands_that_can_grow(
+    raw: Callable[..., bytes], r: redis.Redis
+) -> None:
+    # CLAIM and CAS are deny-oom like SET; CAD and CAEXPIRE are not, like DEL and PEXPIRE,
+    # so a lock can still be released or renewed under memory pressure.
+    r.set("k", "tok")
+    r.config_set("maxmemory", 1)
+    try:
+        assert raw("GOBLIN.CLAIM", "c", "r", "t", 30).startswith(b"-OOM ")
+        assert raw("GOBLIN.CAS", "k", "tok", "x").startswith(b"-OOM ")
+        assert raw("GOBLIN.CAEXPIRE", "k", "tok", 5000) == ONE
+        assert raw("GOBLIN.CAD", "k", "tok") == ONE
+    finally:
+        r.config_set("maxmemory", 0)
+
+
+# -- replication ----------------------------------------------------------------------------
+
+
+def _wait_link_up(replica: Server, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    with replica.sync_client() as c:
+        while c.info("replication").get("master_link_status") != "up":
+            if time.monotonic() > deadline:
+                raise RuntimeError("replica did not connect to its master")
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_replica_without_module_sees_the_effects(kind: str, module_path: Path) -> None:
+    master = start_server(kind, modules=[str(module_path)])
+    replica: Server | None = None
+    try:
+        replica = start_server(kind, args=["--replicaof", "127.0.0.1", str(master.port)])
+        _wait_link_up(replica)
+        with master.sync_client() as m, replica.sync_client() as s:
+
+            def synced() -> None:
+                assert m.execute_command("WAIT", 1, 5000) == 1
+
+            def same(key: str) -> None:
+                synced()
+                assert s.get(key) == m.get(key)
+                assert s.execute_command("PEXPIRETIME", key) == m.execute_command(
+                    "PEXPIRETIME", key
+                )
+
+            errors_before = s.info("errorstats")
+            assert m.execute_command("GOBLIN.CLAIM", "c", "r", "tok", 100) == b"CLAIMED"
+            same("c")
+            assert s.get("c") == b"tok" and 90_000 < s.pttl("c") <= 100_000
+            # a lost claim is not propagated and changes nothing anywhere
+            m.set("r", "done")
+            assert m.execute_command("GOBLIN.CLAIM", "c", "r", "x", 5) == b"done"
+            same("c")
+            assert m.execute_command("GOBLIN.CAEXPIRE", "c", "tok", 250_000) == 1
+            same("c")
+            assert 240_000 < s.pttl("c") <= 250_000
+            assert m.execute_command("GOBLIN.CAS", "c", "tok", "new") == b"OK"
+            same("c")
+            assert s.get("c") == b"new" and s.pttl("c") > 240_000
+            m.set("p", "v1")
+            assert m.execute_command("GOBLIN.CAS", "p", "v1", "v2") == b"OK"
+            same("p")
+            assert s.pttl("p") == -1
+            assert m.execute_command("GOBLIN.CAD", "c", "new") == 1
+            synced()
+            assert s.exists("c") == 0
+            m.set("d", "v", px=60_000)
+            assert m.execute_command("GOBLIN.CAEXPIRE", "d", "v", 0) == 1
+            synced()
+            assert s.exists("d") == 0
+            # the replica only ever received built-in commands, and none failed (counted
+            # from the first use of `s`: redis-py's CLIENT SETINFO is an error on Redis 7.0)
+            assert not any("goblin" in k for k in s.info("commandstats"))
+            assert s.info("errorstats") == errors_before
+    finally:
+        if replica is not None:
+            replica.stop()
+        master.stop()
+
+
+# -- AOF ------------------------------------------------------------------------------------
+
+AOF_ARGS = ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
+
+
+def _aof_bytes(directory: Path) -> bytes:
+    files = sorted((directory / "appendonlydir").glob("*.aof"))
+    assert files, f"no AOF files in {directory}"
+    return b"".join(f.read_bytes() for f in files)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_aof_reload_keeps_absolute_deadlines(kind: str, module_path: Path) -> None:
+    server = start_server(kind, modules=[str(module_path)], args=AOF_ARGS, persist=True)
+    plain: Server | None = None
+    try:
+        with server.sync_client() as c:
+            assert c.execute_command("GOBLIN.CLAIM", "claim", "result", "tok", 100) == b"CLAIMED"
+            c.set("leased", "v1", px=100_000)
+            assert c.execute_command("GOBLIN.CAS", "leased", "v1", "v2") == b"OK"
+            c.set("lock", "me")
+            assert c.execute_command("GOBLIN.CAEXPIRE", "lock", "me", 100_000) == 1
+            c.set("gone1", "x")
+            c.set("gone2", "x")
+            assert c.execute_command("GOBLIN.CAD", "gone1", "x") == 1
+            assert c.execute_command("GOBLIN.CAEXPIRE", "gone2", "x", -1) == 1
+            size = len(_aof_bytes(server.dir))
+            # nothing changed, nothing is written
+            c.execute_command("GOBLIN.CLAIM", "claim", "result", "other", 100)
+            c.execute_command("GOBLIN.CAS", "leased", "nope", "x")
+            c.execute_command("GOBLIN.CAD", "lock", "nope")
+            c.execute_command("GOBLIN.CAEXPIRE", "lock", "nope", 5)
+            assert len(_aof_bytes(server.dir)) == size
+            deadlines = {
+                k: c.execute_command("PEXPIRETIME", k) for k in ("claim", "leased", "lock")
+            }
+        aof = _aof_bytes(server.dir)
+        assert b"goblin" not in aof.lower()
+        for word in (b"PXAT", b"KEEPTTL", b"PEXPIREAT", b"DEL"):
+            assert word in aof
+        time.sleep(1.5)
+        server.kill()
+
+        def check(s: Server) -> None:
+            with s.sync_client() as c:
+                for key, deadline in deadlines.items():
+                    assert c.execute_command("PEXPIRETIME", key) == deadline
+                    assert 90_000 < c.pttl(key) <= 98_600  # 1.5 s went by: not re-leased
+                assert c.mget("claim", "leased", "lock", "gone1", "gone2") == [
+                    b"tok",
+                    b"v2",
+                    b"me",
+                    None,
+                    None,
+                ]
+
+        server.restart()
+        check(server)
+        server.stop(remove_dir=False)
+        # the AOF holds built-in commands only: a server without the module loads it too
+        plain = start_server(kind, args=AOF_ARGS, persist=True, directory=server.dir)
+        check(plain)
+    finally:
+        if plain is not None:
+            plain.stop()
+        server.stop()
+
+
+# -- cluster --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def cluster(request: pytest.FixtureRequest, module_path: Path) -> Iterator[Cluster]:
+    c = start_cluster(request.param, masters=3, modules=[str(module_path)])
+    yield c
+    c.stop()
+
+
+def _owner(cluster: Cluster, key: str) -> Server:
+    """The master serving `key`, as the cluster itself says (a MOVED points at it)."""
+    first = cluster.servers[0]
+    conn = Raw(first)
+    try:
+        reply = conn.call("EXISTS", key)
+    finally:
+        conn.close()
+    if not reply.startswith(b"-MOVED "):
+        return first
+    port = int(reply.split()[2].rsplit(b":", 1)[1])
+    return next(s for s in cluster.servers if s.port == port)
+
+
+async def test_cluster_client_routes_goblin_commands(cluster: Cluster) -> None:
+    tags = ["t", "a", "b", "c", "d", "e", "f", "g"]
+    owners = {_owner(cluster, f"{{{t}}}").port for t in tags}
+    assert len(owners) == 3  # the tags cover every master
+    rc = cluster.client()
+    try:
+        for t in tags:
+            c, res = f"{{{t}}}:c", f"{{{t}}}:r"
+            assert await rc.execute_command("GOBLIN.CLAIM", c, res, "tok", 30) == b"CLAIMED"
+            assert await rc.execute_command("GOBLIN.CLAIM", c, res, "x", 30) is None
+            assert await rc.execute_command("GOBLIN.CAEXPIRE", c, "tok", 60_000) == 1
+            assert await rc.execute_command("GOBLIN.CAS", c, "tok", "v2") == b"OK"
+            owner = _owner(cluster, c)
+            with owner.sync_client() as direct:
+                assert direct.get(c) == b"v2"
+                assert direct.pttl(c) > 59_000
+            assert await rc.execute_command("GOBLIN.CAD", c, "v2") == 1
+        # keys in different slots are refused by the client before anything is sent
+        with pytest.raises(redis.exceptions.RedisClusterException):
+            await rc.execute_command("GOBLIN.CLAIM", "{a}:c", "{b}:r", "tok", 30)
+    finally:
+        await rc.aclose()
+
+
+def test_cluster_node_redirects_and_refuses_cross_slot(cluster: Cluster) -> None:
+    key = "{t}:c"
+    owner = _owner(cluster, key)
+    other = next(s for s in cluster.servers if s.port != owner.port)
+    conn = Raw(other)
+    try:
+        assert conn.call("GOBLIN.CAD", key, "v").startswith(b"-MOVED ")
+        assert conn.call("GOBLIN.CLAIM", key, "{t}:r", "tok", 30).startswith(b"-MOVED ")
+        assert conn.call("GOBLIN.CLAIM", "{a}:c", "{b}:r", "tok", 30) == (
+            b"-CROSSSLOT Keys in request don't hash to the same slot\r\n"
+        )
+    finally:
+        conn.close()
+
+
+# -- MODULE LOAD / UNLOAD -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_module_unload_and_double_load(kind: str, module_path: Path) -> None:
+    s = start_server(kind, modules=[str(module_path)], args=["--enable-module-command", "yes"])
+    try:
+        with s.sync_client() as c:
+            with pytest.raises(redis.exceptions.ResponseError):
+                c.execute_command("MODULE", "LOAD", str(module_path))
+            assert c.ping()
+            names = [m[b"name"] for m in c.execute_command("MODULE", "LIST")]
+            assert names.count(b"goblin") == 1
+            assert c.execute_command("GOBLIN.CAD", "k", "v") == 0  # still served
+            assert c.execute_command("MODULE", "UNLOAD", "goblin") == b"OK"
+            with pytest.raises(redis.exceptions.ResponseError, match="unknown command"):
+                c.execute_command("GOBLIN.CAD", "k", "v")
+            assert c.execute_command("MODULE", "LOAD", str(module_path)) == b"OK"
+            c.set("k", "v")
+            assert c.execute_command("GOBLIN.CAD", "k", "v") == 1
+    finally:
+        s.stop()
+
+
+# -- building -------------------------------------------------------------------------------
+
+
+def test_build_is_cached_by_source_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = build_module()
+    assert first.is_absolute() and first.is_relative_to(tmp_path / "cache" / "goblin-idem")
+    assert os.access(first, os.X_OK)
+    stamp = first.stat().st_mtime_ns
+    assert build_module(cc="no-such-compiler-needed") == first  # reused, no compile
+    assert first.stat().st_mtime_ns == stamp
+    assert module_path.name == first.name and os.access(module_path, os.X_OK)
+    assert source_path().is_file() and source_path().suffix == ".c"
+    assert not list(first.parent.glob(".goblin-*"))  # no temp file left behind
+
+
+def test_build_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="no C compiler found"):
+        build_module(tmp_path, cc="no-such-cc-anywhere")
+    with pytest.raises(RuntimeError, match="failed"):
+        build_module(tmp_path, cc="false")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_prints_the_path_last(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "goblin_idem", "build-module", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    path = Path(out.strip().splitlines()[-1])
+    assert path == (tmp_path / "goblin.so").absolute() and os.access(path, os.X_OK)
