@@ -243,10 +243,12 @@ class IdempotencyMiddleware:
             return
 
         key = None
+        keys = 0
         content_length = None
         for name, value in scope["headers"]:
             if name == self.header:
                 key = value
+                keys += 1
             elif name == b"content-length":
                 content_length = value
         if key is None:
@@ -260,12 +262,17 @@ class IdempotencyMiddleware:
                 return
             await self.app(scope, receive, send)
             return
-        if not valid_key(key, self.key_pattern):
+        if keys > 1 or not valid_key(key, self.key_pattern):
             self._count("invalid_key")
             await problems.send_problem(
                 send,
                 problems.INVALID_KEY,
-                f"{self.header_name} must be 1 to 255 printable ASCII characters.",
+                f"Send exactly one {self.header_name} header, "
+                + (
+                    "of 1 to 255 printable ASCII characters."
+                    if self.key_pattern is DEFAULT_KEY_PATTERN
+                    else "in the form this service accepts."
+                ),
             )
             return
 
@@ -283,12 +290,15 @@ class IdempotencyMiddleware:
         token = f"{os.getpid()}:{secrets.token_hex(8)}".encode()
         try:
             reply = await self.store.claim(names.claim, names.result, token, settings.lease_seconds)
-            deadline = asyncio.get_running_loop().time() + self.wait_ms / 1000
-            while reply is None and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(self.poll_interval)
-                reply = await self.store.claim(
-                    names.claim, names.result, token, settings.lease_seconds
-                )
+            if reply is None and self.wait_ms > 0:
+                # Poll with CLAIM itself: it replays once published, and takes the work
+                # over if the first run died and its lease ran out meanwhile.
+                deadline = asyncio.get_running_loop().time() + self.wait_ms / 1000
+                while reply is None and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(self.poll_interval)
+                    reply = await self.store.claim(
+                        names.claim, names.result, token, settings.lease_seconds
+                    )
             record = None if reply is None or reply is CLAIMED else decode(reply)
         except STORE_ERRORS as exc:
             await self._store_failed(exc, scope, _replay_receive(body, receive), send, names)

@@ -204,6 +204,14 @@ async def test_invalid_key_is_400_and_runs_nothing(key: str) -> None:
     assert handler.runs == 0 and len(store) == 0
 
 
+async def test_two_key_headers_are_400() -> None:
+    handler = Handler()
+    mw = IdempotencyMiddleware(handler, store=MemoryStore())
+    reply = await request(mw, key="a", headers=[("Idempotency-Key", "b")])
+    assert reply.status == 400 and "exactly one" in problem(reply)["detail"]
+    assert handler.runs == 0
+
+
 @pytest.mark.parametrize("key", ["a", "x" * 255, "order 42 {retry}", "~!@#$%^&*()_+"])
 async def test_valid_keys(key: str) -> None:
     handler = Handler()
