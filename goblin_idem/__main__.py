@@ -37,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     build.add_argument("--cc", default=None, help="C compiler to use (default: $CC or cc)")
     build.set_defaults(func=_build_module)
 
+    from goblin_idem.inspect import add_subcommand as add_inspect
+
+    add_inspect(sub)
+
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result

@@ -17,7 +17,7 @@ import re
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from redis.exceptions import RedisError
 from starlette.routing import Match
@@ -66,14 +66,29 @@ class RoutePolicy:
     lease_seconds: int | None = None
 
 
+@overload
+def idempotent(func: F, /) -> F: ...
+
+
+@overload
 def idempotent(
-    func: F | None = None,
     *,
     enabled: bool = True,
     required: bool | None = None,
     ttl_seconds: int | None = None,
     lease_seconds: int | None = None,
-) -> Any:
+) -> Callable[[F], F]: ...
+
+
+def idempotent(
+    func: F | None = None,
+    /,
+    *,
+    enabled: bool = True,
+    required: bool | None = None,
+    ttl_seconds: int | None = None,
+    lease_seconds: int | None = None,
+) -> F | Callable[[F], F]:
     """Mark a Starlette/FastAPI endpoint with its own idempotency settings.
 
     Put it under the route decorator (``@app.post(...)`` then ``@idempotent(required=True)``).
@@ -478,11 +493,26 @@ class IdempotencyMiddleware:
                 )
                 return
             if renewed != 1:
-                self._count("lease_lost", names.hash)
-                logger.warning(
-                    "key %s: the claim lapsed before the response was published", names.hash
-                )
+                await self._retake(lease, names, token, ttl_ms)
             return
+
+    async def _retake(self, lease: Lease, names: KeyNames, token: bytes, ttl_ms: int) -> None:
+        """The claim lapsed before the result was published (the run outlived a lease the
+        watchdog could not renew). The result is stored; if the claim is free, take it back
+        for the result's TTL, or the next duplicate would win a fresh claim and run again.
+        If another run holds it already, a second run is under way and nothing can stop it."""
+        if not lease.lost:
+            self._count("lease_lost", names.hash)
+        try:
+            retaken = await self.store.set(names.claim, token, px=ttl_ms, nx=True)
+        except STORE_ERRORS as exc:
+            retaken = False
+            logger.error("key %s: could not retake the lapsed claim: %r", names.hash, exc)
+        logger.warning(
+            "key %s: the claim lapsed before the response was published; %s",
+            names.hash,
+            "retaken for the result's TTL" if retaken else "another run holds it now",
+        )
 
 
 class _Responder:

@@ -872,3 +872,27 @@ async def test_counters_and_hook_failures(backend: Backend) -> None:
     await request(mw, key="k")
     assert mw.counters.as_dict()["claimed"] == 1
     assert mw.counters.as_dict()["replayed"] == 1
+
+
+async def test_a_claim_that_lapsed_during_the_run_is_retaken_at_publish(store: Store) -> None:
+    """A handler that blocks the event loop past its lease: the watchdog could not renew,
+    the claim expired; publishing takes it back, so a later duplicate replays."""
+    import time
+
+    runs = []
+
+    async def blocking(scope: Scope, receive: Receive, send: Send) -> None:
+        runs.append(1)
+        await receive()
+        time.sleep(1.3)  # noqa: ASYNC251 - blocks the loop on purpose: no renewal can run
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    mw = IdempotencyMiddleware(blocking, store=store, lease_seconds=1, ttl_seconds=60)
+    assert (await request(mw, key="k")).status == 201
+    names = key_names(b"idem", b"", b"k")
+    assert 59_000 < await store.pttl(names.claim) <= 60_000
+    again = await request(mw, key="k")
+    assert again.header("idempotent-replayed") == b"true" and again.body == b"done"
+    assert len(runs) == 1
+    assert mw.counters.lease_lost == 1  # counted once

@@ -1,0 +1,447 @@
+"""`python -m example_app.demo [--url URL]`: what the middleware does, one line per step.
+
+Without ``--url`` the demo starts the app in this process (embedded MemoryStore) and talks
+to it through httpx's ASGI transport; with ``--url`` it drives a running app, e.g.
+``python -m example_app`` (on the MemoryStore, or on Redis with ``REDIS_URL``).
+
+The scenarios: a first call and its duplicate; a duplicate racing a slow first call; the
+same key with another body; a worker that dies holding a claim; webhook redelivery; a
+stale If-Match; two starts of one job; and the ledger, which must show one charge per key.
+
+Each run uses fresh keys and a fresh account, so it can be repeated against one server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+__all__ = ["DemoResult", "Step", "format_step", "main", "run_demo"]
+
+PROBLEM = "urn:goblin-idem:problem:"
+CURRENCY = "EUR"
+
+
+@dataclass
+class Step:
+    """One request of the demo and whether its response was what the scenario expects."""
+
+    scenario: str  # a stable id, e.g. "duplicate"
+    method: str
+    path: str
+    key: str | None
+    status: int
+    ok: bool
+    note: str  # what happened, for the timeline
+    at: float  # seconds since the demo started, when the response arrived
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class DemoResult:
+    account: str
+    steps: list[Step] = field(default_factory=list)
+    charges: dict[str, int] = field(default_factory=dict)  # Idempotency-Key -> amount charged
+    ledger: dict[str, Any] = field(default_factory=dict)  # GET /ledger?account=... at the end
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.steps) and all(step.ok for step in self.steps)
+
+    def all(self, scenario: str) -> list[Step]:
+        return [step for step in self.steps if step.scenario == scenario]
+
+    def step(self, scenario: str) -> Step:
+        """The last step of `scenario`."""
+        found = self.all(scenario)
+        if not found:
+            raise KeyError(scenario)
+        return found[-1]
+
+
+def format_step(step: Step) -> str:
+    mark = "ok  " if step.ok else "FAIL"
+    request = f"{step.method} {step.path}"
+    key = f"key={step.key}" if step.key else ""
+    return f"{step.at:6.2f}s  {mark}  {step.status}  {request:<40} {key:<24} {step.note}"
+
+
+class _Recorder:
+    def __init__(
+        self, client: httpx.AsyncClient, result: DemoResult, on_step: Callable[[Step], None] | None
+    ) -> None:
+        self.client = client
+        self.result = result
+        self.on_step = on_step
+        self.t0 = time.monotonic()
+        self.arrived: dict[int, float] = {}  # id(response) -> when it arrived
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        key: str | None = None,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        all_headers = dict(headers or {})
+        if key is not None:
+            all_headers["Idempotency-Key"] = key
+        response = await self.client.request(method, path, json=body, headers=all_headers)
+        self.arrived[id(response)] = time.monotonic() - self.t0
+        return response
+
+    def record(
+        self,
+        scenario: str,
+        response: httpx.Response,
+        *,
+        key: str | None,
+        ok: bool,
+        note: str,
+    ) -> Step:
+        request = response.request
+        path = request.url.raw_path.decode()
+        step = Step(
+            scenario=scenario,
+            method=request.method,
+            path=path,
+            key=key,
+            status=response.status_code,
+            ok=ok,
+            note=note,
+            at=self.arrived.pop(id(response), time.monotonic() - self.t0),
+            headers={k.lower(): v for k, v in response.headers.items()},
+            body=response.content,
+        )
+        self.result.steps.append(step)
+        if self.on_step is not None:
+            self.on_step(step)
+        return step
+
+
+def _problem_type(response: httpx.Response) -> str:
+    if not response.headers.get("content-type", "").startswith("application/problem+json"):
+        return ""
+    try:
+        return str(response.json().get("type", ""))
+    except ValueError:
+        return ""
+
+
+def _replayed(response: httpx.Response) -> bool:
+    return bool(response.headers.get("idempotent-replayed") == "true")
+
+
+async def run_demo(
+    client: httpx.AsyncClient,
+    *,
+    run_id: str | None = None,
+    slow_ms: int = 1200,
+    head_start: float = 0.3,
+    dead_lease_seconds: int = 2,
+    job_ms: int = 1200,
+    on_step: Callable[[Step], None] | None = None,
+) -> DemoResult:
+    """Run every scenario against the app behind `client`; each response becomes a Step.
+
+    `on_step` sees each step as it is recorded (the command line prints it). The run takes
+    about slow_ms + dead_lease_seconds + job_ms, plus a second of Retry-After waits.
+    """
+    run_id = run_id or secrets.token_hex(3)
+    account = f"acct_{run_id}"
+    result = DemoResult(account)
+    rec = _Recorder(client, result, on_step)
+
+    def payment(amount: int) -> dict[str, Any]:
+        return {"account": account, "amount_cents": amount, "currency": CURRENCY}
+
+    # 1. First call: the key is claimed and the handler runs.
+    key = f"demo-{run_id}-first"
+    first = await rec.send("POST", "/payments", key=key, body=payment(1500))
+    location = first.headers.get("location", "")
+    rec.record(
+        "first-call",
+        first,
+        key=key,
+        ok=first.status_code == 201 and location.startswith("/payments/") and not _replayed(first),
+        note=f"claimed and ran: {location or 'no Location'} charged 1500",
+    )
+    result.charges[key] = 1500
+
+    # 2. Duplicate: the stored response, byte for byte, marked as a replay.
+    dup = await rec.send("POST", "/payments", key=key, body=payment(1500))
+    same = dup.content == first.content and dup.headers.get("location") == location
+    rec.record(
+        "duplicate",
+        dup,
+        key=key,
+        ok=dup.status_code == 201 and _replayed(dup) and same,
+        note=f"replayed (Idempotent-Replayed: true), {'same' if same else 'DIFFERENT'} bytes",
+    )
+
+    # 3. Same key, another body: refused, nothing runs.
+    other = await rec.send("POST", "/payments", key=key, body=payment(9999))
+    rec.record(
+        "other-body",
+        other,
+        key=key,
+        ok=other.status_code == 422 and _problem_type(other) == PROBLEM + "key-reused",
+        note=f"refused: {_problem_type(other) or 'no problem type'}",
+    )
+
+    # 4. A duplicate racing a slow first call: 409 + Retry-After while it runs.
+    key = f"demo-{run_id}-slow"
+    path = f"/payments?delay_ms={slow_ms}"
+
+    def record_racer(racer: httpx.Response) -> None:
+        retry_after = racer.headers.get("retry-after")
+        rec.record(
+            "racing-duplicate",
+            racer,
+            key=key,
+            ok=racer.status_code == 409
+            and retry_after is not None
+            and _problem_type(racer) == PROBLEM + "in-flight",
+            note=f"in flight: Retry-After: {retry_after}, nothing run",
+        )
+
+    slow_task = asyncio.ensure_future(rec.send("POST", path, key=key, body=payment(2500)))
+    await asyncio.sleep(head_start)
+    racer = await rec.send("POST", path, key=key, body=payment(2500))
+    if racer.status_code == 409:
+        record_racer(racer)
+        slow = await slow_task
+    else:  # the later-sent request reached the server first, so it is the one that ran
+        slow, racer = racer, await slow_task
+        record_racer(racer)
+    rec.record(
+        "slow-first-call",
+        slow,
+        key=key,
+        ok=slow.status_code == 201 and not _replayed(slow),
+        note=f"the slow call finished after {slow_ms} ms and charged 2500 once",
+    )
+    result.charges[key] = 2500
+    await asyncio.sleep(float(racer.headers.get("retry-after") or 1))
+    again = await rec.send("POST", path, key=key, body=payment(2500))
+    rec.record(
+        "retry-after-slow",
+        again,
+        key=key,
+        ok=again.status_code == 201 and _replayed(again) and again.content == slow.content,
+        note="the client's retry after Retry-After gets the replay",
+    )
+
+    # 5. A worker dies holding the claim: 409 until its lease runs out, then one run.
+    key = f"demo-{run_id}-dead"
+    dead = await rec.send(
+        "POST", "/demo/dead-worker", body={"key": key, "lease_seconds": dead_lease_seconds}
+    )
+    claimed_at = time.monotonic()
+    rec.record(
+        "dead-worker",
+        dead,
+        key=key,
+        ok=dead.status_code == 200,
+        note=f"a worker claims the key ({dead_lease_seconds} s lease) and dies before charging",
+    )
+    deadline = claimed_at + dead_lease_seconds + 5
+    while True:
+        retry = await rec.send("POST", "/payments", key=key, body=payment(700))
+        waited = time.monotonic() - claimed_at
+        if retry.status_code != 409 or time.monotonic() > deadline:
+            break
+        retry_after = retry.headers.get("retry-after")
+        rec.record(
+            "retry-while-claimed",
+            retry,
+            key=key,
+            ok=retry_after is not None and _problem_type(retry) == PROBLEM + "in-flight",
+            note=f"still claimed by the dead worker ({waited:.1f} s); Retry-After: {retry_after}",
+        )
+        await asyncio.sleep(float(retry_after or 1))
+    rec.record(
+        "retry-after-lease",
+        retry,
+        key=key,
+        ok=retry.status_code == 201
+        and not _replayed(retry)
+        and bool(result.all("retry-while-claimed"))
+        and waited >= dead_lease_seconds - 0.05,
+        note=f"the lease expired ({waited:.1f} s after the claim): this retry ran, charged 700",
+    )
+    result.charges[key] = 700
+
+    # 6. Webhooks: the provider's event id is the key, and the key is required.
+    event_id = f"evt_{run_id}"
+    event = {"id": event_id, "type": "charge", "data": payment(1200)}
+    nokey = await rec.send("POST", "/webhooks/acme", body=event)
+    rec.record(
+        "webhook-no-key",
+        nokey,
+        key=None,
+        ok=nokey.status_code == 400 and _problem_type(nokey) == PROBLEM + "missing-key",
+        note="refused: this route requires an Idempotency-Key",
+    )
+    delivery = await rec.send("POST", "/webhooks/acme", key=event_id, body=event)
+    rec.record(
+        "webhook-event",
+        delivery,
+        key=event_id,
+        ok=delivery.status_code == 200 and not _replayed(delivery),
+        note="processed: charged 1200",
+    )
+    result.charges[event_id] = 1200
+    redelivery = await rec.send("POST", "/webhooks/acme", key=event_id, body=event)
+    rec.record(
+        "webhook-redelivery",
+        redelivery,
+        key=event_id,
+        ok=redelivery.status_code == 200
+        and _replayed(redelivery)
+        and redelivery.content == delivery.content,
+        note="the provider redelivers: replayed, not processed again",
+    )
+
+    # 7. Orders: If-Match with compare-and-set; the TTL set at creation is kept.
+    created = await rec.send("POST", "/orders", body={"item": "widget", "quantity": 1})
+    etag1 = created.headers.get("etag", "")
+    ttl1 = created.json().get("ttl_ms", -2) if created.status_code == 201 else -2
+    rec.record(
+        "order-create",
+        created,
+        key=None,
+        ok=created.status_code == 201 and bool(etag1) and ttl1 > 0,
+        note=f"ETag {etag1}, ttl_ms {ttl1}",
+    )
+    order_path = created.headers.get("location", "/orders/missing")
+    updated = await rec.send("PATCH", order_path, body={"quantity": 2}, headers={"If-Match": etag1})
+    etag2 = updated.headers.get("etag", "")
+    ttl2 = updated.json().get("ttl_ms", -2) if updated.status_code == 200 else -2
+    rec.record(
+        "order-update",
+        updated,
+        key=None,
+        ok=updated.status_code == 200 and etag2 not in ("", etag1) and 0 < ttl2 <= ttl1,
+        note=f"If-Match {etag1} matched: ETag {etag2}, ttl_ms {ttl2} (TTL kept)",
+    )
+    stale = await rec.send("PATCH", order_path, body={"quantity": 3}, headers={"If-Match": etag1})
+    rec.record(
+        "order-stale",
+        stale,
+        key=None,
+        ok=stale.status_code == 412 and stale.headers.get("etag") == etag2,
+        note=f"If-Match {etag1} is stale: current ETag {stale.headers.get('etag')}",
+    )
+
+    # 8. Jobs: a Lock (renewed by the watchdog) lets one start of a job run at a time.
+    job_path = f"/jobs/report-{run_id}?duration_ms={job_ms}"
+
+    def record_busy(second: httpx.Response) -> None:
+        rec.record(
+            "job-busy",
+            second,
+            key=None,
+            ok=second.status_code == 409,
+            note="a second start while the job runs: the lock is busy",
+        )
+
+    job_task = asyncio.ensure_future(rec.send("POST", job_path))
+    await asyncio.sleep(head_start)
+    second = await rec.send("POST", job_path)
+    if second.status_code == 409:
+        record_busy(second)
+        job = await job_task
+    else:
+        job, second = second, await job_task
+        record_busy(second)
+    lease_ms = job.json().get("lease_ms") if job.status_code == 200 else None
+    rec.record(
+        "job-run",
+        job,
+        key=None,
+        ok=job.status_code == 200 and job.json().get("lock_lost") is False,
+        note=f"ran {job_ms} ms under a {lease_ms} ms lease, renewed, never lost",
+    )
+
+    # 9. The ledger: one payment per key, and the balance is the sum of one charge each.
+    ledger = await rec.send("GET", f"/ledger?account={account}")
+    doc = ledger.json().get("accounts", {}).get(account, {}) if ledger.status_code == 200 else {}
+    result.ledger = doc
+    by_key = doc.get("by_key", {})
+    balance = doc.get("balances", {}).get(CURRENCY)
+    expected = sum(result.charges.values())
+    one_each = set(by_key) == set(result.charges) and all(len(v) == 1 for v in by_key.values())
+    rec.record(
+        "ledger",
+        ledger,
+        key=None,
+        ok=one_each and balance == expected and doc.get("payments") == len(result.charges),
+        note=(
+            f"{account}: {doc.get('payments')} payments for {len(result.charges)} keys, "
+            f"{'one per key' if one_each else 'NOT one per key'}; balance {balance} "
+            f"(expected {expected})"
+        ),
+    )
+    return result
+
+
+async def _run(url: str | None, on_step: Callable[[Step], None]) -> DemoResult:
+    if url is not None:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            stats = (await client.get("/stats")).json()
+            store = stats["store"]
+            print(f"demo against {url} (store: {store['kind']}, mode {store['mode']})")
+            return await run_demo(client, on_step=on_step)
+    from .app import create_app
+
+    app = create_app()
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://demo") as client:
+            print("demo against the app in this process (store: memory, embedded)")
+            return await run_demo(client, on_step=on_step)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m example_app.demo")
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="a running app, e.g. http://127.0.0.1:8000 (default: start one in this process)",
+    )
+    args = parser.parse_args(argv)
+
+    def show(step: Step) -> None:
+        print(format_step(step), flush=True)
+
+    try:
+        result = asyncio.run(_run(args.url, show))
+    except httpx.HTTPError as exc:
+        print(f"error: {exc!r}", file=sys.stderr)
+        return 1
+    failed = [step.scenario for step in result.steps if not step.ok]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+        return 1
+    print(f"all {len(result.steps)} steps as expected")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""`python -m goblin_idem inspect`: what the store holds for one Idempotency-Key.
+
+The middleware never writes the raw key to the store: it names the claim and result keys
+by a hash of (scope, key) (see `goblin_idem.keys`). This command derives the same names,
+reads both keys and their TTLs, and says which state the key is in:
+
+- free: no claim; the next request with this key runs the handler.
+- in flight: a claim with no result yet; duplicates get 409 with Retry-After until the
+  owner publishes, releases, or its lease runs out.
+- completed: a stored response that duplicates get replayed (status, headers, body size).
+- completed, not replayable: the run finished but its response was too large to store;
+  duplicates get 409 ``not-replayable``.
+- completed, unreadable: the result key holds bytes that are not a record this version
+  reads; the middleware answers such a key with 503.
+
+The reads are four plain GET/PTTL commands, not one atomic snapshot: a key that changes
+state while it is being inspected can show a mix of both states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .keys import KeyNames, key_names
+from .record import Record, RecordError, decode
+from .store import KeyT, RedisStore, Store, as_bytes
+
+__all__ = [
+    "COMPLETED",
+    "FREE",
+    "IN_FLIGHT",
+    "NOT_REPLAYABLE",
+    "UNREADABLE",
+    "KeyState",
+    "add_subcommand",
+    "format_state",
+    "inspect_key",
+    "names_for_hash",
+    "run",
+]
+
+FREE: Final = "free"
+IN_FLIGHT: Final = "in flight"
+COMPLETED: Final = "completed"
+NOT_REPLAYABLE: Final = "completed, not replayable"
+UNREADABLE: Final = "completed, unreadable"
+
+_HASH = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyState:
+    """One key's state. TTLs are PTTL replies in ms (-1: no TTL); None when the key is absent."""
+
+    names: KeyNames
+    state: str
+    token: bytes | None = None  # the claim's value: the owner's token
+    claim_ttl_ms: int | None = None
+    result_ttl_ms: int | None = None
+    result_bytes: int | None = None  # size of the stored record
+    record: Record | None = None
+    error: str | None = None  # why the result could not be read
+    note: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready view (bytes as latin-1 text, so nothing is lost)."""
+        rec = self.record
+        return {
+            "hash": self.names.hash,
+            "claim_key": self.names.claim.decode("latin-1"),
+            "result_key": self.names.result.decode("latin-1"),
+            "state": self.state,
+            "token": None if self.token is None else self.token.decode("latin-1"),
+            "claim_ttl_ms": self.claim_ttl_ms,
+            "result_ttl_ms": self.result_ttl_ms,
+            "result_bytes": self.result_bytes,
+            "status": None if rec is None else rec.status,
+            "headers": None
+            if rec is None
+            else [[n.decode("latin-1"), v.decode("latin-1")] for n, v in rec.headers],
+            "body_bytes": None if rec is None else len(rec.body),
+            "error": self.error,
+            "note": self.note,
+        }
+
+
+def names_for_hash(key_hash: str, *, namespace: KeyT = b"idem") -> KeyNames:
+    """The claim and result keys of a key hash as logs print it (32 hex digits)."""
+    if not _HASH.fullmatch(key_hash):
+        raise ValueError("a key hash is 32 lowercase hex digits, as the middleware logs it")
+    base = as_bytes(namespace) + b":{" + key_hash.encode() + b"}:"
+    return KeyNames(base + b"c", base + b"r", key_hash)
+
+
+async def _ttl(store: Store, key: bytes) -> int | None:
+    ms = await store.pttl(key)
+    return None if ms == -2 else ms
+
+
+async def inspect_key(
+    store: Store,
+    key: KeyT | None = None,
+    *,
+    scope: KeyT = b"",
+    namespace: KeyT = b"idem",
+    names: KeyNames | None = None,
+) -> KeyState:
+    """Read the state of `key` as the middleware sees it for callers in `scope`.
+
+    `scope` is what the middleware scoped the key by: by default the request's
+    Authorization header value (empty for anonymous callers). Give `names` instead of a
+    key to inspect a key hash taken from a log line (see `names_for_hash`).
+    """
+    if names is None:
+        if key is None:
+            raise ValueError("give a key or names")
+        names = key_names(as_bytes(namespace), as_bytes(scope), as_bytes(key))
+    token = await store.get(names.claim)
+    claim_ttl = await _ttl(store, names.claim) if token is not None else None
+    data = await store.get(names.result)
+    result_ttl = await _ttl(store, names.result) if data is not None else None
+
+    if token is None:
+        note = None
+        if data is not None:
+            note = (
+                "a result is stored but its claim is gone: the next request with this key "
+                "claims it and runs the handler again"
+            )
+        return KeyState(
+            names,
+            FREE,
+            claim_ttl_ms=None,
+            result_ttl_ms=result_ttl,
+            result_bytes=None if data is None else len(data),
+            note=note,
+        )
+    if data is None:
+        note = None
+        if claim_ttl == -1:
+            note = "the claim has no TTL: nothing will ever free it (delete it by hand)"
+        return KeyState(names, IN_FLIGHT, token, claim_ttl, note=note)
+    try:
+        record = decode(data)
+    except RecordError as exc:
+        return KeyState(
+            names,
+            UNREADABLE,
+            token,
+            claim_ttl,
+            result_ttl,
+            len(data),
+            error=str(exc),
+            note="the middleware answers requests with this key with 503",
+        )
+    return KeyState(
+        names,
+        COMPLETED if record.replayable else NOT_REPLAYABLE,
+        token,
+        claim_ttl,
+        result_ttl,
+        len(data),
+        record,
+    )
+
+
+def _ttl_text(ms: int | None) -> str:
+    if ms is None:
+        return "absent"
+    if ms == -1:
+        return "no TTL"
+    if ms >= 10_000:
+        return f"{ms} ms left ({ms / 1000:.0f} s)"
+    return f"{ms} ms left"
+
+
+def _text(value: bytes) -> str:
+    """Header bytes as text; anything but printable ASCII is escaped."""
+    text = value.decode("latin-1")
+    if text.isascii() and text.isprintable():
+        return text
+    return repr(value)[2:-1]
+
+
+def format_state(state: KeyState) -> str:
+    """A few aligned lines for a terminal."""
+    names = state.names
+    lines = [
+        ("key hash", names.hash),
+        ("claim key", _text(names.claim)),
+        ("result key", _text(names.result)),
+        ("state", state.state),
+    ]
+    if state.token is not None:
+        label = "lease" if state.state == IN_FLIGHT else "claim"
+        lines.append((label, _ttl_text(state.claim_ttl_ms)))
+        lines.append(("owner token", _text(state.token)))
+    if state.state != IN_FLIGHT and state.result_bytes is not None:
+        lines.append(("result", f"{_ttl_text(state.result_ttl_ms)}, {state.result_bytes} bytes"))
+    rec = state.record
+    if rec is not None:
+        lines.append(("status", str(rec.status)))
+        if rec.replayable:
+            for i, (name, value) in enumerate(rec.headers):
+                lines.append(("headers" if i == 0 else "", f"{_text(name)}: {_text(value)}"))
+            if not rec.headers:
+                lines.append(("headers", "(none)"))
+            lines.append(("body", f"{len(rec.body)} bytes"))
+        else:
+            lines.append(
+                (
+                    "replay",
+                    "none: the response was larger than max_response_bytes; "
+                    "duplicates get 409 not-replayable",
+                )
+            )
+    if state.error is not None:
+        lines.append(("error", state.error))
+    if state.note is not None:
+        lines.append(("note", state.note))
+    width = max(len(label) for label, _ in lines)
+    return "\n".join(f"{label:<{width}}  {value}".rstrip() for label, value in lines)
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `inspect` to an argparse subparsers object; it dispatches to `run`."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "inspect",
+        help="show an Idempotency-Key's state in the store (free, in flight, completed)",
+        description=(
+            "Show what the store holds for one Idempotency-Key: free, in flight (lease left "
+            "and owner token), or completed (TTL, stored status, headers and body size)."
+        ),
+    )
+    parser.add_argument("key", nargs="?", help="the Idempotency-Key as the client sent it")
+    parser.add_argument(
+        "--hash",
+        dest="key_hash",
+        metavar="HASH",
+        help="inspect by the key hash that log lines print, instead of by KEY",
+    )
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("REDIS_URL"),
+        help="the store, e.g. redis://127.0.0.1:6380/0 (default: $REDIS_URL)",
+    )
+    parser.add_argument(
+        "--scope",
+        default="",
+        help=(
+            "the scope the middleware keyed the request by: by default the request's "
+            "Authorization header value (empty for anonymous callers)"
+        ),
+    )
+    parser.add_argument("--namespace", default="idem", help="key prefix (default: idem)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+    return parser
+
+
+async def _inspect_url(args: argparse.Namespace) -> KeyState:
+    store = RedisStore.from_url(args.url, max_connections=2)
+    try:
+        names = names_for_hash(args.key_hash, namespace=args.namespace) if args.key_hash else None
+        return await inspect_key(
+            store, args.key, scope=args.scope, namespace=args.namespace, names=names
+        )
+    finally:
+        await store.aclose()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.url is None:
+        print("error: give --url redis://host:port/db (or set REDIS_URL)", file=sys.stderr)
+        return 2
+    if (args.key is None) == (args.key_hash is None):
+        print("error: give either KEY or --hash HASH", file=sys.stderr)
+        return 2
+    try:
+        state = asyncio.run(_inspect_url(args))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the store is unreachable or answered an error
+        print(f"error: could not read the store: {exc!r}", file=sys.stderr)
+        return 1
+    print(json.dumps(state.as_dict(), indent=2) if args.json else format_state(state))
+    return 0

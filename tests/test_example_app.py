@@ -1,0 +1,403 @@
+"""The example app and its demo: in-process on the MemoryStore, and as a real uvicorn
+process (on the MemoryStore, and on a throwaway redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import Server, free_port
+
+from example_app import create_app
+from example_app.app import redact
+from example_app.demo import DemoResult, run_demo
+from goblin_idem import MemoryStore
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBLEM = "urn:goblin-idem:problem:"
+
+# The order in which the demo's steps happen (retry-while-claimed repeats until the
+# dead worker's lease has run out).
+SCENARIOS = [
+    "first-call",
+    "duplicate",
+    "other-body",
+    "racing-duplicate",
+    "slow-first-call",
+    "retry-after-slow",
+    "dead-worker",
+    "retry-while-claimed",
+    "retry-after-lease",
+    "webhook-no-key",
+    "webhook-event",
+    "webhook-redelivery",
+    "order-create",
+    "order-update",
+    "order-stale",
+    "job-busy",
+    "job-run",
+    "ledger",
+]
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(MemoryStore(), job_lease_ms=150)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            yield c
+
+
+def payment(account: str = "acct_1", amount: int = 1500) -> dict[str, object]:
+    return {"account": account, "amount_cents": amount, "currency": "EUR"}
+
+
+def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
+    """Every step of the demo, asserted on the raw responses (not only on step.ok)."""
+    failed = [(s.scenario, s.status, s.note) for s in result.steps if not s.ok]
+    assert not failed
+    seen = [s.scenario for s in result.steps]
+    assert [s for i, s in enumerate(seen) if i == 0 or seen[i - 1] != s] == SCENARIOS
+    assert [s.at for s in result.steps] == sorted(s.at for s in result.steps)
+
+    first = result.step("first-call")
+    assert first.status == 201
+    assert "idempotent-replayed" not in first.headers
+    assert first.headers["location"] == f"/payments/{first.json()['id']}"
+    assert first.json()["amount_cents"] == 1500
+
+    dup = result.step("duplicate")
+    assert (dup.status, dup.headers["idempotent-replayed"]) == (201, "true")
+    assert dup.body == first.body
+    assert dup.headers["location"] == first.headers["location"]
+
+    other = result.step("other-body")
+    assert other.status == 422
+    assert other.json()["type"] == PROBLEM + "key-reused"
+
+    racer = result.step("racing-duplicate")
+    assert racer.status == 409
+    assert int(racer.headers["retry-after"]) >= 1
+    assert racer.json()["type"] == PROBLEM + "in-flight"
+    slow = result.step("slow-first-call")
+    assert slow.status == 201 and "idempotent-replayed" not in slow.headers
+    assert slow.json()["amount_cents"] == 2500
+    assert racer.at < slow.at
+    replay = result.step("retry-after-slow")
+    assert (replay.status, replay.headers["idempotent-replayed"]) == (201, "true")
+    assert replay.body == slow.body
+
+    dead = result.step("dead-worker")
+    assert dead.status == 200
+    assert dead.json()["token"].startswith("dead-worker:")
+    blocked = result.all("retry-while-claimed")
+    assert blocked
+    assert all(s.status == 409 and "retry-after" in s.headers for s in blocked)
+    recovered = result.step("retry-after-lease")
+    assert recovered.status == 201 and "idempotent-replayed" not in recovered.headers
+    assert recovered.json()["amount_cents"] == 700
+    assert recovered.at - dead.at >= dead_lease_seconds - 0.1
+
+    assert result.step("webhook-no-key").status == 400
+    assert result.step("webhook-no-key").json()["type"] == PROBLEM + "missing-key"
+    event = result.step("webhook-event")
+    assert event.status == 200 and event.json()["processed"] == "charged"
+    redelivery = result.step("webhook-redelivery")
+    assert redelivery.status == 200 and redelivery.headers["idempotent-replayed"] == "true"
+    assert redelivery.body == event.body
+
+    created = result.step("order-create")
+    updated = result.step("order-update")
+    stale = result.step("order-stale")
+    assert (created.status, updated.status, stale.status) == (201, 200, 412)
+    assert created.headers["etag"] != updated.headers["etag"]
+    assert stale.headers["etag"] == updated.headers["etag"]
+    assert 0 < updated.json()["ttl_ms"] <= created.json()["ttl_ms"]
+    assert updated.json()["version"] == 2 and updated.json()["quantity"] == 2
+
+    assert result.step("job-busy").status == 409
+    job = result.step("job-run")
+    assert job.status == 200 and job.json()["lock_lost"] is False
+
+    # The ledger: each key charged once, by the very payment its response announced.
+    ledger = result.step("ledger")
+    assert ledger.status == 200
+    doc = result.ledger
+    assert doc["balances"] == {"EUR": 1500 + 2500 + 700 + 1200}
+    assert doc["payments"] == 4
+    by_key = doc["by_key"]
+    assert {k: len(v) for k, v in by_key.items()} == dict.fromkeys(result.charges, 1)
+    assert by_key[first.key or ""] == [first.json()["id"]]
+    assert by_key[slow.key or ""] == [slow.json()["id"]]
+    assert by_key[recovered.key or ""] == [recovered.json()["id"]]
+    assert by_key[event.key or ""] == [event.json()["payment"]["id"]]
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def start_app(port: int, log: Path, **env: str) -> subprocess.Popen[bytes]:
+    """`python -m example_app --port N` with output to `log`, answering /stats, or fail."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GOBLIN_"))}
+    full_env.update(env)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "example_app", "--port", str(port)],
+            cwd=ROOT,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 10
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the app exited ({proc.returncode}):\n{log.read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/stats", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            stop(proc)
+            raise AssertionError(f"the app did not answer in 10 s:\n{log.read_text()}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def app_process(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """`python -m example_app` as a newcomer runs it: the embedded store, default settings."""
+    port = free_port()
+    log = tmp_path / "app.log"
+    proc = start_app(port, log)
+    try:
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        stop(proc)
+
+
+# -- the demo --------------------------------------------------------------------------------
+
+
+async def test_demo_in_process(client: httpx.AsyncClient) -> None:
+    printed: list[str] = []
+    result = await run_demo(client, on_step=lambda s: printed.append(s.scenario))
+    check_demo(result)
+    assert printed == [s.scenario for s in result.steps]
+    stats = (await client.get("/stats")).json()
+    assert stats["store"] == {"kind": "memory", "mode": "embedded"}
+    counters = stats["middleware"]
+    assert counters["claimed"] == 4  # first, slow, after the dead lease, webhook
+    assert counters["replayed"] == 3
+    assert counters["mismatch"] == 1 and counters["missing_key"] == 1
+    assert counters["in_flight"] == 1 + len(result.all("retry-while-claimed"))
+
+
+async def test_demo_against_uvicorn_on_redis(redis_server: Server, tmp_path: Path) -> None:
+    with redis_server.sync_client() as r:
+        r.flushall()
+    port = free_port()
+    log = tmp_path / "app.log"
+    proc = start_app(port, log, REDIS_URL=redis_server.url, GOBLIN_LEASE_SECONDS="2")
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            stats = (await c.get("/stats")).json()
+            assert stats["store"] == {"kind": "redis", "mode": "script"}
+            assert stats["config"]["lease_seconds"] == 2
+            result = await run_demo(c)
+        check_demo(result)
+        # The ledger lives in redis itself, next to the idempotency keys.
+        with redis_server.sync_client() as r:
+            assert r.get("ledger:payments") == b"4"
+            assert r.exists(f"ledger:account:{result.account}") == 1
+            assert len(r.keys("idem:{*}:r")) == 4  # one stored response per charged key
+    finally:
+        stop(proc)
+    lines = [line for line in log.read_text().splitlines() if "example_app: store=" in line]
+    assert len(lines) == 1
+    assert f"store=redis at {redis_server.url} mode=script lease=2s" in lines[0]
+
+
+def test_app_starts_and_demo_cli_passes(app_process: tuple[str, Path]) -> None:
+    url, log = app_process
+    stats = httpx.get(f"{url}/stats", timeout=5).json()
+    assert stats["store"] == {"kind": "memory", "mode": "embedded"}
+    assert "example_app: store=memory mode=embedded lease=30s" in log.read_text()
+    demo = subprocess.run(
+        [sys.executable, "-m", "example_app.demo", "--url", url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    lines = demo.stdout.splitlines()
+    assert lines[0] == f"demo against {url} (store: memory, mode embedded)"
+    assert lines[-1].startswith("all ") and lines[-1].endswith(" steps as expected")
+    steps = lines[1:-1]
+    assert len(steps) >= len(SCENARIOS)
+    assert all("  ok  " in line for line in steps)
+    assert "one per key; balance 5900 (expected 5900)" in steps[-1]
+
+
+# -- the routes, one behaviour at a time -------------------------------------------------------
+
+
+async def test_concurrent_duplicates_charge_once(client: httpx.AsyncClient) -> None:
+    responses = await asyncio.gather(
+        *(
+            client.post(
+                "/payments?delay_ms=200", json=payment("acct_c"), headers={"Idempotency-Key": "k"}
+            )
+            for _ in range(20)
+        )
+    )
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [201] + [409] * 19
+    assert all("retry-after" in r.headers for r in responses if r.status_code == 409)
+    ledger = (await client.get("/ledger?account=acct_c")).json()
+    assert ledger["accounts"]["acct_c"]["balances"] == {"EUR": 1500}
+    assert ledger["payments_total"] == 1
+    assert ledger["duplicate_charges"] == {}
+
+
+async def test_payments_without_key_are_not_deduplicated(client: httpx.AsyncClient) -> None:
+    a = await client.post("/payments", json=payment("acct_n"))
+    b = await client.post("/payments", json=payment("acct_n"))
+    assert (a.status_code, b.status_code) == (201, 201)
+    assert a.json()["id"] != b.json()["id"]
+    got = await client.get(a.headers["location"])
+    assert got.status_code == 200 and got.json() == a.json()
+    doc = (await client.get("/ledger?account=acct_n")).json()["accounts"]["acct_n"]
+    assert doc["balances"] == {"EUR": 3000} and doc["by_key"] == {}
+
+
+async def test_invalid_payment_is_refused_and_not_charged(client: httpx.AsyncClient) -> None:
+    r = await client.post("/payments", json=payment(amount=0), headers={"Idempotency-Key": "z"})
+    assert r.status_code == 422
+    r = await client.post(
+        "/payments?delay_ms=10001", json=payment(), headers={"Idempotency-Key": "y"}
+    )
+    assert r.status_code == 422
+    assert (await client.get("/ledger")).json()["payments_total"] == 0
+
+
+async def test_webhook_rules(client: httpx.AsyncClient) -> None:
+    charge = {"id": "evt_1", "type": "charge", "data": payment("acct_w", 300)}
+    r = await client.post("/webhooks/acme", json=charge)
+    assert r.status_code == 400
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["type"] == PROBLEM + "missing-key"
+    r = await client.post("/webhooks/acme", json=charge, headers={"Idempotency-Key": "evt_2"})
+    assert r.status_code == 400 and r.json()["type"].endswith("event-id-mismatch")
+    other = {"id": "evt_3", "type": "refund", "data": {}}
+    r = await client.post("/webhooks/acme", json=other, headers={"Idempotency-Key": "evt_3"})
+    assert r.status_code == 200 and r.json()["processed"] == "ignored"
+    for _ in range(3):
+        r = await client.post("/webhooks/acme", json=charge, headers={"Idempotency-Key": "evt_1"})
+        assert r.status_code == 200
+    doc = (await client.get("/ledger?account=acct_w")).json()["accounts"]["acct_w"]
+    assert doc["balances"] == {"EUR": 300} and doc["by_key"] == {"evt_1": ["pay_000001"]}
+
+
+async def test_order_if_match_and_ttl(client: httpx.AsyncClient) -> None:
+    created = await client.post("/orders", json={"item": "w", "quantity": 1, "ttl_seconds": 60})
+    assert created.status_code == 201
+    path, etag = created.headers["location"], created.headers["etag"]
+    assert 59_000 < created.json()["ttl_ms"] <= 60_000
+
+    r = await client.patch(path, json={"quantity": 2})
+    assert r.status_code == 428
+    r = await client.patch(path, json={"quantity": 2}, headers={"If-Match": f"W/{etag}"})
+    assert r.status_code == 412 and r.headers["etag"] == etag  # a weak tag never matches
+    r = await client.patch(path, json={"quantity": 2}, headers={"If-Match": f'"x", {etag}'})
+    assert r.status_code == 200
+    etag2 = r.headers["etag"]
+    assert etag2 != etag and r.json()["quantity"] == 2
+    r = await client.patch(path, json={"status": "paid"}, headers={"If-Match": "*"})
+    assert r.status_code == 200 and r.json()["version"] == 3
+    # CAS kept the TTL given at creation: it only ran down, it was never dropped or reset.
+    got = await client.get(path)
+    assert got.headers["etag"] == r.headers["etag"]
+    assert 0 < got.json()["ttl_ms"] <= created.json()["ttl_ms"]
+    assert (
+        await client.patch("/orders/ord_nope", json={}, headers={"If-Match": "*"})
+    ).status_code == 404
+
+
+async def test_order_expires_with_its_ttl() -> None:
+    store = MemoryStore()
+    app = create_app(store)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+        created = await c.post("/orders", json={"item": "w", "quantity": 1, "ttl_seconds": 1})
+        path = created.headers["location"]
+        r = await c.patch(path, json={"quantity": 5}, headers={"If-Match": created.headers["etag"]})
+        assert r.status_code == 200
+        await asyncio.sleep(1.05)  # the update did not extend the 1 s TTL
+        assert (await c.get(path)).status_code == 404
+
+
+async def test_job_lock_is_renewed_and_exclusive(client: httpx.AsyncClient) -> None:
+    first = asyncio.ensure_future(client.post("/jobs/nightly?duration_ms=600"))
+    await asyncio.sleep(0.1)
+    busy = await client.post("/jobs/nightly?duration_ms=600")
+    assert busy.status_code == 409
+    assert busy.json()["type"] == "urn:example-app:problem:job-running"
+    done = await first
+    # 600 ms under a 150 ms lease: only the watchdog's renewals kept it.
+    assert done.status_code == 200 and done.json() == {
+        "job": "nightly",
+        "ran_ms": done.json()["ran_ms"],
+        "lease_ms": 150,
+        "lock_lost": False,
+    }
+    assert done.json()["ran_ms"] >= 600
+    stats = (await client.get("/stats")).json()
+    assert stats["watchdog"]["renewals"] >= 3
+    assert stats["watchdog"]["lost"] == 0
+    again = await client.post("/jobs/nightly?duration_ms=0")
+    assert again.status_code == 200  # released at the end of the run
+
+
+async def test_dead_worker_route(client: httpx.AsyncClient) -> None:
+    r = await client.post("/demo/dead-worker", json={"key": "dw", "lease_seconds": 1})
+    assert r.status_code == 200 and r.json()["lease_seconds"] == 1
+    again = await client.post("/demo/dead-worker", json={"key": "dw"})
+    assert again.status_code == 409
+    blocked = await client.post("/payments", json=payment(), headers={"Idempotency-Key": "dw"})
+    assert blocked.status_code == 409 and blocked.json()["type"] == PROBLEM + "in-flight"
+    # Another caller (another Authorization) has its own key space.
+    other = await client.post(
+        "/payments", json=payment(), headers={"Idempotency-Key": "dw", "Authorization": "Bearer b"}
+    )
+    assert other.status_code == 201
+    off = create_app(demo_routes=False)
+    transport = httpx.ASGITransport(app=off)
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+        assert (await c.post("/demo/dead-worker", json={"key": "x"})).status_code == 404
+
+
+def test_startup_log_never_shows_a_password() -> None:
+    assert redact("redis://:s3cret@127.0.0.1:6380/0") == "redis://:***@127.0.0.1:6380/0"
+    assert redact("redis://app:s3cret@db:6380/2") == "redis://app:***@db:6380/2"
+    assert redact("redis://127.0.0.1:6380/0") == "redis://127.0.0.1:6380/0"
