@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .keys import KeyNames, key_names
+from .keys import KeyNames, key_names, names_of
 from .record import Record, RecordError, decode
 from .store import KeyT, RedisStore, Store, as_bytes
 
@@ -95,8 +95,7 @@ def names_for_hash(key_hash: str, *, namespace: KeyT = b"idem") -> KeyNames:
     """The claim and result keys of a key hash as logs print it (32 hex digits)."""
     if not _HASH.fullmatch(key_hash):
         raise ValueError("a key hash is 32 lowercase hex digits, as the middleware logs it")
-    base = as_bytes(namespace) + b":{" + key_hash.encode() + b"}:"
-    return KeyNames(base + b"c", base + b"r", key_hash)
+    return names_of(as_bytes(namespace), key_hash)
 
 
 async def _ttl(store: Store, key: bytes) -> int | None:

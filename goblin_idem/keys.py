@@ -12,7 +12,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_KEY_PATTERN", "KeyNames", "credentials_scope", "key_names", "valid_key"]
+__all__ = [
+    "DEFAULT_KEY_PATTERN",
+    "KeyNames",
+    "credentials_scope",
+    "key_names",
+    "names_of",
+    "valid_key",
+]
 
 # 1 to 255 printable ASCII characters (space included), as most payment APIs accept.
 DEFAULT_KEY_PATTERN = re.compile(rb"[\x20-\x7e]{1,255}")
@@ -47,6 +54,10 @@ def key_names(namespace: bytes, scope: bytes, key: bytes) -> KeyNames:
     h.update(len(scope).to_bytes(4, "big"))  # length-prefixed: (a, bc) != (ab, c)
     h.update(scope)
     h.update(key)
-    digest = h.hexdigest()
+    return names_of(namespace, h.hexdigest())
+
+
+def names_of(namespace: bytes, digest: str) -> KeyNames:
+    """The store keys of a key hash (32 hex digits, as logs print it)."""
     base = namespace + b":{" + digest.encode() + b"}:"
     return KeyNames(base + b"c", base + b"r", digest)
