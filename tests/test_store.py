@@ -192,14 +192,16 @@ async def test_store_recovers_when_the_server_comes_back() -> None:
         server.stop()
 
 
+@pytest.mark.parametrize("mode", ["script", "native"])
 @pytest.mark.parametrize("kind", ["redis", "valkey"])
-async def test_cluster_script_mode(kind: str) -> None:
-    cluster = start_cluster(kind, masters=3)
+async def test_cluster(request: pytest.FixtureRequest, kind: str, mode: str) -> None:
+    modules = [str(request.getfixturevalue("native_module"))] if mode == "native" else []
+    cluster = start_cluster(kind, masters=3, modules=modules)
     try:
         client = cluster.client()
         store = RedisStore(client)
         try:
-            assert await store.detect() == "script"
+            assert await store.detect() == mode
             # keys spread over the three masters; claim and result share a hash tag
             owners = set()
             for i in range(30):
@@ -207,11 +209,13 @@ async def test_cluster_script_mode(kind: str) -> None:
                 assert await store.claim(ck, rk, "t", 30) is CLAIMED
                 assert await store.publish(rk, b"done", 60_000, ck, "t") == 1
                 assert await store.claim(ck, rk, "u", 30) == b"done"
+                assert await store.caexpire_many([(ck, "t", 60_000)]) == [1]
                 owners.add(client.get_node_from_key(ck).name)
             assert len(owners) == 3
-            # a node that forgot its scripts reloads them on the NOSCRIPT it answers
-            node = client.get_node_from_key("{job0}:claim")
-            await client.execute_command("SCRIPT FLUSH", target_nodes=node)
+            if mode == "script":
+                # a node that forgot its scripts reloads them on the NOSCRIPT it answers
+                node = client.get_node_from_key("{job0}:claim")
+                await client.execute_command("SCRIPT FLUSH", target_nodes=node)
             assert await store.cad("{job0}:claim", "t") == 1
             # claim and result in different slots: refused before anything is sent
             with pytest.raises(RedisClusterException, match="same key slot"):
@@ -349,28 +353,3 @@ async def test_native_and_script_reply_alike_side_by_side(
     finally:
         for store in stores:
             await store.aclose()
-
-
-@pytest.mark.parametrize("kind", ["redis", "valkey"])
-async def test_cluster_native_mode(kind: str, native_module: object) -> None:
-    cluster = start_cluster(kind, masters=3, modules=[str(native_module)])
-    try:
-        client = cluster.client()
-        store = RedisStore(client)
-        try:
-            assert await store.detect() == "native"
-            owners = set()
-            for i in range(30):
-                ck, rk = f"{{job{i}}}:claim", f"{{job{i}}}:result"
-                assert await store.claim(ck, rk, "t", 30) is CLAIMED
-                assert await store.publish(rk, b"done", 60_000, ck, "t") == 1
-                assert await store.claim(ck, rk, "u", 30) == b"done"
-                assert await store.caexpire_many([(ck, "t", 60_000)]) == [1]
-                owners.add(client.get_node_from_key(ck).name)
-            assert len(owners) == 3
-            with pytest.raises(RedisClusterException, match="same key slot"):
-                await store.claim("a:claim", "b:result", "t", 30)
-        finally:
-            await client.aclose()
-    finally:
-        cluster.stop()
