@@ -1,0 +1,488 @@
+"""HTTP benchmark: goblin-idem against the bare app and published idempotency middlewares.
+
+One command runs everything and prints a Markdown table (see README.md):
+
+    python3 bench/http_bench.py
+
+It makes its own environment (bench/.venv, from bench/requirements.txt; the peers are
+installed there only) and re-runs itself inside it. Then it builds the goblin server module,
+starts one throwaway redis-server per Redis variant and one uvicorn server per variant, all
+on free 127.0.0.1 ports, and runs wrk against each: every scenario, every variant in turn
+(A B A B), `--reps` times; the table shows medians. Uvicorn is pinned to core 0, wrk and
+the redis-servers to core 1. Every process it starts is stopped by PID at the end.
+
+Each run is checked, so an error is never timed as a success: replays and in-flight
+duplicates must not run the handler, in-flight duplicates must all get 409, and the
+others must all succeed. Ratios are to the bare app in the same repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import venv
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import serve  # bench/serve.py: the variants, and what the scenarios send
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+VENV = BENCH / ".venv"
+REQUIREMENTS = BENCH / "requirements.txt"
+SCENARIOS = ("new", "replay", "inflight", "nokey")
+SCENARIO_TITLES = {
+    "new": "new key",
+    "replay": "replay",
+    "inflight": "in flight (409)",
+    "nokey": "no key",
+}
+
+
+# -- the environment ------------------------------------------------------------------------
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def ensure_env() -> None:
+    """Create or update bench/.venv from requirements.txt, then re-run the script in it."""
+    if Path(sys.prefix).resolve() == VENV.resolve():
+        return
+    wanted = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+    stamp = VENV / "requirements.sha256"
+    if not stamp.is_file() or stamp.read_text().strip() != wanted:
+        print(f"preparing {VENV.relative_to(ROOT)} (first run only) ...", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+        subprocess.run(
+            [str(venv_python()), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)],
+            check=True,
+        )
+        stamp.write_text(wanted + "\n")
+    python = str(venv_python())
+    os.execv(python, [python, str(Path(sys.argv[0]).resolve()), *sys.argv[1:]])
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit, so the `finally` blocks stop every server started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def pin(pid: int, core: int) -> None:
+    if (os.cpu_count() or 1) > core:
+        os.sched_setaffinity(pid, {core})
+
+
+def stop_pid(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def fetch(port: int, method: str, path: str, body: bytes = b"", key: str | None = None) -> Any:
+    """One request on a fresh connection: (status, headers dict, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        conn.request(method, path, body=body or None, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+@dataclass
+class Variant:
+    name: str
+    label: str
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    redis: Any = None  # tests.servers.Server
+    broken: str = ""  # why this variant could not be measured
+
+    def stats(self) -> dict[str, int]:
+        _, _, body = fetch(self.port, "GET", serve.STATS_PATH)
+        return {k: int(v) for k, v in json.loads(body).items()}
+
+
+def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
+    v.port = free_port()
+    cmd = ["taskset", "-c", "0", sys.executable, str(BENCH / "serve.py"), v.name]
+    cmd += ["--port", str(v.port), "--app", args.app]
+    if v.redis is not None:
+        cmd += ["--redis-url", v.redis.url]
+    if args.no_hiredis:
+        cmd.append("--no-hiredis")
+    if args.gc_freeze:
+        cmd.append("--gc-freeze")
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
+    v.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while True:
+        if v.proc.poll() is not None:
+            err = v.proc.stderr.read().decode(errors="replace") if v.proc.stderr else ""
+            v.broken = "server exited: " + (err.strip().splitlines() or ["?"])[-1]
+            return
+        try:
+            v.stats()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                v.broken = "server did not answer in 30 s"
+                return
+            time.sleep(0.05)
+
+
+def check_variant(v: Variant, replay_keys: int) -> None:
+    """Complete the replay keys, and check a replay and an in-flight duplicate once."""
+    try:
+        for i in range(replay_keys):
+            status, _, body = fetch(v.port, "POST", serve.PATH, serve.BODY, f"replay-{i}")
+            if status != 201:
+                v.broken = f"first request answered {status}: {body[:200]!r}"
+                return
+        if v.name == "bare":
+            return
+        status, headers, body = fetch(v.port, "POST", serve.PATH, serve.BODY, "replay-0")
+        if status != 201 or headers.get("idempotent-replayed") != "true":
+            v.broken = f"no replay: {status} {headers} {body[:200]!r}"
+            return
+        status, _, body = fetch(v.port, "POST", serve.PATH, serve.BODY, serve.INFLIGHT_KEY)
+        if status != 409:
+            v.broken = f"in-flight duplicate answered {status}: {body[:200]!r}"
+    except (OSError, http.client.HTTPException) as exc:
+        v.broken = f"{type(exc).__name__}: {exc}"
+
+
+# -- one measurement ------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    variant: str
+    scenario: str
+    rep: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    requests: int
+    status_errors: int
+    socket_errors: int
+    handler_calls: int
+    round_trips: float | None = None  # store round trips per request
+    server_reads: float | None = None  # read events of the store server per request
+    commands: float | None = None  # store commands per request, nested script calls included
+    by_command: dict[str, float] = field(default_factory=dict)
+    check: str = ""
+
+
+def redis_snapshot(server: Any) -> tuple[int, dict[str, int]]:
+    """(read events processed, calls per command) in one INFO call."""
+    with server.sync_client() as client:
+        info = client.execute_command("INFO", "stats", "commandstats")
+    calls = {
+        k.removeprefix("cmdstat_"): int(v["calls"])
+        for k, v in info.items()
+        if k.startswith("cmdstat_")
+    }
+    return int(info["total_reads_processed"]), calls
+
+
+def wrk(args: argparse.Namespace, port: int, scenario: str, prefix: str, seconds: int) -> Any:
+    cmd = ["taskset", "-c", "1", "wrk", f"-t{args.threads}", f"-c{args.connections}"]
+    cmd += [f"-d{seconds}s", "--timeout", "10s", "-s", str(BENCH / "scenario.lua")]
+    cmd += [f"http://127.0.0.1:{port}{serve.PATH}", "--", scenario, prefix]
+    cmd.append(str(args.replay_keys))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
+    out = proc.stdout
+    for line in out.splitlines():
+        if line.startswith("BENCH "):
+            return json.loads(line[6:])
+    raise RuntimeError(f"wrk printed no result:\n{out}")
+
+
+def measure(v: Variant, args: argparse.Namespace, scenario: str, rep: int) -> Run:
+    prefix = {"new": f"new-r{rep}", "replay": "replay", "inflight": serve.INFLIGHT_KEY}
+    before_stats = v.stats()
+    before = redis_snapshot(v.redis) if v.redis is not None else None
+    result = wrk(args, v.port, scenario, prefix.get(scenario, "-"), args.duration)
+    after = redis_snapshot(v.redis) if v.redis is not None else None
+    after_stats = v.stats()
+    n = max(result["requests"], 1)
+    run = Run(
+        v.name,
+        scenario,
+        rep,
+        result["requests"] / (result["duration_us"] / 1e6),
+        result["p50_us"] / 1000,
+        result["p99_us"] / 1000,
+        result["requests"],
+        result["status_errors"],
+        result["socket_errors"],
+        after_stats["handler_calls"] - before_stats["handler_calls"],
+    )
+    if before is not None and after is not None:
+        # the second INFO is one read event and one `info` call of its own
+        run.server_reads = (after[0] - before[0] - 1) / n
+        run.round_trips = run.server_reads
+        if "store_calls" in after_stats:  # a client that batches: count its calls
+            run.round_trips = (after_stats["store_calls"] - before_stats["store_calls"]) / n
+        delta = {c: after[1].get(c, 0) - before[1].get(c, 0) for c in after[1] if c != "info"}
+        run.by_command = {c: d / n for c, d in sorted(delta.items()) if d}
+        run.commands = sum(delta.values()) / n
+    return run
+
+
+def check(v: Variant, runs: list[Run], connections: int) -> str:
+    """'ok', or how the runs differ from what their scenario means (over all of them)."""
+    requests = sum(r.requests for r in runs) or 1
+    status = sum(r.status_errors for r in runs)  # responses outside 2xx/3xx
+    handler = sum(r.handler_calls for r in runs)
+    problems = []
+    if sockets := sum(r.socket_errors for r in runs):
+        problems.append(f"{sockets} socket errors")
+    expect_409 = runs[0].scenario == "inflight" and v.name != "bare"
+    if expect_409 and status != requests:
+        problems.append(f"{100 * (requests - status) / requests:.2g}% not 409")
+    if not expect_409 and status:
+        problems.append(f"{100 * status / requests:.2g}% not 2xx")
+    if v.name == "bare" or runs[0].scenario in ("new", "nokey"):
+        if not requests <= handler <= requests + connections * len(runs):
+            problems.append(f"handler ran for {100 * handler / requests:.2g}% of requests")
+    elif handler:
+        problems.append(f"handler ran {handler}x")
+    return "; ".join(problems) or "ok"
+
+
+# -- the report -----------------------------------------------------------------------------
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def cell(values: list[float], form: str) -> str:
+    """The median of `values` in `form`, or '-' when there are none."""
+    return format(med(values), form) if values else "-"
+
+
+def table(variants: list[Variant], runs: list[Run], args: argparse.Namespace) -> str:
+    """One row per variant and scenario: medians over the repetitions; the ratios are taken
+    to the bare app's run of the same scenario and repetition, then their median."""
+    bare = {(r.scenario, r.rep): r for r in runs if r.variant == "bare"}
+    lines = [
+        "| variant | scenario | req/s | p50 ms | p99 ms | req/s / bare | p99 / bare "
+        "| round trips/req | server reads/req | store cmds/req | check |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for v in variants:
+        if v.broken:
+            lines.append(
+                f"| {v.label} | all | - | - | - | - | - | - | - | - | does not work: {v.broken} |"
+            )
+            continue
+        for scenario in args.scenarios:
+            mine = [r for r in runs if r.variant == v.name and r.scenario == scenario]
+            if not mine:
+                continue
+            paired = [(r, bare[(r.scenario, r.rep)]) for r in mine if (r.scenario, r.rep) in bare]
+            row = [
+                v.label,
+                SCENARIO_TITLES[scenario],
+                cell([r.rps for r in mine], ",.0f"),
+                cell([r.p50_ms for r in mine], ".2f"),
+                cell([r.p99_ms for r in mine], ".2f"),
+                cell([r.rps / b.rps for r, b in paired], ".2f") + "x",
+                cell([r.p99_ms / b.p99_ms for r, b in paired], ".2f") + "x",
+                cell([r.round_trips for r in mine if r.round_trips is not None], ".2f"),
+                cell([r.server_reads for r in mine if r.server_reads is not None], ".2f"),
+                cell([r.commands for r in mine if r.commands is not None], ".2f"),
+                check(v, mine, args.connections * args.threads),
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def command_table(variants: list[Variant], runs: list[Run], args: argparse.Namespace) -> str:
+    """Which store commands one request costs (medians), for the Redis variants."""
+    lines = ["| variant | scenario | store commands per request |", "|---|---|---|"]
+    for v in variants:
+        if v.broken or v.redis is None:
+            continue
+        for scenario in args.scenarios:
+            mine = [r for r in runs if r.variant == v.name and r.scenario == scenario]
+            names = sorted({c for r in mine for c in r.by_command})
+            parts = []
+            for c in names:
+                value = med([r.by_command.get(c, 0.0) for r in mine])
+                if value >= 0.005:
+                    parts.append(f"{c} {value:.2f}")
+            summary = ", ".join(parts) or "none"
+            lines.append(f"| {v.label} | {SCENARIO_TITLES[scenario]} | {summary} |")
+    return "\n".join(lines)
+
+
+def environment(args: argparse.Namespace, redis_version: str) -> str:
+    from importlib.metadata import version
+
+    cpu = "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()[1]
+    parser = "pure-Python parser" if args.no_hiredis else f"hiredis {version('hiredis')}"
+    return (
+        f"{os.cpu_count()} x {cpu}, Linux {platform.release()}, Python {platform.python_version()}"
+        f"\nuvicorn {version('uvicorn')} (uvloop {version('uvloop')}, httptools "
+        f"{version('httptools')}), one worker, {args.app} {version(args.app)}; "
+        f"redis-py {version('redis')} with {parser}; redis-server {redis_version}; "
+        f"wrk {wrk_version}{'; gc.freeze() after startup' if args.gc_freeze else ''}"
+        f"\nwrk -t{args.threads} -c{args.connections} -d{args.duration}s per run, "
+        f"{args.reps} repetitions, scenarios then variants in turn (A B A B), medians"
+    )
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=int, default=5, help="seconds per wrk run (5)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (3)")
+    p.add_argument("--connections", type=int, default=50, help="wrk connections (50)")
+    p.add_argument("--threads", type=int, default=1, help="wrk threads (1: it has one core)")
+    p.add_argument("--warmup", type=int, default=2, help="seconds of warm-up per variant")
+    p.add_argument("--replay-keys", type=int, default=200, help="completed keys to replay")
+    p.add_argument("--variants", default=",".join(serve.VARIANTS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--app", choices=("starlette", "fastapi"), default="fastapi")
+    p.add_argument("--no-hiredis", action="store_true", help="redis-py's pure-Python parser")
+    p.add_argument("--gc-freeze", action="store_true", help="servers gc.freeze() after startup")
+    p.add_argument("--json", type=Path, help="also write every run's figures here")
+    args = p.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    if "bare" not in args.variants:
+        args.variants.insert(0, "bare")
+    for name in args.variants:
+        if name not in serve.VARIANTS:
+            p.error(f"unknown variant {name!r}")
+    for s in args.scenarios:
+        if s not in SCENARIOS:
+            p.error(f"unknown scenario {s!r}")
+    return args
+
+
+def labels() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {
+        "bare": "bare app",
+        "goblin-memory": "goblin-idem, MemoryStore",
+        "goblin-script": "goblin-idem, Redis script mode",
+        "goblin-native": "goblin-idem, Redis native mode",
+        "goblin-native-pipelined": "goblin-idem, Redis native, proposed pipelined store*",
+        "asgi-idempotency-header": f"asgi-idempotency-header {version('asgi-idempotency-header')}"
+        " (Redis)",
+        "fastapi-idempotency": f"fastapi-idempotency {version('fastapi-idempotency')}"
+        " (its MemoryStore)",
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    for tool in ("wrk", "taskset", "redis-server"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} not found (Debian: apt-get install -y wrk redis-server)")
+    from goblin_idem.native import build_module
+    from tests.servers import free_port, start_server
+
+    names = labels()
+    variants = [Variant(n, names[n]) for n in args.variants]
+    per_run = len(variants) * len(args.scenarios) * args.reps
+    estimate = per_run * (args.duration + 0.5) + len(variants) * (args.warmup + 3)
+    print(f"{per_run} wrk runs of {args.duration:g} s, about {estimate / 60:.0f} min", flush=True)
+    started = time.monotonic()
+    servers = []
+    runs: list[Run] = []
+    redis_version = "-"
+    try:
+        module = build_module() if serve.NATIVE_VARIANTS & set(args.variants) else None
+        for v in variants:
+            if v.name in serve.REDIS_VARIANTS:
+                mods = [str(module)] if v.name in serve.NATIVE_VARIANTS and module else []
+                v.redis = start_server("redis", modules=mods)
+                servers.append(v.redis)
+                pin(v.redis.pid, 1)
+                with v.redis.sync_client() as c:
+                    redis_version = c.info("server")["redis_version"]
+            start_app(v, args, free_port)
+            if not v.broken:
+                check_variant(v, args.replay_keys)
+            if not v.broken and args.warmup > 0:
+                wrk(args, v.port, "new", "warm", args.warmup)
+            print(f"  {v.label}: {v.broken or 'ready'}", flush=True)
+        for rep in range(1, args.reps + 1):
+            for scenario in args.scenarios:
+                for v in variants:
+                    if v.broken:
+                        continue
+                    run = measure(v, args, scenario, rep)
+                    run.check = check(v, [run], args.connections * args.threads)
+                    runs.append(run)
+                    print(
+                        f"  rep {rep} {scenario:8} {v.name:24} {run.rps:8,.0f} req/s "
+                        f"p99 {run.p99_ms:6.2f} ms  {run.check}",
+                        flush=True,
+                    )
+    finally:
+        for v in variants:
+            if v.proc is not None:
+                stop_pid(v.proc)
+        for s in servers:
+            s.stop()
+    elapsed = time.monotonic() - started
+    print()
+    print("```")
+    print(environment(args, redis_version))
+    print(f"total run time {elapsed / 60:.1f} min")
+    print("```")
+    print()
+    print(table(variants, runs, args))
+    print()
+    print(command_table(variants, runs, args))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+
+
+if __name__ == "__main__":
+    ensure_env()
+    exit_on_sigterm()
+    sys.path.append(str(ROOT))  # after PYTHONPATH, which may name another copy
+    main()

@@ -1,0 +1,216 @@
+"""One benchmark server: a trivial JSON app behind one idempotency middleware variant.
+
+Run by http_bench.py under ``taskset -c 0`` in the benchmark's own environment:
+
+    python bench/serve.py VARIANT --port N [--redis-url URL] [--app starlette|fastapi]
+
+`POST /orders` is the handler under test (it counts its own runs); `GET /__stats` reports
+that count, so the driver can check that a replay or an in-flight duplicate never ran the
+handler. At startup each variant takes a claim on `INFLIGHT_KEY` that nobody releases, so
+every request with that key is an in-flight duplicate (409).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+PATH = "/orders"
+STATS_PATH = "/__stats"
+BODY = b'{"sku":"A-1","qty":2}'
+INFLIGHT_KEY = "bench-inflight"
+VARIANTS = (
+    "bare",
+    "goblin-memory",
+    "goblin-script",
+    "goblin-native",
+    "goblin-native-pipelined",
+    "asgi-idempotency-header",
+    "fastapi-idempotency",
+)
+REDIS_VARIANTS = frozenset(
+    {"goblin-script", "goblin-native", "goblin-native-pipelined", "asgi-idempotency-header"}
+)
+NATIVE_VARIANTS = frozenset({"goblin-native", "goblin-native-pipelined"})
+
+STATS = {"handler_calls": 0}
+
+Prepare = Callable[[], Awaitable[None]]
+
+
+def current_stats() -> dict[str, int]:
+    """The handler's runs, and the pipelined store's calls when that prototype is loaded
+    (it batches many requests' commands into one write, so the server's read count is
+    not its number of round trips)."""
+    pipelined = sys.modules.get("pipelined_store")
+    calls = {"store_calls": pipelined.CALLS[0]} if pipelined is not None else {}
+    return {**STATS, **calls}
+
+
+def redis_kwargs(no_hiredis: bool) -> dict[str, Any]:
+    """Client options: the pure-Python reply parser instead of hiredis when asked."""
+    if not no_hiredis:
+        return {}
+    from redis._parsers import _AsyncRESP2Parser
+
+    return {"parser_class": _AsyncRESP2Parser}
+
+
+def goblin(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare]:
+    from starlette.middleware import Middleware
+
+    from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
+    from goblin_idem.keys import key_names
+
+    store: Any
+    if variant == "goblin-memory":
+        store = MemoryStore()
+    elif variant == "goblin-native-pipelined":
+        from pipelined_store import PipelinedRedisStore  # the proposed store.py change
+
+        store = PipelinedRedisStore(url, mode="native")
+    else:
+        mode = "native" if variant == "goblin-native" else "script"
+        store = RedisStore.from_url(url, mode=mode, **redis_kwargs(no_hiredis))
+
+    async def prepare() -> None:
+        names = key_names(b"idem", b"", INFLIGHT_KEY.encode())
+        await store.claim(names.claim, names.result, b"bench-holder", 3600)
+
+    return [Middleware(IdempotencyMiddleware, store=store)], prepare
+
+
+def asgi_idempotency_header(url: str, no_hiredis: bool) -> tuple[list[Any], Prepare]:
+    import redis.asyncio
+    from idempotency_header_middleware import IdempotencyHeaderMiddleware
+    from idempotency_header_middleware.backends.redis import RedisBackend
+    from starlette.middleware import Middleware
+
+    backend = RedisBackend(redis.asyncio.from_url(url, **redis_kwargs(no_hiredis)))
+
+    async def prepare() -> None:
+        await backend.redis.sadd(backend.KEYS_KEY, INFLIGHT_KEY)
+
+    return [Middleware(IdempotencyHeaderMiddleware, backend=backend)], prepare
+
+
+def fastapi_idempotency() -> tuple[list[Any], Prepare]:
+    from fastapi_idempotency import IdempotencyMiddleware, MemoryStore
+    from fastapi_idempotency.middleware import _digest
+    from starlette.middleware import Middleware
+
+    store = MemoryStore()
+
+    async def prepare() -> None:
+        # its default scope is the client address; the fingerprint must match for a 409
+        await store.claim(
+            key=_digest("127.0.0.1", INFLIGHT_KEY),
+            scope="127.0.0.1",
+            fingerprint=_digest("POST", PATH, "", BODY),
+            explicit=True,
+            lease_seconds=3600,
+        )
+
+    # wait_seconds=0: answer an in-flight duplicate with 409 at once, like the others
+    # (its default polls for up to 15 s first)
+    return [Middleware(IdempotencyMiddleware, store=store, wait_seconds=0)], prepare
+
+
+def middleware_for(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare]:
+    if variant == "bare":
+
+        async def nothing() -> None:
+            return None
+
+        return [], nothing
+    if variant.startswith("goblin-"):
+        return goblin(variant, url, no_hiredis)
+    if variant == "asgi-idempotency-header":
+        return asgi_idempotency_header(url, no_hiredis)
+    if variant == "fastapi-idempotency":
+        return fastapi_idempotency()
+    raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
+
+
+def starlette_app(middleware: list[Any], prepare: Prepare) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def create_order(request: Request) -> JSONResponse:
+        STATS["handler_calls"] += 1
+        return JSONResponse({"id": STATS["handler_calls"], "status": "created"}, 201)
+
+    async def stats(request: Request) -> JSONResponse:
+        return JSONResponse(current_stats())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        await prepare()
+        yield
+
+    routes = [Route(PATH, create_order, methods=["POST"]), Route(STATS_PATH, stats)]
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+
+
+def fastapi_app(middleware: list[Any], prepare: Prepare) -> Any:
+    from fastapi import FastAPI
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        await prepare()
+        yield
+
+    app = FastAPI(middleware=middleware, lifespan=lifespan)
+
+    @app.post(PATH, status_code=201)
+    async def create_order() -> dict[str, object]:
+        STATS["handler_calls"] += 1
+        return {"id": STATS["handler_calls"], "status": "created"}
+
+    @app.get(STATS_PATH)
+    async def stats() -> dict[str, int]:
+        return current_stats()
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variant", choices=VARIANTS)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--redis-url", default="")
+    parser.add_argument("--app", choices=("starlette", "fastapi"), default="starlette")
+    parser.add_argument("--no-hiredis", action="store_true", help="pure-Python reply parser")
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after startup")
+    args = parser.parse_args()
+    if args.variant in REDIS_VARIANTS and not args.redis_url:
+        raise SystemExit(f"{args.variant} needs --redis-url")
+
+    import uvicorn
+
+    middleware, prepare = middleware_for(args.variant, args.redis_url, args.no_hiredis)
+    build = fastapi_app if args.app == "fastapi" else starlette_app
+    app = build(middleware, prepare)
+    if args.gc_freeze:  # full collections then skip what startup left on the heap
+        gc.collect()
+        gc.freeze()
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+    )
+
+
+if __name__ == "__main__":
+    main()
