@@ -1,6 +1,6 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
 
-from .errors import GoblinError, LockError, LockNotOwnedError
+from .errors import GoblinError, LockError, LockNotOwnedError, NotReplicatedError
 from .lease import Lease, Lock, Watchdog
 from .memory import MemoryStore
 from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
@@ -19,6 +19,7 @@ __all__ = [
     "LockError",
     "LockNotOwnedError",
     "MemoryStore",
+    "NotReplicatedError",
     "RedisStore",
     "RoutePolicy",
     "Store",

@@ -7,7 +7,7 @@ Goblin server replies (redis-py strips the leading ``ERR `` as it does for any s
 
 from __future__ import annotations
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 __all__ = [
     "NOT_INTEGER",
@@ -16,6 +16,7 @@ __all__ = [
     "GoblinError",
     "LockError",
     "LockNotOwnedError",
+    "NotReplicatedError",
     "ResponseError",
     "invalid_expire",
 ]
@@ -41,3 +42,14 @@ class LockError(GoblinError):
 
 class LockNotOwnedError(LockError):
     """The lock's lease was lost (expired or taken) while the caller believed it held it."""
+
+
+class NotReplicatedError(GoblinError, RedisError):
+    """Fewer replicas than a RedisStore's ``wait_replicas`` acknowledged a write in time.
+
+    A RedisError, so the middleware treats it as any store failure (503, nothing run); the
+    write itself stays on the primary (a won claim until its lease expires).
+    """
+
+    def __repr__(self) -> str:  # redis-py's RedisError.__repr__ drops the message
+        return f"{type(self).__name__}({str(self)!r})"

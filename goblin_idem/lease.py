@@ -131,7 +131,9 @@ class Watchdog:
         try:
             replies = await self.store.caexpire_many([(x.key, x.token, x.ms) for x in due])
         except Exception as exc:  # the store is down: keep the leases and try again soon
-            logger.warning("lease renewal failed for %d lease(s): %r", len(due), exc)
+            logger.warning(
+                "lease renewal failed for %d lease(s): %s: %s", len(due), type(exc).__name__, exc
+            )
             replies = [exc] * len(due)
         finally:
             self._renewing.clear()

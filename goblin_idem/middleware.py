@@ -39,6 +39,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # What a store that is down or misbehaving raises; all of it ends in 503 (fail closed).
 STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError, RecordError)
+# Publishing is retried after these pauses: long enough to ride out a failover's promotion
+# or a reconnect, short enough that the held-back last chunk is not held for long.
+PUBLISH_RETRY_DELAYS = (0.05, 0.25)
+
+
+def _describe(exc: BaseException) -> str:
+    """`TypeName: message` (redis-py's own repr of its errors drops the message)."""
+    return f"{type(exc).__name__}: {exc}"
+
 
 # Never stored or replayed: they describe one connection, not the response.
 HOP_BY_HOP = frozenset(
@@ -339,7 +348,12 @@ class IdempotencyMiddleware:
                         names.claim, names.result, token, settings.lease_seconds
                     )
             record = None if reply is None or reply is CLAIMED else decode(reply)
-        except STORE_ERRORS as exc:
+        except Exception as exc:
+            # Anything out of the store step, even a client library's own bug, means the
+            # claim is in doubt: answer as for a store that is down, never run unprotected
+            # by accident (fail_open decides).
+            if not isinstance(exc, STORE_ERRORS):
+                logger.exception("unexpected error from the store for key %s", names.hash)
             await self._store_failed(exc, scope, _replay_receive(body, receive), send, names)
             return
 
@@ -406,11 +420,13 @@ class IdempotencyMiddleware:
     ) -> None:
         self._count("store_errors", names.hash)
         if self.fail_open:
-            logger.warning("store error for key %s, running unprotected: %r", names.hash, exc)
+            logger.warning(
+                "store error for key %s, running unprotected: %s", names.hash, _describe(exc)
+            )
             self._count("unprotected", names.hash)
             await self.app(scope, receive, send)
             return
-        logger.error("store error for key %s, answering 503: %r", names.hash, exc)
+        logger.error("store error for key %s, answering 503: %s", names.hash, _describe(exc))
         await problems.send_problem(
             send,
             problems.STORE_UNAVAILABLE,
@@ -502,26 +518,29 @@ class IdempotencyMiddleware:
         self._count("released", names.hash)
         try:
             await self.store.cad(names.claim, token)
-        except STORE_ERRORS as exc:
-            logger.warning("could not release key %s (its lease will expire): %r", names.hash, exc)
+        except Exception as exc:
+            logger.warning(
+                "could not release key %s (its lease will expire): %s", names.hash, _describe(exc)
+            )
 
     async def _publish(
         self, lease: Lease, names: KeyNames, token: bytes, record: Record, ttl_ms: int
     ) -> None:
         await self.watchdog.release(lease)
         data = encode(record)
-        for attempt in (1, 2):
+        for delay in (*PUBLISH_RETRY_DELAYS, None):
             try:
                 renewed = await self.store.publish(names.result, data, ttl_ms, names.claim, token)
-            except STORE_ERRORS as exc:
-                if attempt == 1:
+            except Exception as exc:
+                if delay is not None:
+                    await asyncio.sleep(delay)
                     continue
                 self._count("publish_errors", names.hash)
                 logger.error(
                     "could not publish the response for key %s; a retry after the lease "
-                    "may run the work again: %r",
+                    "may run the work again: %s",
                     names.hash,
-                    exc,
+                    _describe(exc),
                 )
                 return
             if renewed != 1:
@@ -537,9 +556,11 @@ class IdempotencyMiddleware:
             self._count("lease_lost", names.hash)
         try:
             retaken = await self.store.set(names.claim, token, px=ttl_ms, nx=True)
-        except STORE_ERRORS as exc:
+        except Exception as exc:
             retaken = False
-            logger.error("key %s: could not retake the lapsed claim: %r", names.hash, exc)
+            logger.error(
+                "key %s: could not retake the lapsed claim: %s", names.hash, _describe(exc)
+            )
         logger.warning(
             "key %s: the claim lapsed before the response was published; %s",
             names.hash,

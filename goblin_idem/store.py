@@ -17,16 +17,30 @@ from typing import Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
 
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, ResponseError
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    AskError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+)
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+)
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
 
 from . import scripts
-from .errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE, invalid_expire
+from .errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE, NotReplicatedError, invalid_expire
 
 __all__ = [
     "CLAIMED",
     "ClaimReply",
     "Claimed",
     "KeyT",
+    "NotReplicatedError",
     "RedisStore",
     "Store",
 ]
@@ -222,6 +236,25 @@ class RedisStore:
     GOBLIN.CLAIM, and `mode` then reads ``"native"`` or ``"script"``. Both modes give the
     same replies and the same error texts; keys given to one call must share a hash slot
     in a cluster (use a ``{tag}``).
+
+    Durability (``wait_replicas``, off by default): Redis replicates asynchronously, so a
+    claim the primary acknowledged can be lost when a replica that had not received it is
+    promoted, and the next duplicate then runs the work again. With ``wait_replicas=N``
+    every claim is followed by ``WAIT N wait_timeout_ms`` on the same connection, in one
+    pipeline (one round trip; WAIT measures the replication offset of the connection that
+    wrote). A won claim that fewer than N replicas acknowledged within ``wait_timeout_ms``
+    raises `NotReplicatedError` (a RedisError: the middleware answers 503 and runs nothing;
+    the claim stays on the primary until its lease expires). Only won claims are checked;
+    a claim that found the key held or done wrote nothing. `publish` is followed by the
+    same WAIT (after its MULTI/EXEC), so that a failover cannot lose a published response
+    and let its key run again once the claim's lease runs out; a publish that too few
+    replicas acknowledged raises `NotReplicatedError` as well (the middleware retries it
+    once, then counts ``publish_errors``). Lease renewals are not waited for. Every keyed
+    request pays the replication round trip, and while fewer than N replicas are connected
+    each claim waits the full ``wait_timeout_ms``. In a cluster, redis-py cannot route a
+    keyless WAIT, so these pipelines go through one plain connection pool per primary (the
+    one the cluster client's slot table names for the key, with its connection settings),
+    following MOVED (after refreshing the cluster client's slot table) and ASK redirects.
     """
 
     def __init__(
@@ -230,9 +263,19 @@ class RedisStore:
         *,
         mode: Mode = "auto",
         max_value_bytes: int | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
     ) -> None:
         if mode not in ("auto", "native", "script"):
             raise ValueError(f"mode must be 'auto', 'native' or 'script', not {mode!r}")
+        if isinstance(wait_replicas, bool) or not isinstance(wait_replicas, int):
+            raise TypeError("wait_replicas must be an int")
+        if wait_replicas < 0:
+            raise ValueError("wait_replicas must be 0 (off) or a positive number of replicas")
+        if isinstance(wait_timeout_ms, bool) or not isinstance(wait_timeout_ms, int):
+            raise TypeError("wait_timeout_ms must be an int")
+        if wait_timeout_ms <= 0:
+            raise ValueError("wait_timeout_ms must be positive (WAIT 0 would block forever)")
         if _decodes_responses(client):
             raise ValueError(
                 "RedisStore needs a client with decode_responses=False: "
@@ -243,6 +286,9 @@ class RedisStore:
         self._mode: Mode = mode
         self._owns_client = False
         self._detecting: asyncio.Lock | None = None
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self._primaries: dict[tuple[str, int], redis.asyncio.Redis] = {}
 
     @classmethod
     def from_url(
@@ -255,6 +301,8 @@ class RedisStore:
         max_connections: int = 256,
         pool_timeout: float = 5.0,
         socket_timeout: float = 5.0,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
         **kwargs: Any,
     ) -> RedisStore:
         """A store that owns its client (closed by `aclose`).
@@ -262,6 +310,7 @@ class RedisStore:
         The pool waits up to `pool_timeout` for a free connection instead of failing at
         `max_connections`, and a socket timeout bounds how long a request can hang on a
         store that stopped answering; both end in a store error, never a silent wait.
+        `wait_replicas` and `wait_timeout_ms` are the durability option of the class.
         """
         kwargs["decode_responses"] = False
         kwargs.setdefault("socket_connect_timeout", socket_timeout)
@@ -274,7 +323,13 @@ class RedisStore:
                 url, max_connections=max_connections, timeout=pool_timeout, **kwargs
             )
             client = redis.asyncio.Redis(connection_pool=pool)
-        store = cls(client, mode=mode, max_value_bytes=max_value_bytes)
+        store = cls(
+            client,
+            mode=mode,
+            max_value_bytes=max_value_bytes,
+            wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+        )
         store._owns_client = True
         return store
 
@@ -284,6 +339,9 @@ class RedisStore:
         return self._mode
 
     async def aclose(self) -> None:
+        primaries, self._primaries = list(self._primaries.values()), {}
+        for primary in primaries:
+            await primary.aclose()
         if self._owns_client:
             await self.client.aclose()
 
@@ -386,6 +444,8 @@ class RedisStore:
         """Atomically: SET claim_key token NX EX seconds, else GET result_key."""
         keys = (as_bytes(claim_key), as_bytes(result_key))
         tok = check_size(as_bytes(token, "token"), self.max_value_bytes)
+        if self.wait_replicas:
+            return await self._claim_replicated(keys, tok, claim_seconds(seconds))
         return claim_reply(await self._call(scripts.CLAIM, keys, tok, claim_seconds(seconds)))
 
     async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
@@ -418,6 +478,11 @@ class RedisStore:
         if ttl <= 0:
             raise ResponseError(invalid_expire("set"))
         renew = self._command(await self._resolved_mode(), scripts.CAEXPIRE, (ck,), (tok, ttl))
+        if self.wait_replicas or isinstance(self.client, RedisCluster):
+            # redis-py's async cluster client runs a transaction pipeline in a thread of
+            # its own, which breaks after a topology change; MULTI/EXEC goes to the
+            # primary over a plain connection instead.
+            return await self._publish_on_primary(ck, ("SET", rk, v, "PX", ttl), renew)
         for attempt in (1, 2):
             pipe = self.client.pipeline(transaction=True)
             pipe.execute_command("SET", rk, v, "PX", ttl)
@@ -453,6 +518,149 @@ class RedisStore:
             return await self.caexpire_many(renewals)
         return [_renewal_reply(r) for r in replies]
 
+    # -- durability: a write and WAIT on one connection (wait_replicas > 0) --
+
+    async def _claim_replicated(
+        self, keys: tuple[bytes, bytes], token: bytes, seconds: int
+    ) -> ClaimReply:
+        command = self._command(await self._resolved_mode(), scripts.CLAIM, keys, (token, seconds))
+        (reply,), acked = await self._then_wait(keys[0], [command])
+        if isinstance(reply, ResponseError):
+            raise _normalize(reply)
+        if isinstance(reply, Exception):
+            raise reply
+        claimed = claim_reply(reply)
+        if claimed is CLAIMED:
+            self._check_acked(acked, "the claim (it stays until its lease expires)")
+        return claimed
+
+    async def _publish_on_primary(
+        self, claim_key: bytes, set_result: tuple[Any, ...], renew: tuple[Any, ...]
+    ) -> int:
+        replies, acked = await self._then_wait(
+            claim_key, [("MULTI",), set_result, renew, ("EXEC",)], wait=bool(self.wait_replicas)
+        )
+        executed = replies[-1]
+        for reply in (*replies[:-1], executed):
+            if isinstance(reply, ResponseError):
+                raise _normalize(reply)
+            if isinstance(reply, Exception):
+                raise reply
+        _, renewed = executed
+        if isinstance(renewed, ResponseError):
+            raise _normalize(renewed)
+        if self.wait_replicas:
+            self._check_acked(acked, "the published response")
+        return int(renewed)
+
+    def _check_acked(self, acked: Any, what: str) -> None:
+        if isinstance(acked, Exception):
+            raise acked
+        if int(acked) < self.wait_replicas:
+            raise NotReplicatedError(
+                f"WAIT: {int(acked)} of {self.wait_replicas} replica(s) acknowledged "
+                f"{what} within {self.wait_timeout_ms} ms"
+            )
+
+    async def _then_wait(
+        self, key: bytes, commands: Sequence[tuple[Any, ...]], *, wait: bool = True
+    ) -> tuple[list[Any], Any]:
+        """Send `commands` then WAIT (unless `wait` is false) on one connection of the
+        primary that serves `key`, in one round trip; the replies of `commands` (errors in
+        place) and WAIT's reply (None without WAIT).
+
+        NOSCRIPT (a queued EVALSHA inside MULTI reports it in EXEC's reply) reloads the
+        scripts there and sends again: it ran nothing, and repeating the SET of a publish is
+        harmless. In a cluster, MOVED refreshes the cluster client's slot table and sends to
+        the new owner; ASK sends to the named node after ASKING; a connection error
+        refreshes the slot table, and is retried only if another node now owns the slot
+        (a claim that did reach the old primary then reads as in flight, never as won).
+        """
+        cluster = isinstance(self.client, RedisCluster)
+        ask: tuple[str, int] | None = None
+        for _ in range(5):
+            node = await self._primary_for(key, ask) if cluster else None
+            client = self._primary_client(node) if node is not None else self.client
+            pipe = client.pipeline(transaction=False)
+            if ask is not None:
+                pipe.execute_command("ASKING")
+            for command in commands:
+                pipe.execute_command(*command)
+            if wait:
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            try:
+                replies = await pipe.execute(raise_on_error=False)
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                if not cluster:
+                    raise
+                await self._refresh_slots()
+                if ask is None and await self._primary_for(key, None) != node:
+                    continue
+                raise
+            if ask is not None:
+                replies = replies[1:]
+            mine, acked = (replies[:-1], replies[-1]) if wait else (replies, None)
+            ask = None
+            nested = mine[-1] if isinstance(mine[-1], list) else []
+            if cluster:
+                redirect = next((r for r in mine if isinstance(r, AskError)), None)
+                if isinstance(redirect, MovedError):
+                    await self._refresh_slots()
+                    continue
+                if redirect is not None:
+                    ask = self._remap(redirect.host, redirect.port)
+                    continue
+            if any(isinstance(r, NoScriptError) for r in (*mine, *nested)):
+                for script in scripts.ALL:
+                    await client.execute_command("SCRIPT LOAD", script.body)
+                continue
+            return mine, acked
+        raise ResponseError("WAIT pipeline: too many redirections or script reloads")
+
+    def _remap(self, host: str, port: int) -> tuple[str, int]:
+        assert isinstance(self.client, RedisCluster)
+        remapped = self.client.nodes_manager.remap_host_port(host, port)
+        return str(remapped[0]), int(remapped[1])
+
+    async def _primary_for(self, key: bytes, ask: tuple[str, int] | None) -> tuple[str, int]:
+        if ask is not None:
+            return ask
+        assert isinstance(self.client, RedisCluster)
+        await self.client.initialize()  # a no-op unless redis-py flagged the layout stale
+        node = self.client.get_node_from_key(key)  # type: ignore[arg-type]
+        if node is None:
+            raise ResponseError("no primary serves the key's slot")
+        return str(node.host), int(node.port)
+
+    async def _refresh_slots(self) -> None:
+        assert isinstance(self.client, RedisCluster)
+        try:
+            await self.client.nodes_manager.initialize()
+        except Exception as exc:  # the cluster client refreshes again on its next command
+            logger.warning(
+                "could not refresh the cluster slot table: %s: %s", type(exc).__name__, exc
+            )
+
+    def _primary_client(self, address: tuple[str, int]) -> redis.asyncio.Redis:
+        """A plain client of one primary, with the cluster client's connection settings and
+        no retries of its own (a retry belongs to `_then_wait`, which knows the topology)."""
+        client = self._primaries.get(address)
+        if client is None:
+            assert isinstance(self.client, RedisCluster)
+            settings = self.client.get_connection_kwargs()
+            kwargs = {k: v for k, v in settings.items() if k in _PLAIN_KWARGS or k[:4] == "ssl_"}
+            pool = redis.asyncio.ConnectionPool(
+                host=address[0],
+                port=address[1],
+                connection_class=settings.get("connection_class")
+                or redis.asyncio.connection.Connection,
+                max_connections=settings.get("max_connections"),
+                retry=Retry(NoBackoff(), 0),
+                **kwargs,
+            )
+            client = self._primaries[address] = redis.asyncio.Redis(connection_pool=pool)
+        return client
+
     # -- plain commands --
 
     async def get(self, key: KeyT) -> bytes | None:
@@ -481,6 +689,31 @@ class RedisStore:
         if not keys:
             return 0
         return int(await self.client.delete(*(as_bytes(k) for k in keys)))
+
+
+# The connection settings a per-primary client of a cluster store takes from the cluster client.
+_PLAIN_KWARGS: Final = frozenset(
+    {
+        "username",
+        "password",
+        "credential_provider",
+        "client_name",
+        "lib_name",
+        "lib_version",
+        "driver_info",
+        "db",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "socket_keepalive_options",
+        "socket_read_size",
+        "health_check_interval",
+        "encoding",
+        "encoding_errors",
+        "decode_responses",
+        "protocol",
+    }
+)
 
 
 def _renewal_reply(reply: Any) -> int | Exception:

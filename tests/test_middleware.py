@@ -896,3 +896,17 @@ async def test_a_claim_that_lapsed_during_the_run_is_retaken_at_publish(store: S
     assert again.header("idempotent-replayed") == b"true" and again.body == b"done"
     assert len(runs) == 1
     assert mw.counters.lease_lost == 1  # counted once
+
+
+async def test_any_failure_of_the_store_step_is_a_503_not_a_500() -> None:
+    """A client library's own bug (not a RedisError) still means "the claim is in doubt"."""
+
+    class Broken(MemoryStore):
+        async def claim(self, *args: Any, **kwargs: Any) -> Any:
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+    handler = Handler()
+    mw = IdempotencyMiddleware(handler, store=Broken())
+    reply = await request(mw, key="k")
+    assert reply.status == 503 and problem(reply)["type"].endswith("store-unavailable")
+    assert handler.runs == 0 and mw.counters.store_errors == 1

@@ -89,11 +89,19 @@ async def test_a_publish_that_waits_outlives_the_cancelled_request() -> None:
 
 
 async def test_a_publish_that_fails_after_waiting_is_retried_then_counted() -> None:
-    store = SlowPublish(delay=0.01, failures=2)
+    store = SlowPublish(delay=0.01, failures=3)
     mw = IdempotencyMiddleware(app, store=store)
     reply = await request(mw, key="k")
     assert reply.status == 201 and reply.body == b"done"  # the client still gets its answer
-    assert store.calls == 2 and mw.counters.publish_errors == 1
+    assert store.calls == 3 and mw.counters.publish_errors == 1  # tried, paused, tried twice
+
+
+async def test_a_publish_that_fails_twice_succeeds_on_the_third_try() -> None:
+    store = SlowPublish(delay=0.01, failures=2)
+    mw = IdempotencyMiddleware(app, store=store)
+    assert (await request(mw, key="k")).status == 201
+    assert store.calls == 3 and mw.counters.publish_errors == 0
+    assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
 
 
 @pytest.mark.parametrize("delay", [None, 0])  # fails before its first wait / after a bare yield

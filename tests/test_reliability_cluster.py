@@ -1,0 +1,402 @@
+"""Redis Cluster (3 primaries, 3 replicas): script and native modes, failovers, and the
+``wait_replicas`` durability option of RedisStore.
+
+- both modes spread keys over every primary and run each key once;
+- a graceful ``CLUSTER FAILOVER`` in the middle of the load loses nothing, with and without
+  ``wait_replicas``;
+- ``wait_replicas``: the claim and WAIT go to the primary that owns the key on one
+  connection (a stopped replica makes the claim fail, where a WAIT on any other connection
+  would succeed), follow MOVED after a failover, and fail with 503 when too few replicas ack;
+- a forced failover with a lagging replica under load, with and without ``wait_replicas``:
+  how many handler runs the failover duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
+from rel_cluster import failover, settled_cluster, shards, wait_settled
+from rel_common import FULL, pick, record
+from rel_failover import FailoverResult, failover_under_load
+from rel_inproc import CountingApp, Tally, send_once, until_done
+from servers import Cluster, Server, start_cluster, start_server
+
+from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore
+from goblin_idem.errors import NotReplicatedError
+from goblin_idem.keys import key_names
+
+KEYS = pick(120, 1200)
+DUPLICATES = 3
+
+
+@pytest.fixture(scope="module")
+def cluster(native_module: Path) -> Iterator[Cluster]:
+    with settled_cluster("redis", modules=[str(native_module)]) as c:
+        yield c
+
+
+async def _initialized(store: RedisStore) -> None:
+    client = store.client
+    assert isinstance(client, RedisCluster)
+    await client.initialize()
+
+
+def _primary_of(store: RedisStore, key: bytes) -> int:
+    client = store.client
+    assert isinstance(client, RedisCluster)
+    node = client.get_node_from_key(key)  # type: ignore[arg-type]
+    assert node is not None
+    return int(node.port)
+
+
+async def _exercise(
+    mw: IdempotencyMiddleware, keys: list[str], tally: Tally, concurrent: int = 12
+) -> None:
+    gate = asyncio.Semaphore(concurrent)
+    deadline = time.monotonic() + 60
+
+    async def one(key: str) -> None:
+        async with gate:
+            await asyncio.gather(*(until_done(mw, key, tally, deadline) for _ in range(DUPLICATES)))
+
+    await asyncio.gather(*(one(k) for k in keys))
+
+
+@pytest.mark.parametrize("mode", ["script", "native"])
+async def test_cluster_spreads_keys_over_every_primary(cluster: Cluster, mode: str) -> None:
+    namespace = f"idem-{mode}-{random.getrandbits(24):06x}"
+    store = RedisStore.from_url(cluster.servers[0].url, cluster=True, mode=mode)  # type: ignore[arg-type]
+    handler = CountingApp(work_s=0.005)
+    mw = IdempotencyMiddleware(handler, store=store, namespace=namespace, lease_seconds=2)
+    keys = [f"{mode}-{i:05d}" for i in range(KEYS)]
+    tally = Tally()
+    try:
+        assert await store.detect() == mode
+        # Warm the cluster client first, so the figures measure steady load.
+        await _initialized(store)
+        started = time.monotonic()
+        await _exercise(mw, keys, tally)
+        duration = time.monotonic() - started
+        replays = [await send_once(mw, k) for k in keys]
+        per_primary: Counter[int] = Counter(
+            _primary_of(store, key_names(namespace.encode(), b"", k.encode()).claim) for k in keys
+        )
+        stored = 0
+        for shard in shards(cluster):
+            with shard.primary.sync_client() as c:
+                stored += sum(1 for _ in c.scan_iter(match=f"{namespace}:*", count=1000))
+    finally:
+        await store.aclose()
+
+    statuses = Counter(a.status for _, a in tally.answers)
+    runs = {k: len(handler.runs[k]) for k in keys}
+    record(
+        f"cluster-{mode}",
+        f"Redis Cluster, {mode} mode: keys over 3 primaries",
+        {
+            "mode": mode,
+            "keys": KEYS,
+            "requests": len(tally.answers),
+            "keys_per_primary": sorted(per_primary.values()),
+            "side_effects": sum(runs.values()),
+            "duplicate_runs": sum(runs.values()) - KEYS,
+            "status_counts": {str(k): v for k, v in sorted(statuses.items())},
+            "duration_s": round(duration, 2),
+        },
+        checks=["keys on all 3 primaries; each key ran once; every key replays afterwards"],
+    )
+    assert len(per_primary) == 3 and min(per_primary.values()) > 0
+    assert stored == 2 * KEYS  # a claim and a result per key, on the primaries
+    assert runs == dict.fromkeys(keys, 1), {k: n for k, n in runs.items() if n != 1}
+    assert all(a.status in (201, 409) and not a.escaped for _, a in tally.answers), statuses
+    for reply in replays:
+        assert reply.status == 201 and reply.replayed, reply
+
+
+@pytest.mark.parametrize("wait", [0, 1])
+async def test_cluster_graceful_failover_under_load(cluster: Cluster, wait: int) -> None:
+    """``CLUSTER FAILOVER`` (the replica catches up before it takes over) loses no write, so
+    no key may run twice. Runs after an exception out of the middleware would be counted
+    apart."""
+    await asyncio.to_thread(wait_settled, cluster)
+    events: list[tuple[str, str]] = []
+    store = RedisStore.from_url(
+        cluster.servers[0].url, cluster=True, mode="script", wait_replicas=wait
+    )
+    handler = CountingApp(work_s=0.005)
+    mw = IdempotencyMiddleware(
+        handler,
+        store=store,
+        namespace=f"gf{wait}-{random.getrandbits(24):06x}",
+        lease_seconds=1,
+        on_event=lambda e, h: events.append((e, h)),
+    )
+    keys = [f"gf-{i:05d}" for i in range(KEYS)]
+    tally = Tally()
+    try:
+        await _initialized(store)
+        victim = shards(cluster)[0]
+        assert victim.replica is not None
+        started = time.monotonic()
+        load = asyncio.create_task(_exercise(mw, keys, tally))
+        await asyncio.sleep(pick(0.3, 1.0))
+        promoted_s = await asyncio.to_thread(failover, victim.replica)
+        await load
+        duration = time.monotonic() - started
+        await asyncio.to_thread(wait_settled, cluster)
+        await asyncio.sleep(1.3)  # claims left by exceptions lapse; their keys may run again
+        for k in keys:
+            await until_done(mw, k, tally, time.monotonic() + 10)
+        replays = [await send_once(mw, k) for k in keys]
+    finally:
+        await store.aclose()
+
+    mw_ns = mw.namespace
+    failed = {h for e, h in events if e == "publish_errors"}
+    escaped_keys = {k for k, a in tally.answers if a.escaped}
+    escaped = Counter(a.escaped.split(":", 1)[0] for _, a in tally.answers if a.escaped)
+    extra = {k: len(handler.runs[k]) - 1 for k in keys if len(handler.runs[k]) > 1}
+    silent = {
+        k: n
+        for k, n in extra.items()
+        if k not in escaped_keys and key_names(mw_ns, b"", k.encode()).hash not in failed
+    }
+    statuses = Counter(a.status for _, a in tally.answers)
+    record(
+        f"cluster-graceful-failover-wait{wait}",
+        f"Redis Cluster, graceful CLUSTER FAILOVER under load, wait_replicas={wait}",
+        {
+            "mode": "script",
+            "wait_replicas": wait,
+            "keys": KEYS,
+            "requests": len(tally.answers),
+            "promotion_ms": round(promoted_s * 1000, 1),
+            "duplicate_runs": sum(extra.values()),
+            "silent_loss_duplicates": sum(silent.values()),
+            "duplicates_after_exception_out_of_middleware": sum(
+                n for k, n in extra.items() if k in escaped_keys
+            ),
+            "exceptions_out_of_middleware": dict(escaped),
+            "status_counts": {str(k): v for k, v in sorted(statuses.items())},
+            "duration_s": round(duration, 2),
+        },
+        checks=[
+            "no key ran twice without an exception out of the middleware or a failed "
+            "publish for it",
+            "wait_replicas=1: no exception out of the middleware at all (with 0, the "
+            "cluster client's own connection races can raise AttributeError: counted, "
+            "reported)",
+            "afterwards every key replays",
+        ],
+    )
+    assert not silent, silent
+    if wait:  # the claim then goes through the store's own primary connections, too
+        assert not escaped, next(a.trace for _, a in tally.answers if a.escaped)
+    for reply in replays:
+        assert reply.status == 201 and reply.replayed, reply
+
+
+async def test_wait_replicas_on_a_primary_with_a_replica() -> None:
+    primary = start_server("redis", args=["--repl-diskless-sync-delay", "0"])
+    replica = start_server("redis", args=["--replicaof", "127.0.0.1", str(primary.port)])
+    handler = CountingApp()
+    store = RedisStore.from_url(primary.url, wait_replicas=1, wait_timeout_ms=300)
+    too_many = RedisStore.from_url(primary.url, wait_replicas=2, wait_timeout_ms=100)
+    try:
+        _wait_link(primary)
+        mw = IdempotencyMiddleware(handler, store=store, lease_seconds=2)
+        names = key_names(b"idem", b"", b"w-1")
+        first = await send_once(mw, "w-1")
+        assert first.status == 201
+        with replica.sync_client() as r:  # WAITed: on the replica once answered
+            assert r.get(names.claim) is not None and r.get(names.result) is not None
+
+        # Asking for more replicas than acknowledge: a clear error, 503, nothing run.
+        with pytest.raises(NotReplicatedError, match=r"[01] of 2") as info:
+            await too_many.claim(b"c{x}", b"r{x}", b"tok", 5)
+        assert isinstance(info.value, redis.exceptions.RedisError)
+        assert "1 of 2" in str(info.value)
+
+        # The replica stops answering: a new key gets 503 and its claim stays for the lease.
+        os.kill(replica.pid, signal.SIGSTOP)
+        try:
+            refused = await send_once(mw, "w-2")
+            assert (refused.status, refused.slug) == (503, "store-unavailable")
+            assert "w-2" not in handler.runs
+            claim_ttl = await store.client.pttl(key_names(b"idem", b"", b"w-2").claim)
+            assert 0 < claim_ttl <= 2000
+            replay = await send_once(mw, "w-1")  # a done key still replays (after the WAIT)
+            assert replay.status == 201 and replay.replayed
+        finally:
+            os.kill(replica.pid, signal.SIGCONT)
+        again = await send_once(mw, "w-2")  # the claim of the refused request holds it ...
+        assert (again.status, again.slug) == (409, "in-flight")
+        await asyncio.sleep(claim_ttl / 1000 + 0.1)  # ... until its lease expires
+        done = await send_once(mw, "w-2")
+        assert done.status == 201 and not done.replayed
+        assert {k: len(v) for k, v in handler.runs.items()} == {"w-1": 1, "w-2": 1}
+    finally:
+        await store.aclose()
+        await too_many.aclose()
+        replica.stop()
+        primary.stop()
+
+
+def _wait_link(primary: Server) -> None:
+    """Until the replica acknowledges writes (after its first sync has loaded)."""
+    deadline = time.monotonic() + 20
+    with primary.sync_client() as r:
+        while True:
+            r.set("replica-ready", 1)
+            if int(r.execute_command("WAIT", 1, 200)) >= 1:
+                r.delete("replica-ready")
+                return
+            assert time.monotonic() < deadline, "the replica never acknowledged"
+
+
+def test_wait_replicas_arguments() -> None:
+    client = redis.asyncio.Redis()
+    with pytest.raises(ValueError):
+        RedisStore(client, wait_replicas=1, wait_timeout_ms=0)
+    with pytest.raises(ValueError):
+        RedisStore(client, wait_replicas=-1)
+    with pytest.raises(TypeError):
+        RedisStore(client, wait_replicas=True)
+    store = RedisStore.from_url("redis://127.0.0.1:1/0", wait_replicas=2, wait_timeout_ms=50)
+    assert (store.wait_replicas, store.wait_timeout_ms) == (2, 50)
+
+
+async def test_wait_replicas_in_a_cluster_follows_the_primary(cluster: Cluster) -> None:
+    await asyncio.to_thread(wait_settled, cluster)
+    store = RedisStore.from_url(
+        cluster.servers[0].url, cluster=True, mode="script", wait_replicas=1, wait_timeout_ms=300
+    )
+    try:
+        await store.detect()
+        layout = shards(cluster)
+        by_port = {s.primary.port: s for s in layout}
+        keys = [f"wc-{i}".encode() for i in range(60)]
+        for k in keys:
+            assert await store.claim(b"c{" + k + b"}", b"r{" + k + b"}", b"tok", 30) is CLAIMED
+            shard = by_port[_primary_of(store, b"c{" + k + b"}")]
+            assert shard.replica is not None
+            with shard.replica.sync_client() as r:  # the claim was acknowledged there
+                r.execute_command("READONLY")
+                assert r.get(b"c{" + k + b"}") == b"tok"
+        assert len({_primary_of(store, b"c{" + k + b"}") for k in keys}) == 3
+
+        # One shard's replica stops: its claims fail (WAIT ran on the connection that
+        # wrote; on any other connection it would have been satisfied), the others go on.
+        stopped = layout[0]
+        assert stopped.replica is not None
+        mine = next(k for k in keys if _primary_of(store, b"c{" + k + b"}") == stopped.primary.port)
+        other = next(
+            k for k in keys if _primary_of(store, b"c{" + k + b"}") != stopped.primary.port
+        )
+        os.kill(stopped.replica.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(NotReplicatedError):
+                await store.claim(b"c2{" + mine + b"}", b"r2{" + mine + b"}", b"tok", 30)
+            assert (
+                await store.claim(b"c2{" + other + b"}", b"r2{" + other + b"}", b"t", 30) is CLAIMED
+            )
+        finally:
+            os.kill(stopped.replica.pid, signal.SIGCONT)
+
+        # A graceful failover: the old primary answers MOVED; the store follows it.
+        await asyncio.to_thread(failover, stopped.replica)
+        await asyncio.to_thread(wait_settled, cluster)
+        assert await store.claim(b"c3{" + mine + b"}", b"r3{" + mine + b"}", b"tok", 30) is CLAIMED
+        assert _primary_of(store, b"c3{" + mine + b"}") == stopped.replica.port
+        with stopped.primary.sync_client() as r:  # now the replica of that shard
+            r.execute_command("READONLY")
+            assert r.get(b"c3{" + mine + b"}") == b"tok"
+        assert (
+            await store.publish(b"r3{" + mine + b"}", b"v", 5000, b"c3{" + mine + b"}", b"tok") == 1
+        )
+        assert ("127.0.0.1", stopped.replica.port) in store._primaries
+    finally:
+        await store.aclose()
+
+
+async def test_cluster_failover_duplicates_with_and_without_wait(native_module: Path) -> None:
+    """A forced failover with a lagging replica loses acknowledged writes; ``wait_replicas=1``
+    keeps the claims and results that answers were based on."""
+    modes = ["script", "native"] if FULL else ["script"]
+    trials = pick(1, 2)
+    results: list[tuple[int, FailoverResult]] = []
+    for mode in modes:
+        for trial in range(1, trials + 1):
+            for wait in (0, 1):
+                result = await failover_under_load(
+                    mode=mode,  # type: ignore[arg-type]
+                    wait_replicas=wait,
+                    modules=[str(native_module)] if mode == "native" else [],
+                    clients=pick(12, 16),
+                    warmup=pick(1.0, 2.0),
+                    after=pick(1.5, 3.0),
+                    lease=pick(1, 2),
+                )
+                results.append((trial, result))
+    for trial, r in results:
+        record(
+            f"failover-{r.mode}-wait{r.wait_replicas}-trial{trial}",
+            f"Redis Cluster forced failover, {r.mode} mode, wait_replicas={r.wait_replicas}"
+            + (f", trial {trial}" if trials > 1 else ""),
+            r.figures(),
+            checks=[
+                "wait_replicas=1: no silent-loss duplicate (only runs whose publish failed "
+                "may run again)",
+                "wait_replicas=0: the lagging replica loses acknowledged claims/results, "
+                "seen as duplicate runs",
+            ],
+            notes=[
+                "the replica of the failed shard lags by 250 ms (a delaying proxy on its "
+                "replication link), so the loss window is visible at loopback speed",
+                "the cluster publish goes as MULTI/EXEC on a plain primary connection "
+                "(redis-py 8.1's async cluster transaction pipeline breaks after a topology "
+                "change)",
+            ],
+        )
+    for _, r in results:
+        assert r.unresolved_keys == 0, r.figures()
+        if r.wait_replicas:
+            assert r.silent_loss_duplicates == 0, r.figures()
+            assert r.escaped_exception_duplicates == 0, r.figures()
+        else:
+            assert r.silent_loss_duplicates > 0, r.figures()  # the scenario does lose writes
+
+
+async def test_cluster_publish_after_a_node_failure_is_a_store_error() -> None:
+    small = start_cluster("redis", masters=3)
+    store = RedisStore.from_url(small.servers[0].url, cluster=True, mode="script", socket_timeout=1)
+    try:
+        client = store.client
+        assert isinstance(client, RedisCluster)
+        await client.initialize()
+        dead = small.servers[2]
+        keys = [f"n{i}".encode() for i in range(100)]
+        on_dead = next(k for k in keys if _primary_of(store, b"c{" + k + b"}") == dead.port)
+        alive = next(k for k in keys if _primary_of(store, b"c{" + k + b"}") != dead.port)
+        assert await store.claim(b"c{" + alive + b"}", b"r{" + alive + b"}", b"t", 30) is CLAIMED
+        dead.kill()
+        with pytest.raises(redis.exceptions.RedisError):
+            await store.claim(b"c{" + on_dead + b"}", b"r{" + on_dead + b"}", b"t", 30)
+        # A publish on a healthy primary must succeed or fail as a store error.
+        try:
+            await store.publish(b"r{" + alive + b"}", b"v", 5000, b"c{" + alive + b"}", b"t")
+        except redis.exceptions.RedisError:
+            pass
+    finally:
+        await store.aclose()
+        small.stop()

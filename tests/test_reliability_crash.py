@@ -1,0 +1,139 @@
+"""Crash: uvicorn workers SIGKILLed in the middle of their handlers.
+
+A two-worker server takes one slow request per key; once every handler has started (each
+INCRed its counter), both workers are killed by PID. A second server on the same Redis then
+gets the duplicates: 409 with Retry-After while the dead runs' leases last; after that, the
+retries run each key once more and complete it, and no key stays blocked past its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+from rel_common import app_headers, header, ms, pct, pick, problem_slug, record
+from rel_http import HttpPool, Response
+from rel_procs import Uvicorn
+from servers import Server, free_port, start_server
+
+KEYS = pick(40, 100)
+LEASE = 2  # seconds; renewed every LEASE / 3 while the worker lives
+POLL = 0.2  # the clients' retry interval after a 409
+BODY = b'{"amount": 250}'
+
+
+@pytest.fixture
+def crash_redis() -> Iterator[Server]:
+    server = start_server("redis")
+    yield server
+    server.stop()
+
+
+async def test_killed_workers_block_until_lease_then_run_once(crash_redis: Server) -> None:
+    env = {"REDIS_URL": crash_redis.url, "LEASE_SECONDS": str(LEASE)}
+    run_id = f"{random.getrandbits(32):08x}"
+    keys = [f"crash-{run_id}-{i:04d}" for i in range(KEYS)]
+    client = crash_redis.client()
+    victim = Uvicorn(free_port(), env, workers=2)
+    survivor = Uvicorn(free_port(), env)
+    try:
+        victim.wait_ready()
+        survivor.wait_ready()
+        async with HttpPool(victim.port, KEYS) as doomed_http, HttpPool(survivor.port, 32) as http:
+            doomed = [
+                asyncio.create_task(doomed_http.post(f"/work/{k}", k, BODY, x_work_ms="60000"))
+                for k in keys
+            ]
+            deadline = time.monotonic() + 20
+            while sum(int(v or 0) for v in await client.mget([f"runs:{k}" for k in keys])) < KEYS:
+                assert time.monotonic() < deadline, "not every handler started"
+                await asyncio.sleep(0.02)
+            killed = victim.kill_workers()
+            killed_at = time.monotonic()
+            lost = await asyncio.gather(*doomed, return_exceptions=True)
+            assert all(isinstance(x, Exception) for x in lost)  # no client got an answer
+
+            # Right after the crash, every duplicate is refused: the dead runs hold the keys.
+            first = await asyncio.gather(*(http.post(f"/work/{k}", k, BODY) for k in keys))
+            first_round_s = time.monotonic() - killed_at
+            for reply in first:
+                assert reply.status == 409, reply
+                assert reply.header(b"retry-after") == b"1"
+                assert problem_slug(reply.status, reply.headers, reply.body) == "in-flight"
+
+            # Retrying: 409 until the lease lapses, then exactly one run completes the key.
+            refused = {k: 1 for k in keys}
+            done: dict[str, tuple[float, Response]] = {}
+
+            async def retry(key: str) -> None:
+                await asyncio.sleep(random.uniform(0, POLL))
+                while True:
+                    reply = await http.post(f"/work/{key}", key, BODY)
+                    if reply.status == 201:
+                        done[key] = (time.monotonic() - killed_at, reply)
+                        return
+                    assert reply.status == 409 and reply.header(b"retry-after") == b"1", reply
+                    refused[key] += 1
+                    assert time.monotonic() - killed_at < LEASE + 10, f"{key} stuck"
+                    await asyncio.sleep(POLL)
+
+            await asyncio.gather(*(retry(k) for k in keys))
+
+            # The restarted workers (the supervisor replaced the killed ones) replay too.
+            victim.wait_ready()
+            replacements = victim.worker_pids()
+            assert not set(replacements) & set(killed)
+            again = await asyncio.gather(*(http.post(f"/work/{k}", k, BODY) for k in keys))
+            async with HttpPool(victim.port, 16) as http2:
+                again += await asyncio.gather(*(http2.post(f"/work/{k}", k, BODY) for k in keys))
+        runs = [int(v or 0) for v in await client.mget([f"runs:{k}" for k in keys])]
+    finally:
+        victim.stop()
+        survivor.stop()
+        await client.aclose()
+
+    for key, reply in zip(keys * 2, again, strict=True):
+        original = done[key][1]
+        assert reply.status == 201 and reply.body == original.body
+        assert reply.header(b"idempotent-replayed") == b"true"
+        assert app_headers(reply.headers) == app_headers(original.headers)
+        assert header(original.headers, b"idempotent-replayed") is None
+        assert json.loads(original.body)["run"] == 2  # the killed run, then this one
+
+    completed_after = [t for t, _ in done.values()]
+    record(
+        "crash",
+        "Crash: workers SIGKILLed mid-handler",
+        {
+            "keys": KEYS,
+            "workers_killed": len(killed),
+            "lease_s": LEASE,
+            "first_duplicates_409": len(first),
+            "first_round_after_kill_ms": ms(first_round_s),
+            "refused_409_before_lease_end": sum(refused.values()),
+            "completed_min_after_kill_s": round(min(completed_after), 2),
+            "completed_p50_after_kill_s": round(pct(completed_after, 50), 2),
+            "completed_max_after_kill_s": round(max(completed_after), 2),
+            "side_effects": sum(runs),
+            "runs_per_key": sorted(set(runs)),
+            "answers_after_completion_not_replayed": sum(
+                1 for r in again if r.header(b"idempotent-replayed") is None
+            ),
+        },
+        checks=[
+            "every duplicate right after the kill: 409 in-flight with Retry-After",
+            f"each key completes between 0.5 x lease and lease + 3 s ({POLL} s retry "
+            "interval) after the kill",
+            "counter per key == 2 (the killed run and the one completion); replays from "
+            "both servers are byte-identical",
+        ],
+    )
+    assert runs == [2] * KEYS
+    # Blocked while the lease lasted (the last renewal was at most LEASE / 3 before the kill) ...
+    assert min(completed_after) >= 0.5 * LEASE
+    # ... and not stuck beyond it.
+    assert max(completed_after) <= LEASE + 3.0

@@ -1,0 +1,173 @@
+"""Memory: what a completed key costs in Redis, and that MemoryStore does not grow without
+bound.
+
+Redis: N keys completed through the middleware (a 100-byte JSON body and two headers each);
+the figures are the ``used_memory`` delta per key and ``MEMORY USAGE`` samples of the claim
+and the result, each less the body. MemoryStore: waves of keys with a one-second TTL; once a
+wave has expired, the next wave's writes reclaim it, so the entries held (and the memory
+traced) stay at about one wave, however many waves pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import random
+import time
+import tracemalloc
+from collections.abc import Iterator
+
+import pytest
+from asgi import request
+from rel_common import mean, pick, record
+from servers import Server, start_server
+from starlette.types import Receive, Scope, Send
+
+from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
+from goblin_idem.keys import key_names
+
+REDIS_KEYS = pick(3_000, 100_000)
+WAVE = pick(2_000, 10_000)
+WAVES = pick(3, 10)
+BODY_BYTES = 100
+CONCURRENCY = 64
+
+
+class FixedApp:
+    """A 100-byte JSON body, content-type and content-length: a typical small API answer."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        key = scope["path"].rsplit("/", 1)[-1]
+        body = json.dumps({"id": key, "status": "paid", "pad": ""}).encode()
+        body = body[:-2] + b"x" * (BODY_BYTES - len(body)) + b'"}'
+        assert len(body) == BODY_BYTES
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+        await send({"type": "http.response.start", "status": 201, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def complete(mw: IdempotencyMiddleware, keys: list[str]) -> None:
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(key: str) -> None:
+        async with gate:
+            reply = await request(mw, "POST", f"/orders/{key}", key=key, body=b"{}")
+            assert reply.status == 201
+
+    await asyncio.gather(*(one(k) for k in keys))
+
+
+@pytest.fixture
+def memory_redis() -> Iterator[Server]:
+    server = start_server("redis")
+    yield server
+    server.stop()
+
+
+async def test_redis_bytes_per_completed_key(memory_redis: Server) -> None:
+    store = RedisStore.from_url(memory_redis.url, mode="script")
+    client = store.client
+    mw = IdempotencyMiddleware(FixedApp(), store=store)
+    keys = [f"mem-{i:07d}-{random.getrandbits(24):06x}" for i in range(REDIS_KEYS)]
+    try:
+        await complete(mw, keys[:10])  # scripts loaded, connections open
+        await client.flushall()
+        before = (await client.info("memory"))["used_memory"]
+        started = time.monotonic()
+        await complete(mw, keys)
+        duration = time.monotonic() - started
+        after = (await client.info("memory"))["used_memory"]
+        dbsize = await client.dbsize()
+        sample = random.sample(keys, min(500, len(keys)))
+        usage_claim, usage_result, record_len = [], [], []
+        for k in sample:
+            names = key_names(b"idem", b"", k.encode())
+            usage_claim.append(await client.memory_usage(names.claim, samples=0))
+            usage_result.append(await client.memory_usage(names.result, samples=0))
+            record_len.append(await client.strlen(names.result))
+        version = (await client.info("server"))["redis_version"]
+    finally:
+        await store.aclose()
+
+    per_key = (after - before) / REDIS_KEYS
+    usage_pair = mean(usage_claim) + mean(usage_result)
+    record(
+        "memory-redis",
+        "Memory: Redis bytes per completed key",
+        {
+            "server": f"redis {version}",
+            "keys": REDIS_KEYS,
+            "body_bytes": BODY_BYTES,
+            "used_memory_delta_bytes": after - before,
+            "used_memory_per_key": round(per_key, 1),
+            "overhead_per_key_beyond_body_used_memory": round(per_key - BODY_BYTES, 1),
+            "memory_usage_claim_avg": round(mean(usage_claim), 1),
+            "memory_usage_result_avg": round(mean(usage_result), 1),
+            "overhead_per_key_beyond_body_memory_usage": round(usage_pair - BODY_BYTES, 1),
+            "stored_record_bytes_avg": round(mean(record_len), 1),
+            "record_bytes_beyond_body": round(mean(record_len) - BODY_BYTES, 1),
+            "fill_duration_s": round(duration, 2),
+            "keys_per_s": round(REDIS_KEYS / duration),
+        },
+        checks=["2 keys per completed request (claim and result), nothing else stored"],
+        notes=[
+            "body: 100-byte JSON with content-type and content-length headers; "
+            "MEMORY USAGE with SAMPLES 0 on 500 random keys",
+            "the used_memory delta also carries the growth of the key and expiry tables "
+            "(power-of-two sized), so it depends on the number of keys",
+        ],
+    )
+    assert dbsize == 2 * REDIS_KEYS
+    # A sanity bound, not a target (the used_memory delta also carries the key tables'
+    # power-of-two growth, which dominates at small sizes).
+    assert 0 < usage_pair - BODY_BYTES < 1000
+
+
+async def test_memory_store_reclaims_expired_entries() -> None:
+    store = MemoryStore()
+    mw = IdempotencyMiddleware(FixedApp(), store=store, ttl_seconds=1, lease_seconds=2)
+    held, traced, heap = [], [], []
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for wave in range(WAVES):
+            await complete(mw, [f"w{wave}-{i}" for i in range(WAVE)])
+            gc.collect()
+            held.append(len(store))
+            heap.append(len(store._deadlines))
+            traced.append(tracemalloc.get_traced_memory()[0] - base)
+            await asyncio.sleep(1.05)  # this wave expires before the next one writes
+        idle_len = len(store)
+    finally:
+        tracemalloc.stop()
+
+    record(
+        "memory-memorystore",
+        "Memory: MemoryStore under waves of expiring keys",
+        {
+            "waves": WAVES,
+            "keys_per_wave": WAVE,
+            "keys_total": WAVES * WAVE,
+            "ttl_s": 1,
+            "entries_held_after_each_wave": held,
+            "deadline_heap_after_each_wave": heap,
+            "traced_kib_after_each_wave": [round(t / 1024) for t in traced],
+            "entries_held_when_idle": idle_len,
+        },
+        checks=[
+            "entries held after every wave <= 2 x wave + 64 (the live wave, not the total)",
+            "traced memory after the last wave <= 1.5 x after the second",
+        ],
+        notes=[
+            "expired entries are reclaimed lazily, up to 64 per write; an idle store keeps "
+            "its last wave until it is written to again",
+            "the deadline heap keeps each claim's lease-length entry until that deadline "
+            "passes (lease_seconds = 2 here; 30 by default), so it holds about requests per "
+            "lease on top of the live keys",
+        ],
+    )
+    assert all(n <= 2 * WAVE + 64 for n in held), held
+    assert traced[-1] <= 1.5 * traced[1], traced
