@@ -28,7 +28,7 @@ async def work(request: Request) -> JSONResponse:
     return JSONResponse({"run": runs}, status_code=201)
 
 
-app = Starlette(routes=[Route("/health", health), Route("/work/{name}", work, methods=["POST"])])
+app = Starlette(routes=[Route("/health", health), Route("/task/{name}", work, methods=["POST"])])
 app.add_middleware(
     IdempotencyMiddleware, store=store, lease_seconds=int(os.environ.get("LEASE_SECONDS", "30"))
 )

@@ -1,6 +1,6 @@
 """The app the reliability suite serves with uvicorn (one or several worker processes).
 
-``POST /work/{name}`` is the handler under test: each real run appends one line to the side
+``POST /task/{name}`` is the handler under test: each real run appends one line to the side
 effect log (``SIDE_LOG``, if set: wall-clock start time, pid, name), INCRs ``runs:{name}`` in
 the store (``COUNT_IN_STORE``, on by default), then works for the milliseconds its
 ``X-Work-Ms`` header asks for (a header, so that a retry without it is the same request) and
@@ -70,7 +70,7 @@ app = Starlette(
     routes=[
         Route("/health", health),
         Route("/stats", stats),
-        Route("/work/{name}", work, methods=["POST"]),
+        Route("/task/{name}", work, methods=["POST"]),
     ]
 )
 app.add_middleware(

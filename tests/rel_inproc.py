@@ -65,7 +65,7 @@ async def send_once(app: ASGIApp, key: str, body: bytes = b"{}") -> Answer:
     server would drop the connection or answer 500)."""
     start = time.monotonic()
     try:
-        reply = await request(app, "POST", f"/work/{key}", key=key, body=body)
+        reply = await request(app, "POST", f"/task/{key}", key=key, body=body)
     except Exception as exc:
         return Answer(
             0,

@@ -19,7 +19,7 @@ async def test_worker_killed_mid_handler(redis_server: Server) -> None:
     port = free_port()
     worker = start_uvicorn(port, env)
     replacement = None
-    url = f"http://127.0.0.1:{port}/work/charge"
+    url = f"http://127.0.0.1:{port}/task/charge"
     headers = {"Idempotency-Key": "order-1"}
     try:
         async with httpx.AsyncClient(timeout=10) as http:

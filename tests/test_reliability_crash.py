@@ -45,7 +45,7 @@ async def test_killed_workers_block_until_lease_then_run_once(crash_redis: Serve
         survivor.wait_ready()
         async with HttpPool(victim.port, KEYS) as doomed_http, HttpPool(survivor.port, 32) as http:
             doomed = [
-                asyncio.create_task(doomed_http.post(f"/work/{k}", k, BODY, x_work_ms="60000"))
+                asyncio.create_task(doomed_http.post(f"/task/{k}", k, BODY, x_work_ms="60000"))
                 for k in keys
             ]
             deadline = time.monotonic() + 20
@@ -58,7 +58,7 @@ async def test_killed_workers_block_until_lease_then_run_once(crash_redis: Serve
             assert all(isinstance(x, Exception) for x in lost)  # no client got an answer
 
             # Right after the crash, every duplicate is refused: the dead runs hold the keys.
-            first = await asyncio.gather(*(http.post(f"/work/{k}", k, BODY) for k in keys))
+            first = await asyncio.gather(*(http.post(f"/task/{k}", k, BODY) for k in keys))
             first_round_s = time.monotonic() - killed_at
             for reply in first:
                 assert reply.status == 409, reply
@@ -72,7 +72,7 @@ async def test_killed_workers_block_until_lease_then_run_once(crash_redis: Serve
             async def retry(key: str) -> None:
                 await asyncio.sleep(random.uniform(0, POLL))
                 while True:
-                    reply = await http.post(f"/work/{key}", key, BODY)
+                    reply = await http.post(f"/task/{key}", key, BODY)
                     if reply.status == 201:
                         done[key] = (time.monotonic() - killed_at, reply)
                         return
@@ -87,9 +87,9 @@ async def test_killed_workers_block_until_lease_then_run_once(crash_redis: Serve
             victim.wait_ready()
             replacements = victim.worker_pids()
             assert not set(replacements) & set(killed)
-            again = await asyncio.gather(*(http.post(f"/work/{k}", k, BODY) for k in keys))
+            again = await asyncio.gather(*(http.post(f"/task/{k}", k, BODY) for k in keys))
             async with HttpPool(victim.port, 16) as http2:
-                again += await asyncio.gather(*(http2.post(f"/work/{k}", k, BODY) for k in keys))
+                again += await asyncio.gather(*(http2.post(f"/task/{k}", k, BODY) for k in keys))
         runs = [int(v or 0) for v in await client.mget([f"runs:{k}" for k in keys])]
     finally:
         victim.stop()

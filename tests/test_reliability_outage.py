@@ -81,7 +81,7 @@ async def test_store_outage_answers_503_runs_nothing_and_recovers(
             async def one(key: str) -> Sent:
                 start = time.time()
                 try:
-                    reply = await http.post(f"/work/{key}", key, b"{}", x_work_ms="20")
+                    reply = await http.post(f"/task/{key}", key, b"{}", x_work_ms="20")
                 except Exception as exc:
                     return Sent(key, start, time.time(), 0, error=repr(exc))
                 s = Sent(key, start, time.time(), reply.status)

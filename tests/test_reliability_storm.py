@@ -51,7 +51,7 @@ async def test_storm_four_workers_each_key_runs_once(storm_redis: Server) -> Non
             async def send(key: str) -> None:
                 await asyncio.sleep(rng.uniform(0, 0.04))  # arrivals spread over ~2 runs
                 start = time.monotonic()
-                reply = await http.post(f"/work/{key}", key, BODY, x_work_ms="20")
+                reply = await http.post(f"/task/{key}", key, BODY, x_work_ms="20")
                 answers[key].append(
                     (reply.status, reply.headers, reply.body, time.monotonic() - start)
                 )
@@ -67,7 +67,7 @@ async def test_storm_four_workers_each_key_runs_once(storm_redis: Server) -> Non
             duration = time.monotonic() - started
 
             # Afterwards every key replays its original, from whichever worker answers.
-            replies = await asyncio.gather(*(http.post(f"/work/{k}", k, BODY) for k in keys))
+            replies = await asyncio.gather(*(http.post(f"/task/{k}", k, BODY) for k in keys))
             finals: dict[str, Response] = dict(zip(keys, replies, strict=True))
         still_running = server.worker_pids()
 
