@@ -768,29 +768,34 @@ async def test_unreadable_record_is_503_not_a_rerun() -> None:
 # -- counting round trips at the server ------------------------------------------------------
 
 
+async def commands_during(client: Any, action: Callable[[], Any]) -> dict[str, int]:
+    """The server's command calls while `action` runs (INFO commandstats after a reset)."""
+    await client.execute_command("CONFIG", "RESETSTAT")
+    await action()
+    stats = await client.info("commandstats")
+    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
+    calls.pop("config|resetstat", None)
+    return calls
+
+
+@pytest.fixture
+def request_(request: pytest.FixtureRequest) -> pytest.FixtureRequest:
+    return request
+
+
 @pytest.mark.parametrize("kind", ["redis", "valkey"])
 async def test_round_trips_per_request(request_: Any, kind: str) -> None:
     server: Server = request_.getfixturevalue(f"{kind}_server")
-    store = RedisStore.from_url(server.url, mode="script")
-    await store.detect()
-    handler = Handler(delay=0.3)
-    mw = IdempotencyMiddleware(handler, store=store)
+    store = RedisStore.from_url(server.url)
+    assert await store.detect() == "script"  # detection loads the scripts: no NOSCRIPT below
+    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
     client = store.client
-
-    async def commands(action: Callable[[], Any]) -> dict[str, int]:
-        await client.execute_command("CONFIG", "RESETSTAT")
-        await action()
-        stats = await client.info("commandstats")
-        calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
-        calls.pop("config|resetstat", None)
-        return calls
-
     try:
         await client.flushall()
         # commandstats also counts the calls a script makes (set/get/pexpire inside EVALSHA).
         # New key, 2 round trips: CLAIM (EVALSHA: set NX), then the publish, one pipelined
         # MULTI / SET / EVALSHA (get, pexpire) / EXEC.
-        assert await commands(lambda: request(mw, key="new")) == {
+        assert await commands_during(client, lambda: request(mw, key="new")) == {
             "evalsha": 2,
             "multi": 1,
             "set": 2,
@@ -799,28 +804,21 @@ async def test_round_trips_per_request(request_: Any, kind: str) -> None:
             "exec": 1,
         }
         # Replay, 1 round trip: CLAIM (EVALSHA: set NX fails, get result).
-        assert await commands(lambda: request(mw, key="new")) == {"evalsha": 1, "set": 1, "get": 1}
-        assert await commands(lambda: request(mw)) == {}  # no key: nothing at all
+        replay = await commands_during(client, lambda: request(mw, key="new"))
+        assert replay == {"evalsha": 1, "set": 1, "get": 1}
+        assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
 
-        async def in_flight() -> None:
-            task = asyncio.create_task(request(mw, key="slow"))
-            await asyncio.sleep(0.1)
-            await client.execute_command("CONFIG", "RESETSTAT")
+        first = asyncio.create_task(request(mw, key="slow"))
+        await asyncio.sleep(0.1)
+
+        async def duplicate() -> None:
             assert (await request(mw, key="slow")).status == 409
-            stats = await client.info("commandstats")
-            calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
-            calls.pop("config|resetstat", None)
-            assert calls == {"evalsha": 1, "set": 1, "get": 1}  # 1 round trip
-            await task
 
-        await in_flight()
+        # In flight, 1 round trip: the same CLAIM as a replay.
+        assert await commands_during(client, duplicate) == {"evalsha": 1, "set": 1, "get": 1}
+        await first
     finally:
         await store.aclose()
-
-
-@pytest.fixture
-def request_(request: pytest.FixtureRequest) -> pytest.FixtureRequest:
-    return request
 
 
 @pytest.mark.parametrize("kind", ["redis", "valkey"])
@@ -832,19 +830,15 @@ async def test_round_trips_per_request_native(request_: Any, kind: str) -> None:
     client = store.client
     try:
         await client.flushall()
-        await client.execute_command("CONFIG", "RESETSTAT")
-        await request(mw, key="new")
-        stats = await client.info("commandstats")
-        calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
-        calls.pop("config|resetstat", None)
         # CLAIM, then MULTI / SET / GOBLIN.CAEXPIRE / EXEC pipelined: 2 round trips
-        assert calls == {"goblin.claim": 1, "multi": 1, "set": 1, "goblin.caexpire": 1, "exec": 1}
-        await client.execute_command("CONFIG", "RESETSTAT")
-        assert (await request(mw, key="new")).header("idempotent-replayed") == b"true"
-        stats = await client.info("commandstats")
-        calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
-        calls.pop("config|resetstat", None)
-        assert calls == {"goblin.claim": 1}
+        assert await commands_during(client, lambda: request(mw, key="new")) == {
+            "goblin.claim": 1,
+            "multi": 1,
+            "set": 1,
+            "goblin.caexpire": 1,
+            "exec": 1,
+        }
+        assert await commands_during(client, lambda: request(mw, key="new")) == {"goblin.claim": 1}
     finally:
         await store.aclose()
 
