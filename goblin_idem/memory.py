@@ -6,7 +6,7 @@ import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 from redis.exceptions import ResponseError
 
@@ -30,11 +30,27 @@ DEFAULT_MAX_VALUE_BYTES = 512 * 1024 * 1024
 _EVICT_PER_WRITE = 64
 
 
+# A string is stored as a (value, deadline) tuple: a tuple of bytes and a float (or None)
+# is not tracked by the garbage collector, so the completed keys a busy store holds add
+# nothing to a full collection's pause, as an object per entry would. Deadlines are
+# time.monotonic() seconds, None for no TTL.
+_String: TypeAlias = tuple[bytes, "float | None"]
+
+
 @dataclass(slots=True)
-class _Entry:
-    value: bytes | dict[bytes, bytes] | dict[bytes, float]
-    kind: str  # "string", "hash" or "zset": enough for WRONGTYPE to mean what it does on Redis
-    deadline: float | None  # time.monotonic() seconds, None for no TTL
+class _Collection:
+    """A hash or sorted set: enough for WRONGTYPE to mean what it does on Redis."""
+
+    members: dict[bytes, bytes] | dict[bytes, float]
+    kind: str  # "hash" or "zset"
+    deadline: float | None = None
+
+
+_Entry: TypeAlias = "_String | _Collection"
+
+
+def _deadline(entry: _Entry) -> float | None:
+    return entry[1] if isinstance(entry, tuple) else entry.deadline
 
 
 class MemoryStore:
@@ -71,29 +87,31 @@ class MemoryStore:
 
     def _live(self, key: bytes) -> _Entry | None:
         entry = self._data.get(key)
-        if entry is not None and entry.deadline is not None and entry.deadline <= time.monotonic():
-            del self._data[key]
-            return None
+        if entry is not None:
+            deadline = _deadline(entry)
+            if deadline is not None and deadline <= time.monotonic():
+                del self._data[key]
+                return None
+        return entry
+
+    def _live_string(self, key: bytes) -> _String | None:
+        entry = self._live(key)
+        if entry is not None and not isinstance(entry, tuple):
+            raise ResponseError(WRONGTYPE)
         return entry
 
     def _string(self, key: bytes) -> bytes | None:
-        entry = self._live(key)
-        if entry is None:
-            return None
-        if entry.kind != "string":
-            raise ResponseError(WRONGTYPE)
-        return entry.value  # type: ignore[return-value]
+        entry = self._live_string(key)
+        return None if entry is None else entry[0]
 
-    def _expire_at(self, key: bytes, entry: _Entry, deadline: float | None) -> None:
-        entry.deadline = deadline
+    def _store(self, key: bytes, value: bytes, deadline: float | None) -> None:
+        self._data[key] = (value, deadline)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, key))
 
     def _put(self, key: bytes, value: bytes, deadline: float | None) -> None:
         self._evict()
-        entry = _Entry(check_size(value, self.max_value_bytes), "string", None)
-        self._data[key] = entry
-        self._expire_at(key, entry, deadline)
+        self._store(key, check_size(value, self.max_value_bytes), deadline)
 
     def _evict(self) -> None:
         """Drop up to a few entries whose deadline passed (a heap item may be stale: the
@@ -105,8 +123,10 @@ class MemoryStore:
                 return
             _, key = heapq.heappop(heap)
             entry = self._data.get(key)
-            if entry is not None and entry.deadline is not None and entry.deadline <= now:
-                del self._data[key]
+            if entry is not None:
+                deadline = _deadline(entry)
+                if deadline is not None and deadline <= now:
+                    del self._data[key]
 
     # -- the four GOBLIN commands --
 
@@ -131,15 +151,16 @@ class MemoryStore:
         if ttl <= 0:
             del self._data[k]
         else:
-            self._expire_at(k, self._data[k], time.monotonic() + ttl / 1000)
+            self._store(k, e, time.monotonic() + ttl / 1000)
         return 1
 
     async def cas(self, key: KeyT, expected: KeyT, new: KeyT) -> bool:
         k, e = as_bytes(key), as_bytes(expected, "expected")
         n = check_size(as_bytes(new, "new"), self.max_value_bytes)
-        if self._string(k) != e:
+        entry = self._live_string(k)
+        if entry is None or entry[0] != e:
             return False
-        self._data[k].value = n  # the entry's deadline, its TTL, stays as it was
+        self._data[k] = (n, entry[1])  # the deadline, its TTL, stays as it was
         return True
 
     async def cad(self, key: KeyT, expected: KeyT) -> int:
@@ -203,9 +224,10 @@ class MemoryStore:
         entry = self._live(as_bytes(key))
         if entry is None:
             return -2
-        if entry.deadline is None:
+        deadline = _deadline(entry)
+        if deadline is None:
             return -1
-        return max(0, round((entry.deadline - time.monotonic()) * 1000))
+        return max(0, round((deadline - time.monotonic()) * 1000))
 
     async def delete(self, *keys: KeyT) -> int:
         removed = 0
@@ -228,10 +250,10 @@ class MemoryStore:
         self._evict()
         entry = self._live(key)
         if entry is None:
-            entry = self._data[key] = _Entry({}, kind, None)
-        elif entry.kind != kind:
+            entry = self._data[key] = _Collection({}, kind)
+        elif isinstance(entry, tuple) or entry.kind != kind:
             raise ResponseError(WRONGTYPE)
-        members: dict[bytes, object] = entry.value  # type: ignore[assignment]
+        members: dict[bytes, object] = entry.members  # type: ignore[assignment]
         added = int(member not in members)
         members[member] = value
         return added

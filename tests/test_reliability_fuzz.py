@@ -233,7 +233,7 @@ def check(
 
 async def stored_items(store: Store, namespace: bytes) -> list[tuple[bytes, bytes]]:
     if isinstance(store, MemoryStore):
-        return [(k, e.value) for k, e in store._data.items() if isinstance(e.value, bytes)]
+        return [(k, e[0]) for k, e in store._data.items() if isinstance(e, tuple)]
     assert isinstance(store, RedisStore)
     client = store.client
     items = []

@@ -4,6 +4,7 @@ MemoryStore's eviction, and what happens when a server is not there."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 
@@ -250,6 +251,22 @@ async def test_memory_store_renewals_do_not_leak() -> None:
         await store.set(f"x{i}", "v")
     assert await store.get("lease") is None
     assert len(store._deadlines) == 0  # stale deadlines of the renewals were dropped too
+
+
+async def test_memory_store_entries_add_nothing_for_the_garbage_collector() -> None:
+    """A busy store holds many completed keys: a full collection must not walk them."""
+    store = MemoryStore()
+    await store.hset("h", "f", "v")  # a collection is an object; strings are not
+    gc.collect()
+    tracked = len(gc.get_objects())
+    for i in range(5000):
+        assert await store.claim(f"c{i}", f"r{i}", "tok", 30) is CLAIMED
+        assert await store.publish(f"r{i}", b"result", 60_000, f"c{i}", "tok") == 1
+        assert await store.cas(f"c{i}", "tok", "tok2")
+    gc.collect()
+    assert len(store) == 10_001
+    assert len(gc.get_objects()) - tracked < 50
+    assert await store.pttl("c7") > 59_000 and await store.get("c7") == b"tok2"
 
 
 async def test_memory_store_set_options() -> None:
