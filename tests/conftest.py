@@ -14,8 +14,17 @@ from goblin_idem.store import Store
 
 # Every store the conformance suite runs against: the embedded store; the Lua scripts on a
 # real redis-server 7 and valkey-server 9; and the same servers with the goblin module loaded,
-# answering GOBLIN.* natively.
-BACKENDS = ["memory", "redis-script", "valkey-script", "redis-native", "valkey-native"]
+# answering GOBLIN.* natively. RedisStore auto-pipelines by default; the "-direct" ones send
+# every call through redis-py instead (autopipeline=False).
+BACKENDS = [
+    "memory",
+    "redis-script",
+    "valkey-script",
+    "redis-native",
+    "valkey-native",
+    "redis-script-direct",
+    "redis-native-direct",
+]
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +85,7 @@ class Backend:
 
 def server_for(request: pytest.FixtureRequest, name: str) -> Server:
     """ "redis-script" runs on a stock server, "redis-native" on one with the module."""
-    kind, mode = name.split("-", 1)
+    kind, mode = name.split("-")[:2]
     fixture = f"{kind}_native_server" if mode == "native" else f"{kind}_server"
     server: Server = request.getfixturevalue(fixture)
     return server
@@ -89,7 +98,8 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
         yield Backend(name, MemoryStore())
         return
     server = server_for(request, name)
-    store = RedisStore.from_url(server.url, mode=name.split("-", 1)[1])  # type: ignore[arg-type]
+    _, mode, *direct = name.split("-")
+    store = RedisStore.from_url(server.url, mode=mode, autopipeline=not direct)  # type: ignore[arg-type]
     client = store.client
     assert isinstance(client, redis.asyncio.Redis)
     await client.flushall()

@@ -1,0 +1,238 @@
+"""RedisStore's shared, auto-pipelined connection on a real redis-server: batching, reply
+order under concurrency and cancellation, timeouts, broken connections, the handshake, and
+when it steps aside for redis-py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio
+from redis.exceptions import AuthenticationError, DataError, NoScriptError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from servers import Server, start_server
+
+from goblin_idem import CLAIMED, RedisStore
+from goblin_idem.autopipeline import AutoPipeline, pack
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    """A server of the test's own: these tests stop, pause and kill its connections."""
+    s = start_server("redis")
+    yield s
+    if s.running():
+        os.kill(s.pid, signal.SIGCONT)
+    s.stop()
+
+
+@pytest.fixture
+async def store(server: Server) -> AsyncIterator[RedisStore]:
+    s = RedisStore.from_url(server.url, mode="script", socket_timeout=0.5)
+    yield s
+    await s.aclose()
+
+
+async def reads_processed(client: redis.asyncio.Redis) -> int:
+    return int((await client.info("stats"))["total_reads_processed"])
+
+
+def pipeline_of(store: RedisStore) -> AutoPipeline:
+    assert store._pipeline is not None
+    return store._pipeline
+
+
+def test_pack_is_resp_and_refuses_what_redis_py_refuses() -> None:
+    assert pack([("SET", b"k\r\n", 5), ("GET", "é")]) == (
+        b"*3\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$1\r\n5\r\n*2\r\n$3\r\nGET\r\n$2\r\n\xc3\xa9\r\n"
+    )
+    with pytest.raises(DataError):
+        pack([("SET", "k", True)])
+    with pytest.raises(DataError):
+        pack([("SET", "k", 1.5)])
+
+
+async def test_concurrent_calls_share_writes_and_get_their_own_replies(
+    server: Server, store: RedisStore
+) -> None:
+    async with server.client() as observer:
+        for i in range(0, 200, 2):  # half the keys done, with a result naming them
+            await observer.set(f"c{i}", "other")
+            await observer.set(f"r{i}", f"result {i}")
+        assert await store.cad("warm-up", "x") == 0  # scripts loaded, connection open
+        before = await reads_processed(observer)
+        replies = await asyncio.gather(
+            *(store.claim(f"c{i}", f"r{i}", f"t{i}", 30) for i in range(200))
+        )
+        reads = await reads_processed(observer) - before
+        for i, reply in enumerate(replies):
+            assert reply == (f"result {i}".encode() if i % 2 == 0 else CLAIMED)
+        for i in range(1, 200, 2):
+            assert await observer.get(f"c{i}") == f"t{i}".encode()
+        # 200 calls from one turn of the loop reach the server in a few reads (the kernel
+        # may split the one write), not 200.
+        assert reads <= 30, reads
+
+
+async def test_transactions_and_single_calls_interleave_without_mixing(
+    server: Server, store: RedisStore
+) -> None:
+    async def first_run(i: int) -> tuple[object, int, bool]:
+        claimed = await store.claim(f"c{i}", f"r{i}", f"t{i}", 30)
+        published = await store.publish(f"r{i}", f"v{i}".encode(), 60_000, f"c{i}", f"t{i}")
+        swapped = await store.cas(f"x{i}", "nope", "new")
+        return claimed, published, swapped
+
+    results = await asyncio.gather(*(first_run(i) for i in range(100)))
+    assert results == [(CLAIMED, 1, False)] * 100
+    replays = await asyncio.gather(*(store.claim(f"c{i}", f"r{i}", "late", 30) for i in range(100)))
+    assert replays == [f"v{i}".encode() for i in range(100)]
+    async with server.client() as observer:
+        assert 59_000 < await observer.pttl("c7") <= 60_000  # CAEXPIRE ran in the same EXEC
+
+
+async def test_errors_come_back_in_place_with_redis_py_classes(
+    server: Server, store: RedisStore
+) -> None:
+    async with server.client() as observer:
+        await observer.hset("h", "f", "v")
+    good, bad, good2 = await asyncio.gather(
+        store.cas("s", "a", "b"),
+        store.cas("h", "a", "b"),
+        store.cad("s", "a"),
+        return_exceptions=True,
+    )
+    assert good is False and good2 == 0
+    assert type(bad) is ResponseError
+    assert str(bad) == "WRONGTYPE Operation against a key holding the wrong kind of value"
+    [noscript] = await pipeline_of(store).execute([("EVALSHA", "0" * 40, 0)])
+    assert isinstance(noscript, NoScriptError)
+
+
+async def test_script_cache_flushed_under_the_store_reloads_and_runs_once(
+    server: Server, store: RedisStore
+) -> None:
+    assert await store.claim("c", "r", "t", 30) is CLAIMED
+    async with server.client() as observer:
+        await observer.script_flush()
+        assert await store.publish("r", b"done", 60_000, "c", "t") == 1  # NOSCRIPT inside EXEC
+        await observer.script_flush()
+        assert await store.claim("c", "r", "t2", 30) == b"done"
+        await observer.script_flush()
+        assert await store.caexpire_many([("c", "t", 5_000), ("zz", "t", 5_000)]) == [1, 0]
+        assert await observer.get("r") == b"done"
+
+
+async def test_a_silent_server_times_out_every_call_in_flight_then_recovers(
+    server: Server, store: RedisStore
+) -> None:
+    assert await store.claim("c0", "r0", "t", 30) is CLAIMED
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        replies = await asyncio.gather(
+            *(store.claim(f"c{i}", f"r{i}", "t", 30) for i in range(1, 6)),
+            return_exceptions=True,
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert all(isinstance(r, RedisTimeoutError) for r in replies), replies
+    assert 0.4 < elapsed < 2.0  # socket_timeout=0.5, one timer for all five
+    # The timed-out connection is dropped: the late replies cannot answer later calls.
+    assert await store.claim("c0", "r0", "t", 30) is None
+    assert await store.claim("fresh", "rf", "t", 30) is CLAIMED
+
+
+async def test_a_cancelled_caller_does_not_shift_the_replies_of_the_others(
+    server: Server, store: RedisStore
+) -> None:
+    async with server.client() as observer:
+        await observer.set("r-other", "other result")
+        await observer.set("c-other", "someone")
+    assert await store.cad("warm-up", "x") == 0  # scripts loaded, connection open
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        doomed = asyncio.ensure_future(store.claim("c-doomed", "r-doomed", "t", 30))
+        survivor = asyncio.ensure_future(store.claim("c-other", "r-other", "t", 30))
+        await asyncio.sleep(0.05)  # both written, neither answered
+        doomed.cancel()
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert await survivor == b"other result"
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert await store.cad("c-doomed", "t") == 1  # its claim ran on the server all the same
+
+
+async def test_a_connection_killed_by_the_server_fails_its_calls_and_reconnects(
+    server: Server, store: RedisStore
+) -> None:
+    assert await store.claim("c", "r", "t", 30) is CLAIMED
+    async with server.client() as observer:
+        killed = await observer.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 1
+    await asyncio.sleep(0.05)  # the loop sees the connection close
+    assert await store.claim("c", "r", "t2", 30) is None  # a new connection, same server
+    assert await store.cad("c", "t") == 1
+
+
+async def test_a_store_that_is_down_fails_fast_with_its_address(server: Server) -> None:
+    server.stop()
+    store = RedisStore.from_url(server.url, mode="native", socket_timeout=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RedisConnectionError, match=f"127.0.0.1:{server.port}"):
+            await store.claim("c", "r", "t", 30)
+        assert time.monotonic() - started < 1.0
+    finally:
+        await store.aclose()
+
+
+async def test_handshake_sends_auth_db_and_name() -> None:
+    server = start_server("redis")
+    try:
+        with server.sync_client() as admin:
+            admin.config_set("requirepass", "s3cret")
+        url = f"redis://:s3cret@127.0.0.1:{server.port}/3?client_name=goblin-test"
+        store = RedisStore.from_url(url, mode="script")
+        try:
+            assert await store.claim("c", "r", "t", 30) is CLAIMED
+            async with server.client(password="s3cret", db=3) as observer:
+                assert await observer.get("c") == b"t"
+                names = [c["name"] for c in await observer.client_list()]
+                assert names.count("goblin-test") >= 1
+            async with server.client(password="s3cret", db=0) as observer:
+                assert await observer.get("c") is None
+        finally:
+            await store.aclose()
+        wrong = RedisStore.from_url(
+            f"redis://:wrong@127.0.0.1:{server.port}/0", mode="native", autopipeline=True
+        )
+        try:
+            with pytest.raises(AuthenticationError):
+                await wrong.claim("c", "r", "t", 30)
+        finally:
+            await wrong.aclose()
+    finally:
+        server.stop()
+
+
+async def test_it_steps_aside_where_it_cannot_keep_redis_py_promises(server: Server) -> None:
+    plain = RedisStore.from_url(server.url)
+    assert plain._pipeline is not None
+    off = RedisStore.from_url(server.url, autopipeline=False)
+    waits = RedisStore.from_url(server.url, wait_replicas=1)  # WAIT would block everyone
+    tls = RedisStore(redis.asyncio.Redis(host="127.0.0.1", port=server.port, ssl=True))
+    try:
+        assert off._pipeline is None and waits._pipeline is None and tls._pipeline is None
+        assert await off.claim("c", "r", "t", 30) is CLAIMED
+        assert await plain.claim("c", "r", "t", 30) is None
+    finally:
+        for s in (plain, off, waits, tls):
+            await s.aclose()
