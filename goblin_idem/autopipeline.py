@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio
 from redis._parsers.base import BaseParser
@@ -86,8 +86,8 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol --
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports do not subclass asyncio.Transport, hence the cast
+        self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f": {exc}" if exc is not None else ""

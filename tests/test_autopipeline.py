@@ -8,10 +8,11 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 import redis.asyncio
+import uvloop
 from redis.exceptions import AuthenticationError, DataError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -236,3 +237,30 @@ async def test_it_steps_aside_where_it_cannot_keep_redis_py_promises(server: Ser
     finally:
         for s in (plain, off, waits, tls):
             await s.aclose()
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        test_concurrent_calls_share_writes_and_get_their_own_replies,
+        test_transactions_and_single_calls_interleave_without_mixing,
+        test_script_cache_flushed_under_the_store_reloads_and_runs_once,
+        test_a_silent_server_times_out_every_call_in_flight_then_recovers,
+        test_a_cancelled_caller_does_not_shift_the_replies_of_the_others,
+        test_a_connection_killed_by_the_server_fails_its_calls_and_reconnects,
+    ],
+    ids=lambda f: f.__name__.removeprefix("test_"),
+)
+def test_the_same_on_uvloop(
+    server: Server, scenario: Callable[[Server, RedisStore], Awaitable[None]]
+) -> None:
+    """uvicorn runs on uvloop, whose transports and timers are its own."""
+
+    async def run() -> None:
+        store = RedisStore.from_url(server.url, mode="script", socket_timeout=0.5)
+        try:
+            await scenario(server, store)
+        finally:
+            await store.aclose()
+
+    uvloop.run(run())
