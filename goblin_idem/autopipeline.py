@@ -37,7 +37,9 @@ try:
 except ImportError:  # pragma: no cover - the "fast" extra installs it
     hiredis = None  # type: ignore[assignment]
 
-__all__ = ["AutoPipeline", "pack"]
+__all__ = ["HIREDIS", "AutoPipeline", "pack"]
+
+HIREDIS = hiredis is not None
 
 
 def pack(commands: Sequence[Sequence[Any]]) -> bytes:
@@ -179,7 +181,7 @@ class AutoPipeline:
         socket_timeout: float | None = None,
         socket_connect_timeout: float | None = None,
     ) -> None:
-        if hiredis is None:
+        if not HIREDIS:
             raise RuntimeError("AutoPipeline needs hiredis (pip install 'goblin-idem[fast]')")
         self.host, self.port, self.path = host, port, path
         self.timeout = socket_timeout
@@ -198,7 +200,7 @@ class AutoPipeline:
     @classmethod
     def for_client(cls, client: object) -> AutoPipeline | None:
         """One with `client`'s connection settings, or None where it could not honour them."""
-        if hiredis is None or type(client) is not redis.asyncio.Redis:
+        if not HIREDIS or type(client) is not redis.asyncio.Redis:
             return None
         pool = client.connection_pool
         kwargs = pool.connection_kwargs
@@ -258,12 +260,17 @@ class AutoPipeline:
             if errors:
                 conn.fail(errors[0])
                 raise errors[0]
+        if self._connecting is not asyncio.current_task():  # closed meanwhile
+            closed = RedisConnectionError("Connection closed by the client.")
+            conn.fail(closed)
+            raise closed
         self._conn = conn
         return conn
 
     async def aclose(self) -> None:
         """Close the connection; calls still in flight fail, a later call opens a new one."""
         conn, self._conn = self._conn, None
+        self._connecting = None  # a connect still under way sees this and closes its own
         if conn is not None and conn.broken is None:
             conn.fail(RedisConnectionError("Connection closed by the client."))
 

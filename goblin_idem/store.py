@@ -33,7 +33,7 @@ from redis.exceptions import (
 )
 
 from . import scripts
-from .autopipeline import AutoPipeline
+from .autopipeline import HIREDIS, AutoPipeline
 from .errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE, NotReplicatedError, invalid_expire
 
 __all__ = [
@@ -304,6 +304,11 @@ class RedisStore:
         self._pipeline = (
             AutoPipeline.for_client(client) if autopipeline and not wait_replicas else None
         )
+        if autopipeline and not wait_replicas and not HIREDIS:
+            logger.info(
+                "goblin-idem store: auto-pipelining is off because hiredis is not installed "
+                "(pip install 'goblin-idem[fast]'); every call goes through redis-py"
+            )
 
     @classmethod
     def from_url(

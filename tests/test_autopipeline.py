@@ -5,6 +5,7 @@ when it steps aside for redis-py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -18,7 +19,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from servers import Server, start_server
 
-from goblin_idem import CLAIMED, RedisStore
+from goblin_idem import CLAIMED, RedisStore, autopipeline
+from goblin_idem import store as goblin_store
 from goblin_idem.autopipeline import AutoPipeline, pack
 
 
@@ -264,3 +266,30 @@ def test_the_same_on_uvloop(
             await store.aclose()
 
     uvloop.run(run())
+
+
+async def test_without_hiredis_it_says_so_and_uses_redis_py(
+    server: Server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(autopipeline, "HIREDIS", False)
+    monkeypatch.setattr(goblin_store, "HIREDIS", False)
+    caplog.set_level(logging.INFO, "goblin_idem.store")
+    store = RedisStore.from_url(server.url)
+    try:
+        assert store._pipeline is None
+        assert "auto-pipelining is off because hiredis is not installed" in caplog.text
+        assert await store.claim("c", "r", "t", 30) is CLAIMED
+    finally:
+        await store.aclose()
+
+
+async def test_closing_the_store_while_it_connects_leaves_no_connection(server: Server) -> None:
+    store = RedisStore.from_url(server.url, mode="script")
+    claim = asyncio.ensure_future(store.claim("c", "r", "t", 30))
+    await asyncio.sleep(0)  # the claim is waiting for the shared connection to open
+    await store.aclose()
+    with pytest.raises(RedisConnectionError, match="closed by the client"):
+        await claim
+    async with server.client() as observer:
+        await asyncio.sleep(0.05)
+        assert len(await observer.client_list()) == 1  # the observer alone
