@@ -235,6 +235,9 @@ class IdempotencyMiddleware:
         self._background: set[asyncio.Task[Any]] = set()
         self._path_settings = functools.lru_cache(maxsize=4096)(self._settings_for_path)
         self._has_marked: bool | None = None  # does any route's endpoint carry a RoutePolicy?
+        # Can a request without a key be refused (400) by the options? Routes' policies
+        # are looked at on the first request.
+        self._may_require = required or bool(self.required_paths)
 
     # -- bookkeeping --
 
@@ -285,11 +288,6 @@ class IdempotencyMiddleware:
         if scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
             return
-        settings = self._settings(scope)
-        if settings is None:
-            await self.app(scope, receive, send)
-            return
-
         key = None
         keys = 0
         content_length = None
@@ -299,6 +297,13 @@ class IdempotencyMiddleware:
                 keys += 1
             elif name == b"content-length":
                 content_length = value
+        if key is None and self._has_marked is False and not self._may_require:
+            await self.app(scope, receive, send)  # the common case: nothing to do, fast
+            return
+        settings = self._settings(scope)
+        if settings is None:
+            await self.app(scope, receive, send)
+            return
         if key is None:
             if settings.required:
                 self._count("missing_key")
