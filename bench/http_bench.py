@@ -8,12 +8,14 @@ It makes its own environment (bench/.venv, from bench/requirements.txt; the peer
 installed there only) and re-runs itself inside it. Then it builds the goblin server module,
 starts one throwaway redis-server per Redis variant and one uvicorn server per variant, all
 on free 127.0.0.1 ports, and runs wrk against each: every scenario, every variant in turn
-(A B A B), `--reps` times; the table shows medians. Uvicorn is pinned to core 0, wrk and
-the redis-servers to core 1. Every process it starts is stopped by PID at the end.
+with a run of the bare app before and after each (bare A bare B bare ...), `--reps` times;
+the table shows medians. Uvicorn is pinned to core 0, wrk and the redis-servers to core 1.
+Every process it starts is stopped by PID at the end.
 
 Each run is checked, so an error is never timed as a success: replays and in-flight
 duplicates must not run the handler, in-flight duplicates must all get 409, and the
-others must all succeed. Ratios are to the bare app in the same repetition.
+others must all succeed. A ratio is to the mean of the bare app's runs just before and
+just after, so that the machine's drift over minutes does not enter it.
 """
 
 from __future__ import annotations
@@ -196,6 +198,10 @@ class Run:
     commands: float | None = None  # store commands per request, nested script calls included
     by_command: dict[str, float] = field(default_factory=dict)
     check: str = ""
+    cpu_us: float = 0.0  # the server process's CPU time (user + system) per request
+    rps_ratio: float | None = None  # to the bare runs just before and after this one
+    p99_ratio: float | None = None
+    cpu_ratio: float | None = None  # bare CPU per request / this one's: capacity vs bare
 
 
 def redis_snapshot(server: Any) -> tuple[int, dict[str, int]]:
@@ -208,6 +214,13 @@ def redis_snapshot(server: Any) -> tuple[int, dict[str, int]]:
         if k.startswith("cmdstat_")
     }
     return int(info["total_reads_processed"]), calls
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wrk(args: argparse.Namespace, port: int, scenario: str, prefix: str, seconds: int) -> Any:
@@ -227,9 +240,12 @@ def wrk(args: argparse.Namespace, port: int, scenario: str, prefix: str, seconds
 
 def measure(v: Variant, args: argparse.Namespace, scenario: str, rep: int) -> Run:
     prefix = {"new": f"new-r{rep}", "replay": "replay", "inflight": serve.INFLIGHT_KEY}
+    assert v.proc is not None
     before_stats = v.stats()
     before = redis_snapshot(v.redis) if v.redis is not None else None
+    cpu_before = cpu_seconds(v.proc.pid)
     result = wrk(args, v.port, scenario, prefix.get(scenario, "-"), args.duration)
+    cpu_after = cpu_seconds(v.proc.pid)
     after = redis_snapshot(v.redis) if v.redis is not None else None
     after_stats = v.stats()
     n = max(result["requests"], 1)
@@ -244,12 +260,13 @@ def measure(v: Variant, args: argparse.Namespace, scenario: str, rep: int) -> Ru
         result["status_errors"],
         result["socket_errors"],
         after_stats["handler_calls"] - before_stats["handler_calls"],
+        cpu_us=(cpu_after - cpu_before) * 1e6 / n,
     )
     if before is not None and after is not None:
         # the second INFO is one read event and one `info` call of its own
         run.server_reads = (after[0] - before[0] - 1) / n
         run.round_trips = run.server_reads
-        if "store_calls" in after_stats:  # a client that batches: count its calls
+        if "store_calls" in after_stats:  # a store that batches: count its calls
             run.round_trips = (after_stats["store_calls"] - before_stats["store_calls"]) / n
         delta = {c: after[1].get(c, 0) - before[1].get(c, 0) for c in after[1] if c != "info"}
         run.by_command = {c: d / n for c, d in sorted(delta.items()) if d}
@@ -291,33 +308,36 @@ def cell(values: list[float], form: str) -> str:
 
 
 def table(variants: list[Variant], runs: list[Run], args: argparse.Namespace) -> str:
-    """One row per variant and scenario: medians over the repetitions; the ratios are taken
-    to the bare app's run of the same scenario and repetition, then their median."""
-    bare = {(r.scenario, r.rep): r for r in runs if r.variant == "bare"}
+    """One row per variant and scenario: medians over the repetitions; each run's ratios
+    are taken to the bare app's runs on either side of it, then their median."""
     lines = [
         "| variant | scenario | req/s | p50 ms | p99 ms | req/s / bare | p99 / bare "
-        "| round trips/req | server reads/req | store cmds/req | check |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| CPU us/req | capacity / bare | round trips/req | server reads/req | store cmds/req "
+        "| check |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for v in variants:
         if v.broken:
             lines.append(
-                f"| {v.label} | all | - | - | - | - | - | - | - | - | does not work: {v.broken} |"
+                f"| {v.label} | all | - | - | - | - | - | - | - | - | - | - "
+                f"| does not work: {v.broken} |"
             )
             continue
         for scenario in args.scenarios:
             mine = [r for r in runs if r.variant == v.name and r.scenario == scenario]
             if not mine:
                 continue
-            paired = [(r, bare[(r.scenario, r.rep)]) for r in mine if (r.scenario, r.rep) in bare]
+            bare = v.name == "bare"
             row = [
                 v.label,
                 SCENARIO_TITLES[scenario],
                 cell([r.rps for r in mine], ",.0f"),
                 cell([r.p50_ms for r in mine], ".2f"),
                 cell([r.p99_ms for r in mine], ".2f"),
-                cell([r.rps / b.rps for r, b in paired], ".2f") + "x",
-                cell([r.p99_ms / b.p99_ms for r, b in paired], ".2f") + "x",
+                "1.00x" if bare else cell([r.rps_ratio for r in mine if r.rps_ratio], ".2f") + "x",
+                "1.00x" if bare else cell([r.p99_ratio for r in mine if r.p99_ratio], ".2f") + "x",
+                cell([r.cpu_us for r in mine], ".1f"),
+                "1.00x" if bare else cell([r.cpu_ratio for r in mine if r.cpu_ratio], ".3f") + "x",
                 cell([r.round_trips for r in mine if r.round_trips is not None], ".2f"),
                 cell([r.server_reads for r in mine if r.server_reads is not None], ".2f"),
                 cell([r.commands for r in mine if r.commands is not None], ".2f"),
@@ -364,7 +384,8 @@ def environment(args: argparse.Namespace, redis_version: str) -> str:
         f"redis-py {version('redis')} with {parser}; redis-server {redis_version}; "
         f"wrk {wrk_version}{'; gc.freeze() after startup' if args.gc_freeze else ''}"
         f"\nwrk -t{args.threads} -c{args.connections} -d{args.duration}s per run, "
-        f"{args.reps} repetitions, scenarios then variants in turn (A B A B), medians"
+        f"{args.reps} repetitions, scenarios then variants in turn, the bare app between "
+        "each two (bare A bare B bare), medians"
     )
 
 
@@ -373,7 +394,7 @@ def environment(args: argparse.Namespace, redis_version: str) -> str:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--duration", type=int, default=5, help="seconds per wrk run (5)")
+    p.add_argument("--duration", type=int, default=3, help="seconds per wrk run (3)")
     p.add_argument("--reps", type=int, default=3, help="repetitions (3)")
     p.add_argument("--connections", type=int, default=50, help="wrk connections (50)")
     p.add_argument("--threads", type=int, default=1, help="wrk threads (1: it has one core)")
@@ -388,8 +409,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
-    if "bare" not in args.variants:
-        args.variants.insert(0, "bare")
+    args.variants = ["bare", *(v for v in args.variants if v != "bare")]
     for name in args.variants:
         if name not in serve.VARIANTS:
             p.error(f"unknown variant {name!r}")
@@ -407,7 +427,7 @@ def labels() -> dict[str, str]:
         "goblin-memory": "goblin-idem, MemoryStore",
         "goblin-script": "goblin-idem, Redis script mode",
         "goblin-native": "goblin-idem, Redis native mode",
-        "goblin-native-pipelined": "goblin-idem, Redis native, proposed pipelined store*",
+        "goblin-native-direct": "goblin-idem, Redis native, autopipeline=False",
         "asgi-idempotency-header": f"asgi-idempotency-header {version('asgi-idempotency-header')}"
         " (Redis)",
         "fastapi-idempotency": f"fastapi-idempotency {version('fastapi-idempotency')}"
@@ -425,7 +445,7 @@ def main() -> None:
 
     names = labels()
     variants = [Variant(n, names[n]) for n in args.variants]
-    per_run = len(variants) * len(args.scenarios) * args.reps
+    per_run = (2 * len(variants) - 1) * len(args.scenarios) * args.reps
     estimate = per_run * (args.duration + 0.5) + len(variants) * (args.warmup + 3)
     print(f"{per_run} wrk runs of {args.duration:g} s, about {estimate / 60:.0f} min", flush=True)
     started = time.monotonic()
@@ -448,19 +468,33 @@ def main() -> None:
             if not v.broken and args.warmup > 0:
                 wrk(args, v.port, "new", "warm", args.warmup)
             print(f"  {v.label}: {v.broken or 'ready'}", flush=True)
+
+        def one_run(v: Variant, scenario: str, rep: int) -> Run:
+            run = measure(v, args, scenario, rep)
+            run.check = check(v, [run], args.connections * args.threads)
+            runs.append(run)
+            print(
+                f"  rep {rep} {scenario:8} {v.name:24} {run.rps:8,.0f} req/s "
+                f"p99 {run.p99_ms:6.2f} ms  {run.check}",
+                flush=True,
+            )
+            return run
+
+        bare = variants[0]  # parse_args puts it first
+        if bare.broken:
+            raise SystemExit(f"the bare app does not work: {bare.broken}")
         for rep in range(1, args.reps + 1):
             for scenario in args.scenarios:
-                for v in variants:
+                before = one_run(bare, scenario, rep)
+                for v in variants[1:]:
                     if v.broken:
                         continue
-                    run = measure(v, args, scenario, rep)
-                    run.check = check(v, [run], args.connections * args.threads)
-                    runs.append(run)
-                    print(
-                        f"  rep {rep} {scenario:8} {v.name:24} {run.rps:8,.0f} req/s "
-                        f"p99 {run.p99_ms:6.2f} ms  {run.check}",
-                        flush=True,
-                    )
+                    run = one_run(v, scenario, rep)
+                    after = one_run(bare, scenario, rep)
+                    run.rps_ratio = run.rps / ((before.rps + after.rps) / 2)
+                    run.p99_ratio = run.p99_ms / ((before.p99_ms + after.p99_ms) / 2)
+                    run.cpu_ratio = (before.cpu_us + after.cpu_us) / 2 / run.cpu_us
+                    before = after
     finally:
         for v in variants:
             if v.proc is not None:

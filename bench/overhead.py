@@ -1,6 +1,6 @@
 """The middleware's own cost per request, in process: no HTTP server, no load generator.
 
-    python3 bench/overhead.py [--requests 20000] [--stores memory,native,script]
+    python3 bench/overhead.py [--requests 20000] [--stores memory,native,script,native-direct]
 
 A trivial ASGI app (one body read, a 201 JSON response) is called directly, bare and
 behind IdempotencyMiddleware, by 50 concurrent tasks on uvloop; each line is the time per
@@ -118,7 +118,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--stores", default="memory,native,script")
+    p.add_argument("--stores", default="memory,native,script,native-direct")
     p.add_argument("--scenarios", default=",".join(http_bench.SCENARIOS))
     p.add_argument("--no-hiredis", action="store_true", help="redis-py's pure-Python parser")
     args = p.parse_args()
@@ -137,17 +137,15 @@ def main() -> None:
             if kind == "memory":
                 store: Any = MemoryStore()
             else:
-                modules = [] if kind == "script" else [str(build_module())]
+                modules = [] if kind.startswith("script") else [str(build_module())]
                 server = start_server("redis", modules=modules)
                 http_bench.pin(server.pid, 1)
-                if kind == "native-pipelined":
-                    from pipelined_store import PipelinedRedisStore
-
-                    store = PipelinedRedisStore(server.url, mode="native")
-                else:
-                    store = RedisStore.from_url(
-                        server.url, mode=kind, **serve.redis_kwargs(args.no_hiredis)
-                    )
+                store = RedisStore.from_url(
+                    server.url,
+                    mode=kind.removesuffix("-direct"),
+                    autopipeline=not kind.endswith("-direct"),
+                    **serve.redis_kwargs(args.no_hiredis),
+                )
             print(f"-- {kind}", flush=True)
             for line in uvloop.run(measure(store, args)):
                 print(line, flush=True)
