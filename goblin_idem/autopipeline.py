@@ -13,10 +13,17 @@ run in the order given, its replies are its own, errors come back in place as th
 exception classes redis-py raises. A blocking command (WAIT, BLPOP) must never be sent
 here: it would hold up every other caller's reply.
 
-Failure: when the oldest unanswered command has waited longer than the socket timeout,
-or the connection breaks, every command in flight fails (TimeoutError or ConnectionError:
-whether it ran is unknown, as with any lost reply) and the next call opens a new
-connection. Nothing is retried here; retrying is the caller's decision.
+Failure: a call unanswered after the socket timeout fails with TimeoutError (whether it ran
+is unknown, as with any lost reply); its reply, if it comes later, is dropped, and the
+calls behind it keep their own deadlines. A broken connection fails every call in flight
+with ConnectionError, and the next call opens a new connection. A failed call is retried
+only as the client's own ``retry`` policy says (redis-py's, which from_url leaves at no
+retries), so both paths treat errors alike. A connection whose
+oldest command has gone unanswered for much longer than replies usually take (`STALL_FACTOR`
+times their moving average, and at least `STALL_SECONDS`) is presumed stuck: new calls go
+to a fresh connection, as a pool would hand out another one, while the old one keeps its
+calls until they are answered or time out and then closes. So a stalled socket fails only
+what was already waiting on it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any, cast
 
 import redis.asyncio
 from redis._parsers.base import BaseParser
+from redis.asyncio.retry import Retry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -40,6 +48,13 @@ except ImportError:  # pragma: no cover - the "fast" extra installs it
 __all__ = ["HIREDIS", "AutoPipeline", "pack"]
 
 HIREDIS = hiredis is not None
+
+#: How long the oldest unanswered command may wait before new calls avoid its connection:
+#: STALL_FACTOR times the moving average of reply times, and at least STALL_SECONDS.
+STALL_SECONDS = 0.05
+STALL_FACTOR = 8
+#: Stuck connections left to drain at most; beyond that, new calls queue on the newest.
+MAX_DRAINING = 3
 
 
 def pack(commands: Sequence[Sequence[Any]]) -> bytes:
@@ -63,27 +78,33 @@ def pack(commands: Sequence[Sequence[Any]]) -> bytes:
 class _Waiter:
     """A caller's place in the reply queue."""
 
-    __slots__ = ("count", "deadline", "future", "replies")
+    __slots__ = ("count", "deadline", "future", "replies", "sent")
 
-    def __init__(self, future: asyncio.Future[list[Any]], count: int, deadline: float) -> None:
+    def __init__(self, future: asyncio.Future[list[Any]], count: int, sent: float) -> None:
         self.future = future
         self.count = count
-        self.deadline = deadline
+        self.sent = sent
+        self.deadline = 0.0
         self.replies: list[Any] = []
 
 
 class _Connection(asyncio.Protocol):
     """The socket, the reply queue and the single timer that watches its oldest entry."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, timeout: float | None, reply_time: float
+    ) -> None:
         self.loop = loop
         self.timeout = timeout
+        self.reply_time = reply_time  # moving average of send-to-reply seconds
         self.transport: asyncio.Transport | None = None
         self.reader = hiredis.Reader(replyError=BaseParser.parse_error)
         self.waiting: collections.deque[_Waiter] = collections.deque()
         self.pending: list[bytes] = []
         self.timer: asyncio.TimerHandle | None = None
         self.broken: Exception | None = None
+        self.retired = False  # replaced after a stall: close once nobody waits on it
+        self.expired = 0  # waiters at the head of the queue already failed by their deadline
 
     # -- asyncio.Protocol --
 
@@ -97,6 +118,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
+        now = self.loop.time()
         waiting = self.waiting
         try:
             while (reply := self.reader.gets()) is not False:
@@ -104,8 +126,14 @@ class _Connection(asyncio.Protocol):
                 head.replies.append(reply)
                 if len(head.replies) == head.count:
                     waiting.popleft()
-                    if not head.future.done():  # its caller may have been cancelled
-                        head.future.set_result(head.replies)
+                    if self.expired:
+                        self.expired -= 1
+                    else:
+                        self.reply_time += (now - head.sent - self.reply_time) / 16
+                        if not head.future.done():  # its caller may have been cancelled
+                            head.future.set_result(head.replies)
+            if self.retired and self.expired == len(waiting):
+                self.fail(RedisConnectionError("Connection retired after a stall."))
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
             self.fail(RedisConnectionError(f"Protocol error from the server: {exc!r}"))
 
@@ -121,11 +149,25 @@ class _Connection(asyncio.Protocol):
         if not self.pending:
             loop.call_soon(self._flush)
         self.pending.append(packed)
-        deadline = loop.time() + self.timeout if self.timeout is not None else 0.0
-        self.waiting.append(_Waiter(future, count, deadline))
-        if self.timeout is not None and self.timer is None:
-            self.timer = loop.call_at(deadline, self._check_timeout)
+        waiter = _Waiter(future, count, loop.time())
+        self.waiting.append(waiter)
+        if self.timeout is not None:
+            waiter.deadline = waiter.sent + self.timeout
+            if self.timer is None:
+                self.timer = loop.call_at(waiter.deadline, self._check_timeout)
         return future
+
+    def stalled(self) -> bool:
+        """Has the oldest unanswered command waited suspiciously long?"""
+        if not self.waiting:
+            return False
+        waited = self.loop.time() - self.waiting[0].sent
+        return waited > STALL_SECONDS and waited > STALL_FACTOR * self.reply_time
+
+    def retire(self) -> None:
+        self.retired = True
+        if self.expired == len(self.waiting):
+            self.fail(RedisConnectionError("Connection retired after a stall."))
 
     def _flush(self) -> None:
         if self.pending and self.transport is not None and self.broken is None:
@@ -133,15 +175,26 @@ class _Connection(asyncio.Protocol):
         self.pending.clear()
 
     def _check_timeout(self) -> None:
-        """One timer at a time, set for the oldest unanswered command's deadline."""
+        """One timer at a time, set for the earliest deadline still ahead. A late call fails
+        alone: its reply, should it come, is matched and dropped, so the calls behind it
+        keep their own deadlines (deadlines rise along the queue)."""
         self.timer = None
-        if not self.waiting or self.broken is not None:
+        if self.broken is not None:
             return
-        deadline = self.waiting[0].deadline
-        if deadline <= self.loop.time():
-            self.fail(RedisTimeoutError("Timeout reading from the store (socket_timeout)"))
-        else:
-            self.timer = self.loop.call_at(deadline, self._check_timeout)
+        now = self.loop.time()
+        waiting = self.waiting
+        while self.expired < len(waiting):
+            waiter = waiting[self.expired]
+            if waiter.deadline > now:
+                self.timer = self.loop.call_at(waiter.deadline, self._check_timeout)
+                return
+            self.expired += 1
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    RedisTimeoutError("Timeout reading from the store (socket_timeout)")
+                )
+        if self.retired:  # nobody waits for what is left on it
+            self.fail(RedisConnectionError("Connection retired after a stall."))
 
     def fail(self, exc: Exception) -> None:
         """Fail everything in flight with `exc` and drop the connection for good."""
@@ -180,12 +233,15 @@ class AutoPipeline:
         client_name: str | None = None,
         socket_timeout: float | None = None,
         socket_connect_timeout: float | None = None,
+        retry: Retry | None = None,
     ) -> None:
         if not HIREDIS:
             raise RuntimeError("AutoPipeline needs hiredis (pip install 'goblin-idem[fast]')")
         self.host, self.port, self.path = host, port, path
         self.timeout = socket_timeout
         self.connect_timeout = socket_connect_timeout or socket_timeout
+        retries = getattr(retry, "_retries", 0)  # get_retries() is missing before redis 5.1
+        self.retry = retry if retry is not None and retries != 0 else None
         handshake: list[tuple[Any, ...]] = []
         if password is not None:
             handshake.append(("AUTH", username, password) if username else ("AUTH", password))
@@ -196,6 +252,8 @@ class AutoPipeline:
         self._handshake = handshake
         self._conn: _Connection | None = None
         self._connecting: asyncio.Task[_Connection] | None = None
+        self._draining: list[_Connection] = []
+        self.opened = 0  # connections opened so far (one, unless some broke or stalled)
 
     @classmethod
     def for_client(cls, client: object) -> AutoPipeline | None:
@@ -213,6 +271,7 @@ class AutoPipeline:
             "client_name": kwargs.get("client_name"),
             "socket_timeout": kwargs.get("socket_timeout"),
             "socket_connect_timeout": kwargs.get("socket_connect_timeout"),
+            "retry": kwargs.get("retry"),
         }
         if pool.connection_class is redis.asyncio.Connection:
             host = kwargs.get("host") or "localhost"
@@ -226,15 +285,33 @@ class AutoPipeline:
         return self.path or f"{self.host}:{self.port}"
 
     async def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """Send `commands` back to back; their replies, errors in place (never raised)."""
+        """Send `commands` back to back; their replies, errors in place (only a broken or
+        timed-out connection raises)."""
         packed = pack(commands)
+        if self.retry is None:
+            return await self._send(packed, len(commands))
+        return await self.retry.call_with_retry(lambda: self._send(packed, len(commands)), _ignore)
+
+    async def _send(self, packed: bytes, count: int) -> list[Any]:
         conn = self._conn
-        if conn is None or conn.broken is not None or conn.loop is not asyncio.get_running_loop():
+        if (
+            conn is None
+            or conn.broken is not None
+            or conn.loop is not asyncio.get_running_loop()
+            or (conn.waiting and conn.stalled())
+        ):
             conn = await self._connection()
-        return await conn.send(packed, len(commands))
+        return await conn.send(packed, count)
 
     async def _connection(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        current = self._conn
+        if current is not None and current.broken is None and current.loop is loop:
+            # Stalled: replace it, unless enough stuck ones are draining already (then
+            # the server itself is slow, and more connections would not help).
+            self._draining = [c for c in self._draining if c.broken is None]
+            if len(self._draining) >= MAX_DRAINING:
+                return current
         task = self._connecting
         if task is None or task.done() or task.get_loop() is not loop:
             task = self._connecting = loop.create_task(self._open(loop))
@@ -242,8 +319,11 @@ class AutoPipeline:
         return await asyncio.shield(task)  # a cancelled caller leaves the others' connect be
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> _Connection:
+        previous = self._conn
+        reply_time = previous.reply_time if previous is not None else 0.0
+
         def factory() -> _Connection:
-            return _Connection(loop, self.timeout)
+            return _Connection(loop, self.timeout, reply_time)
 
         try:
             if self.path is not None:
@@ -264,15 +344,25 @@ class AutoPipeline:
             closed = RedisConnectionError("Connection closed by the client.")
             conn.fail(closed)
             raise closed
-        self._conn = conn
+        self.opened += 1
+        old, self._conn = self._conn, conn
+        if old is not None and old.broken is None and old.loop is loop:
+            old.retire()
+            self._draining.append(old)
         return conn
 
     async def aclose(self) -> None:
         """Close the connection; calls still in flight fail, a later call opens a new one."""
         conn, self._conn = self._conn, None
         self._connecting = None  # a connect still under way sees this and closes its own
-        if conn is not None and conn.broken is None:
-            conn.fail(RedisConnectionError("Connection closed by the client."))
+        draining, self._draining = self._draining, []
+        for c in (conn, *draining):
+            if c is not None and c.broken is None:
+                c.fail(RedisConnectionError("Connection closed by the client."))
+
+
+async def _ignore(error: Exception) -> None:
+    """A retry's failure handler: the failed connection has already dealt with itself."""
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

@@ -14,14 +14,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import pytest
 import redis.asyncio
 import uvloop
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, DataError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from rel_proxy import Proxy
 from servers import Server, start_server
 
 from goblin_idem import CLAIMED, RedisStore, autopipeline
 from goblin_idem import store as goblin_store
-from goblin_idem.autopipeline import AutoPipeline, pack
+from goblin_idem.autopipeline import MAX_DRAINING, STALL_SECONDS, AutoPipeline, pack
 
 
 @pytest.fixture
@@ -78,8 +81,9 @@ async def test_concurrent_calls_share_writes_and_get_their_own_replies(
         for i in range(1, 200, 2):
             assert await observer.get(f"c{i}") == f"t{i}".encode()
         # 200 calls from one turn of the loop reach the server in a few reads (the kernel
-        # may split the one write), not 200.
+        # may split the one write), not 200, over the one connection.
         assert reads <= 30, reads
+        assert pipeline_of(store).opened == 1
 
 
 async def test_transactions_and_single_calls_interleave_without_mixing(
@@ -293,3 +297,96 @@ async def test_closing_the_store_while_it_connects_leaves_no_connection(server: 
     async with server.client() as observer:
         await asyncio.sleep(0.05)
         assert len(await observer.client_list()) == 1  # the observer alone
+
+
+async def test_a_stalled_connection_fails_only_what_was_waiting_on_it(server: Server) -> None:
+    with Proxy(server.port) as proxy:
+        store = RedisStore.from_url(proxy.url, mode="script", socket_timeout=1.0)
+        try:
+            assert await store.cad("warm-up", "x") == 0
+            assert proxy.stall(1.5) == 1  # the shared connection stops forwarding
+            stuck = asyncio.ensure_future(store.claim("c-stuck", "r-stuck", "t", 30))
+            await asyncio.sleep(STALL_SECONDS * 2)
+            started = time.monotonic()
+            # A new call does not queue behind the stuck one: it gets a fresh connection.
+            assert await store.claim("c-new", "r-new", "t", 30) is CLAIMED
+            assert await store.cad("c-new", "t") == 1
+            assert time.monotonic() - started < 0.5
+            with pytest.raises(RedisTimeoutError):
+                await stuck  # what was already waiting on the stalled socket fails
+            for _ in range(100):  # the proxy notices the close once its stall ends
+                if proxy.open_connections() == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert proxy.open_connections() == 1  # the stuck one is closed, the new one kept
+            assert pipeline_of(store).opened == 2
+        finally:
+            await store.aclose()
+
+
+async def test_a_slow_server_does_not_multiply_connections(server: Server) -> None:
+    store = RedisStore.from_url(server.url, mode="script", socket_timeout=2.0)
+    try:
+        assert await store.cad("warm-up", "x") == 0
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            calls = []
+            for i in range(20):  # every call finds the newest connection stalled
+                calls.append(asyncio.ensure_future(store.claim(f"c{i}", f"r{i}", "t", 30)))
+                await asyncio.sleep(STALL_SECONDS * 1.5)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        replies = await asyncio.gather(*calls)
+        assert replies == [CLAIMED] * 20  # the server was slow, not gone: all answered
+        async with server.client() as observer:
+            assert len(await observer.client_list()) <= 1 + 1 + MAX_DRAINING
+    finally:
+        await store.aclose()
+
+
+async def test_a_late_reply_fails_its_own_call_not_the_ones_behind_it(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(autopipeline, "STALL_SECONDS", 60.0)  # both calls on one connection
+    store = RedisStore.from_url(server.url, mode="script", socket_timeout=0.5)
+    try:
+        assert await store.cad("warm-up", "x") == 0
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            early = asyncio.ensure_future(store.claim("c-early", "r", "t", 30))
+            await asyncio.sleep(0.3)
+            late = asyncio.ensure_future(store.claim("c-late", "r", "t", 30))
+            await asyncio.sleep(0.3)  # past the early call's deadline, before the late one's
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        with pytest.raises(RedisTimeoutError):
+            await early
+        assert await late is CLAIMED  # answered in time, on the same connection
+        assert await store.claim("c-early", "r", "t2", 30) is None  # the early one ran too
+        assert pipeline_of(store).opened == 1
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+async def test_the_clients_retry_policy_applies_to_the_shared_connection(
+    server: Server, retries: int
+) -> None:
+    with Proxy(server.port) as proxy:
+        store = RedisStore.from_url(
+            proxy.url, mode="script", socket_timeout=2.0, retry=Retry(NoBackoff(), retries)
+        )
+        try:
+            assert await store.cad("warm-up", "x") == 0
+            proxy.stall(1.0)  # hold the call on the wire, then cut the connection
+            call = asyncio.ensure_future(store.claim("c", "r", "t", 30))
+            await asyncio.sleep(0.02)
+            assert proxy.reset(1.0) == 1
+            if retries:
+                assert await call is CLAIMED  # sent again on a new connection
+                assert pipeline_of(store).opened == 2
+            else:
+                with pytest.raises(RedisConnectionError):
+                    await call
+        finally:
+            await store.aclose()

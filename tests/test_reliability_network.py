@@ -43,7 +43,10 @@ def net_redis() -> Iterator[Server]:
     server.stop()
 
 
-async def test_flaky_network_timeouts_end_in_503_or_replay(net_redis: Server) -> None:
+@pytest.mark.parametrize("autopipeline", [True, False], ids=["shared-connection", "pool"])
+async def test_flaky_network_timeouts_end_in_503_or_replay(
+    net_redis: Server, autopipeline: bool
+) -> None:
     rng = random.Random(4242)
     run_id = f"{random.getrandbits(32):08x}"
     keys = [f"net-{run_id}-{i:05d}" for i in range(KEYS)]
@@ -55,7 +58,9 @@ async def test_flaky_network_timeouts_end_in_503_or_replay(net_redis: Server) ->
             proxy.url,
             socket_timeout=SOCKET_TIMEOUT,
             retry=Retry(NoBackoff(), 1),  # one quick retry: timeouts reach the middleware
+            autopipeline=autopipeline,
         )
+        assert (store._pipeline is not None) == autopipeline
         mw = IdempotencyMiddleware(
             handler,
             store=store,
@@ -128,7 +133,8 @@ async def test_flaky_network_timeouts_end_in_503_or_replay(net_redis: Server) ->
     counters = mw.counters.as_dict()
     record(
         "network",
-        "Slow / flaky network: latency, stalls and resets between app and store",
+        "Slow / flaky network: latency, stalls and resets between app and store, "
+        + ("one shared auto-pipelined connection" if autopipeline else "redis-py's pool"),
         {
             "keys": KEYS,
             "clients_per_key": DUPLICATES,
