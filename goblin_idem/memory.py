@@ -6,7 +6,7 @@ import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, TypeAlias
+from typing import TypeAlias
 
 from redis.exceptions import ResponseError
 
@@ -65,10 +65,6 @@ class MemoryStore:
     and do not see each other's claims. Use RedisStore as soon as more than one process
     serves the same keys.
     """
-
-    #: No command suspends, so none can be interrupted half-way by a cancellation; a
-    #: subclass whose commands await something must set this to False.
-    never_waits: ClassVar[bool] = True
 
     def __init__(self, *, max_value_bytes: int | None = DEFAULT_MAX_VALUE_BYTES) -> None:
         self.max_value_bytes = max_value_bytes

@@ -231,7 +231,6 @@ class IdempotencyMiddleware:
         self.on_event = on_event
         self.counters = Counters()
         self.watchdog = Watchdog.for_store(self.store)
-        self._store_never_waits = bool(getattr(self.store, "never_waits", False))
         self._background: set[asyncio.Task[Any]] = set()
         self._path_settings = functools.lru_cache(maxsize=4096)(self._settings_for_path)
         self._has_marked: bool | None = None  # does any route's endpoint carry a RoutePolicy?
@@ -497,30 +496,33 @@ class IdempotencyMiddleware:
             if not responder.finished:
                 # Raised, cancelled, or returned without a complete response: the work
                 # may not have happened, so free the key for the client's retry.
-                await self._shielded(self._release(lease, names, token))
+                self._count("released", names.hash)
+                await self._shielded(functools.partial(self._release, lease, names, token))
 
     def _lease_lost(self, lease: Lease) -> None:
         self._count("lease_lost", lease.label)
 
-    async def _shielded(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run a store step to completion even if the request task is cancelled meanwhile
-        (the step then finishes in its own task and the cancellation goes on).
+    async def _shielded(self, step: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run a closing store step (publish, release) so that cancelling the request
+        cannot cut it short, without a task per request.
 
-        A store whose commands never suspend (MemoryStore) cannot be interrupted: the step
-        runs inline, saving a task per request, which on MemoryStore cost more than the
-        rest of a first run (mostly in the garbage collections its objects set off).
+        The step runs inline. If the request is cancelled while the step waits, the step
+        starts again from the beginning in a task of its own and the cancellation goes on;
+        whatever the first attempt had sent may still run, so every step is safe to repeat
+        (SET and CAEXPIRE with the same value and token, CAD with the same token) and
+        counts nothing that a repeat would count twice. A task per first run (to shield it)
+        cost about 8 us and half the garbage collections of a Redis-backed first run.
         """
-        if self._store_never_waits:
-            await coro
-            return
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        await asyncio.shield(task)
+        try:
+            await step()
+        except asyncio.CancelledError:
+            task = asyncio.ensure_future(step())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            raise
 
     async def _release(self, lease: Lease, names: KeyNames, token: bytes) -> None:
         await self.watchdog.release(lease)
-        self._count("released", names.hash)
         try:
             await self.store.cad(names.claim, token)
         except Exception as exc:
@@ -558,6 +560,7 @@ class IdempotencyMiddleware:
         for the result's TTL, or the next duplicate would win a fresh claim and run again.
         If another run holds it already, a second run is under way and nothing can stop it."""
         if not lease.lost:
+            lease.lost = True  # counted once, should this step be repeated
             self._count("lease_lost", names.hash)
         try:
             retaken = await self.store.set(names.claim, token, px=ttl_ms, nx=True)
@@ -618,14 +621,15 @@ class _Responder:
                     self.chunks.clear()
             if not message.get("more_body", False) and not self.finished:
                 self.finished = True
-                await self.mw._shielded(self._complete())
+                await self.mw._shielded(self._closing_step())
         await self._send(message)
 
-    async def _complete(self) -> None:
+    def _closing_step(self) -> Callable[[], Coroutine[Any, Any, None]]:
+        """Publish the response, or release the key (a 5xx not stored); counted here, once."""
         mw, names = self.mw, self.names
         if not self.keep:
-            await mw._release(self.lease, names, self.token)
-            return
+            mw._count("released", names.hash)
+            return functools.partial(mw._release, self.lease, names, self.token)
         if self.size > mw.max_response_bytes:
             mw._count("too_large", names.hash)
             record = Record(self.status, [], b"", self.fp, replayable=False)
@@ -633,7 +637,7 @@ class _Responder:
             body = b"".join(self.chunks)
             headers = _replay_headers(self.status, self.headers, body)
             record = Record(self.status, headers, body, self.fp)
-        await mw._publish(self.lease, names, self.token, record, self.ttl_ms)
+        return functools.partial(mw._publish, self.lease, names, self.token, record, self.ttl_ms)
 
 
 def _replay_headers(

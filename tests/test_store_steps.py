@@ -1,5 +1,5 @@
-"""The middleware's closing store steps (publish, release): inline on a store that never
-waits, in a task of their own otherwise, and never cut short by a cancellation."""
+"""The middleware's closing store steps (publish, release): inline, with no task per
+request, and never cut short by a cancellation (a cancelled step starts again in a task)."""
 
 from __future__ import annotations
 
@@ -23,15 +23,21 @@ async def app(scope: Any, receive: Any, send: Any) -> None:
 
 
 class SlowPublish(MemoryStore):
-    """A store whose publish waits first, as a network store does, and may then fail."""
-
-    never_waits = False
+    """A store whose publish and CAD wait first, as a network store's do, and whose publish
+    may then fail."""
 
     def __init__(self, delay: float | None, failures: int = 0) -> None:
         super().__init__()
         self.delay = delay
         self.failures = failures
         self.calls = 0
+        self.cads = 0
+
+    async def cad(self, key: Any, expected: Any) -> int:
+        self.cads += 1
+        if self.delay is not None:
+            await asyncio.sleep(self.delay)
+        return await super().cad(key, expected)
 
     async def publish(
         self, result_key: Any, value: bytes, ttl_ms: int, claim_key: Any, token: Any
@@ -60,17 +66,20 @@ class RecordingTasks:
         return asyncio.Task(coro, loop=loop)  # type: ignore[arg-type]
 
 
-async def test_an_in_process_store_publishes_without_a_task() -> None:
+@pytest.mark.parametrize("store_kind", ["in process", "waits"])
+async def test_a_first_run_publishes_without_a_task(store_kind: str) -> None:
     loop = asyncio.get_running_loop()
     tasks = RecordingTasks()
     loop.set_task_factory(tasks)
     try:
-        mw = IdempotencyMiddleware(app, store=MemoryStore())
-        assert (await request(mw, key="k")).status == 201
-        assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
+        store = MemoryStore() if store_kind == "in process" else SlowPublish(delay=0.01)
+        mw = IdempotencyMiddleware(app, store=store)
+        for key in ("k1", "k2", "k3"):
+            assert (await request(mw, key=key)).status == 201
+            assert (await request(mw, key=key)).header("idempotent-replayed") == b"true"
     finally:
         loop.set_task_factory(None)
-    assert tasks.names == ["Watchdog._run"]  # the shared renewal loop, nothing per request
+    assert set(tasks.names) == {"Watchdog._run"}  # the shared renewal loop, nothing per request
 
 
 async def test_a_publish_that_waits_outlives_the_cancelled_request() -> None:
@@ -86,6 +95,30 @@ async def test_a_publish_that_waits_outlives_the_cancelled_request() -> None:
     assert stored is not None and decode(stored).body == b"done"
     replay = await request(mw, key="k")
     assert replay.body == b"done" and replay.header("idempotent-replayed") == b"true"
+
+
+async def test_a_release_that_waits_outlives_the_cancelled_request() -> None:
+    store = SlowPublish(delay=0.2)
+    started = asyncio.Event()
+
+    async def slow_app(scope: Any, receive: Any, send: Any) -> None:
+        if not started.is_set():
+            started.set()
+            await asyncio.sleep(10)
+        await app(scope, receive, send)
+
+    mw = IdempotencyMiddleware(slow_app, store=store)
+    task = asyncio.create_task(request(mw, key="k"))
+    await started.wait()
+    task.cancel()  # the run is cut short: its claim must be freed all the same
+    await asyncio.sleep(0.05)  # the release (CAD) is waiting ...
+    task.cancel()  # ... and a second cancellation must not cut it short either
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.5)
+    assert await store.get(key_names(b"idem", b"", b"k").claim) is None
+    assert mw.counters.released == 1 and store.cads == 2  # started again, counted once
+    assert (await request(mw, key="k")).status == 201  # the key is free: a retry runs
 
 
 async def test_a_publish_that_fails_after_waiting_is_retried_then_counted() -> None:
