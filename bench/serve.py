@@ -37,6 +37,7 @@ REDIS_VARIANTS = frozenset(
 NATIVE_VARIANTS = frozenset({"goblin-native", "goblin-native-direct"})
 
 STATS = {"handler_calls": 0}
+PIPELINE: list[Any] = []  # the auto-pipelined store's shared connection, if any
 
 Prepare = Callable[[], Awaitable[None]]
 
@@ -45,7 +46,10 @@ def current_stats() -> dict[str, int]:
     """The handler's runs and, for an auto-pipelined store, the calls that waited on the
     store (it batches many requests' commands into one write, so the server's read
     count is not its number of round trips)."""
-    return dict(STATS)
+    stats = dict(STATS)
+    if PIPELINE:
+        stats["connections_opened"] = getattr(PIPELINE[0], "opened", -1)
+    return stats
 
 
 def count_store_calls(store: Any) -> None:
@@ -53,6 +57,7 @@ def count_store_calls(store: Any) -> None:
     pipeline = store._pipeline
     if pipeline is None:
         return
+    PIPELINE.append(pipeline)
     execute = pipeline.execute
     STATS["store_calls"] = 0
 

@@ -51,7 +51,7 @@ HIREDIS = hiredis is not None
 
 #: How long the oldest unanswered command may wait before new calls avoid its connection:
 #: STALL_FACTOR times the moving average of reply times, and at least STALL_SECONDS.
-STALL_SECONDS = 0.05
+STALL_SECONDS = 0.25
 STALL_FACTOR = 8
 #: Stuck connections left to drain at most; beyond that, new calls queue on the newest.
 MAX_DRAINING = 3
