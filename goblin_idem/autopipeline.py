@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
 import redis.asyncio
@@ -292,7 +292,8 @@ class AutoPipeline:
             return await self._send(packed, len(commands))
         return await self.retry.call_with_retry(lambda: self._send(packed, len(commands)), _ignore)
 
-    async def _send(self, packed: bytes, count: int) -> list[Any]:
+    def _send(self, packed: bytes, count: int) -> Awaitable[list[Any]]:
+        """The reply future itself on a usable connection: no coroutine per call."""
         conn = self._conn
         if (
             conn is None
@@ -300,7 +301,11 @@ class AutoPipeline:
             or conn.loop is not asyncio.get_running_loop()
             or (conn.waiting and conn.stalled())
         ):
-            conn = await self._connection()
+            return self._send_on_new(packed, count)
+        return conn.send(packed, count)
+
+    async def _send_on_new(self, packed: bytes, count: int) -> list[Any]:
+        conn = await self._connection()
         return await conn.send(packed, count)
 
     async def _connection(self) -> _Connection:

@@ -304,7 +304,12 @@ class RedisStore:
         self._pipeline = (
             AutoPipeline.for_client(client) if autopipeline and not wait_replicas else None
         )
-        if autopipeline and not wait_replicas and not HIREDIS:
+        if (
+            autopipeline
+            and not wait_replicas
+            and not HIREDIS
+            and type(client) is redis.asyncio.Redis
+        ):
             logger.info(
                 "goblin-idem store: auto-pipelining is off because hiredis is not installed "
                 "(pip install 'goblin-idem[fast]'); every call goes through redis-py"

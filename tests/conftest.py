@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,16 @@ def redis_server() -> Iterator[Server]:
 def valkey_server() -> Iterator[Server]:
     server = start_server("valkey")
     yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[Server]:
+    """A redis-server for this test alone, which it may stop, pause (SIGSTOP) or load."""
+    server = start_server("redis")
+    yield server
+    if server.running():
+        os.kill(server.pid, signal.SIGCONT)  # a paused server would ignore the SIGTERM
     server.stop()
 
 

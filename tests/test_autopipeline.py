@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio
@@ -28,13 +28,9 @@ from goblin_idem.autopipeline import MAX_DRAINING, STALL_SECONDS, AutoPipeline, 
 
 
 @pytest.fixture
-def server() -> Iterator[Server]:
+def server(own_redis: Server) -> Server:
     """A server of the test's own: these tests stop, pause and kill its connections."""
-    s = start_server("redis")
-    yield s
-    if s.running():
-        os.kill(s.pid, signal.SIGCONT)
-    s.stop()
+    return own_redis
 
 
 @pytest.fixture

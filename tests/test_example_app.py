@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from procs import stop
 from servers import Server, free_port
 
 from example_app import create_app
@@ -143,16 +143,6 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     assert by_key[slow.key or ""] == [slow.json()["id"]]
     assert by_key[recovered.key or ""] == [recovered.json()["id"]]
     assert by_key[event.key or ""] == [event.json()["payment"]["id"]]
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 def start_app(port: int, log: Path, **env: str) -> subprocess.Popen[bytes]:

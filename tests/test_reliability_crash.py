@@ -12,13 +12,11 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Iterator
 
-import pytest
 from rel_common import app_headers, header, ms, pct, pick, problem_slug, record
 from rel_http import HttpPool, Response
 from rel_procs import Uvicorn
-from servers import Server, free_port, start_server
+from servers import Server, free_port
 
 KEYS = pick(40, 100)
 LEASE = 2  # seconds; renewed every LEASE / 3 while the worker lives
@@ -26,18 +24,11 @@ POLL = 0.2  # the clients' retry interval after a 409
 BODY = b'{"amount": 250}'
 
 
-@pytest.fixture
-def crash_redis() -> Iterator[Server]:
-    server = start_server("redis")
-    yield server
-    server.stop()
-
-
-async def test_killed_workers_block_until_lease_then_run_once(crash_redis: Server) -> None:
-    env = {"REDIS_URL": crash_redis.url, "LEASE_SECONDS": str(LEASE)}
+async def test_killed_workers_block_until_lease_then_run_once(own_redis: Server) -> None:
+    env = {"REDIS_URL": own_redis.url, "LEASE_SECONDS": str(LEASE)}
     run_id = f"{random.getrandbits(32):08x}"
     keys = [f"crash-{run_id}-{i:04d}" for i in range(KEYS)]
-    client = crash_redis.client()
+    client = own_redis.client()
     victim = Uvicorn(free_port(), env, workers=2)
     survivor = Uvicorn(free_port(), env)
     try:

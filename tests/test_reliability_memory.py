@@ -16,12 +16,10 @@ import json
 import random
 import time
 import tracemalloc
-from collections.abc import Iterator
 
-import pytest
 from asgi import request
 from rel_common import mean, pick, record
-from servers import Server, start_server
+from servers import Server
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
@@ -59,15 +57,8 @@ async def complete(mw: IdempotencyMiddleware, keys: list[str]) -> None:
     await asyncio.gather(*(one(k) for k in keys))
 
 
-@pytest.fixture
-def memory_redis() -> Iterator[Server]:
-    server = start_server("redis")
-    yield server
-    server.stop()
-
-
-async def test_redis_bytes_per_completed_key(memory_redis: Server) -> None:
-    store = RedisStore.from_url(memory_redis.url, mode="script")
+async def test_redis_bytes_per_completed_key(own_redis: Server) -> None:
+    store = RedisStore.from_url(own_redis.url, mode="script")
     client = store.client
     mw = IdempotencyMiddleware(FixedApp(), store=store)
     keys = [f"mem-{i:07d}-{random.getrandbits(24):06x}" for i in range(REDIS_KEYS)]

@@ -15,7 +15,6 @@ import asyncio
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 from redis.asyncio.retry import Retry
@@ -23,7 +22,7 @@ from redis.backoff import NoBackoff
 from rel_common import latency_figures, pick, record
 from rel_inproc import CountingApp, Tally, send_once, until_done
 from rel_proxy import Proxy
-from servers import Server, start_server
+from servers import Server
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem.keys import key_names
@@ -36,16 +35,9 @@ LEASE = 2
 SOCKET_TIMEOUT = 0.2
 
 
-@pytest.fixture
-def net_redis() -> Iterator[Server]:
-    server = start_server("redis")
-    yield server
-    server.stop()
-
-
 @pytest.mark.parametrize("autopipeline", [True, False], ids=["shared-connection", "pool"])
 async def test_flaky_network_timeouts_end_in_503_or_replay(
-    net_redis: Server, autopipeline: bool
+    own_redis: Server, autopipeline: bool
 ) -> None:
     rng = random.Random(4242)
     run_id = f"{random.getrandbits(32):08x}"
@@ -53,7 +45,7 @@ async def test_flaky_network_timeouts_end_in_503_or_replay(
     events: list[tuple[str, str]] = []
     chaos: Counter[str] = Counter()
     handler = CountingApp(work_s=0.01)
-    with Proxy(net_redis.port, seed=7) as proxy:
+    with Proxy(own_redis.port, seed=7) as proxy:
         store = RedisStore.from_url(
             proxy.url,
             socket_timeout=SOCKET_TIMEOUT,

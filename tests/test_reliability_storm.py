@@ -12,13 +12,11 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 
-import pytest
 from rel_common import app_headers, header, latency_figures, pick, problem_slug, record
 from rel_http import HttpPool, Response
 from rel_procs import Uvicorn
-from servers import Server, free_port, start_server
+from servers import Server, free_port
 
 WORKERS = 4
 KEYS = pick(100, 1000)
@@ -27,14 +25,7 @@ CONCURRENT_KEYS = pick(6, 10)  # keys in flight at once: up to 60 / 100 requests
 BODY = b'{"amount": 100}'
 
 
-@pytest.fixture
-def storm_redis() -> Iterator[Server]:
-    server = start_server("redis")
-    yield server
-    server.stop()
-
-
-async def test_storm_four_workers_each_key_runs_once(storm_redis: Server) -> None:
+async def test_storm_four_workers_each_key_runs_once(own_redis: Server) -> None:
     port = free_port()
     rng = random.Random()
     run_id = f"{rng.getrandbits(32):08x}"
@@ -42,7 +33,7 @@ async def test_storm_four_workers_each_key_runs_once(storm_redis: Server) -> Non
     answers: dict[str, list[tuple[int, list[tuple[bytes, bytes]], bytes, float]]] = {
         k: [] for k in keys
     }
-    with Uvicorn(port, {"REDIS_URL": storm_redis.url}, workers=WORKERS) as server:
+    with Uvicorn(port, {"REDIS_URL": own_redis.url}, workers=WORKERS) as server:
         server.wait_ready()
         workers = server.worker_pids()
         assert len(workers) == WORKERS
@@ -71,7 +62,7 @@ async def test_storm_four_workers_each_key_runs_once(storm_redis: Server) -> Non
             finals: dict[str, Response] = dict(zip(keys, replies, strict=True))
         still_running = server.worker_pids()
 
-    client = storm_redis.sync_client()
+    client = own_redis.sync_client()
     try:
         runs = {k: int(client.get(f"runs:{k}") or 0) for k in keys}
     finally:
