@@ -112,10 +112,11 @@ async def test_auto_mode_picks_script_on_a_stock_server(
 ) -> None:
     store = RedisStore.from_url(server.url)
     try:
+        await store.delete("{d}:c", "{d}:r")  # a plain command: it detects nothing
         assert store.mode == "auto"
         with caplog.at_level(logging.INFO, logger="goblin_idem.store"):
-            assert await store.claim("{d}:c", "{d}:r", "t", 5) in (CLAIMED, None)
-            await store.cad("{d}:c", "t")
+            assert await store.claim("{d}:c", "{d}:r", "t", 5) is CLAIMED
+            assert await store.cad("{d}:c", "t") == 1
         assert store.mode == "script"
         lines = [r.getMessage() for r in caplog.records if r.name == "goblin_idem.store"]
         assert lines == [
