@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from asgi import Reply, request
-from conftest import Backend
+from conftest import Backend, stored_items
 from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,6 +26,8 @@ from goblin_idem.keys import key_names
 from goblin_idem.record import decode
 
 PROBLEM = b"application/problem+json"
+# A key that no log line or stored byte could contain by chance.
+RAW_KEY = "order-7f3a9c-raw-key"
 
 
 class Handler:
@@ -441,16 +443,16 @@ async def test_fingerprint_headers_option() -> None:
     assert (await request(mw, key="k", headers=[("X-Currency", "EUR")])).status == 201
 
 
-async def test_the_store_never_sees_the_raw_key() -> None:
-    store = MemoryStore()
+async def test_the_store_never_sees_the_raw_key(backend: Backend) -> None:
+    store = backend.store
     mw = IdempotencyMiddleware(Handler(), store=store)
     secret = "customer-4242-order-{x}"
-    await request(mw, key=secret)
-    keys = list(store._data)
-    assert len(keys) == 2
-    for k in keys:
-        assert secret.encode() not in k and b"4242" not in k
-        assert k.startswith(b"idem:{") and k.count(b"{") == 1
+    assert (await request(mw, key=secret)).status == 201
+    stored = await stored_items(store)
+    assert len(stored) == 2
+    for name, value in stored:
+        assert secret.encode() not in name + value and b"4242" not in name + value
+        assert name.startswith(b"idem:{") and name.count(b"{") == 1
 
 
 # -- what is stored and replayed ----------------------------------------------------------------
@@ -675,24 +677,31 @@ async def test_watchdog_keeps_a_long_run_claimed(store: Store) -> None:
     assert len(mw.watchdog) == 0  # nothing left held
 
 
-async def test_lost_lease_is_logged_and_counted(
-    store: Store, caplog: pytest.LogCaptureFixture
+async def test_lost_lease_is_logged_and_counted_under_the_key_hash(
+    backend: Backend, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The log and the store name a key by its hash: no log message, stored key name or
+    stored value contains the raw key, on any store."""
+    store = backend.store
     events: list[tuple[str, str]] = []
     handler = Handler(delay=1.0)
     mw = IdempotencyMiddleware(
         handler, store=store, lease_seconds=1, on_event=lambda e, h: events.append((e, h))
     )
-    names = key_names(b"idem", b"", b"k")
-    task = asyncio.create_task(request(mw, key="k"))
-    await asyncio.sleep(0.1)
-    await store.set(names.claim, "intruder", px=60_000)  # someone else now holds the key
-    with caplog.at_level(logging.WARNING):
+    names = key_names(b"idem", b"", RAW_KEY.encode())
+    with caplog.at_level(logging.DEBUG):
+        task = asyncio.create_task(request(mw, key=RAW_KEY))
+        await asyncio.sleep(0.1)
+        await store.set(names.claim, "intruder", px=60_000)  # someone else now holds the key
         assert (await task).status == 201  # the run goes on
-    assert mw.counters.lease_lost >= 1
+    assert mw.counters.lease_lost == 1
     assert ("lease_lost", names.hash) in events
-    assert any(names.hash in r.getMessage() for r in caplog.records)
-    assert "k" not in {r.getMessage() for r in caplog.records}
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(names.hash in m and "lease lost" in m for m in messages), messages
+    assert [m for m in messages if RAW_KEY in m] == []
+    stored = await stored_items(store)
+    assert {name for name, _ in stored} == {names.claim, names.result}
+    assert [(n, v) for n, v in stored if RAW_KEY.encode() in n + v] == []
 
 
 async def test_published_claim_lives_as_long_as_the_result(store: Store) -> None:
@@ -912,13 +921,21 @@ async def test_default_store_is_the_embedded_one() -> None:
     assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
 
 
-async def test_counters_and_hook_failures(backend: Backend) -> None:
+async def test_counters_and_hook_failures(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[str] = []
+
     def broken(event: str, key_hash: str) -> None:
+        seen.append(event)
         raise RuntimeError("metrics down")
 
     mw = IdempotencyMiddleware(Handler(), store=backend.store, on_event=broken)
-    assert (await request(mw, key="k")).status == 201  # a failing hook fails nothing
-    await request(mw, key="k")
+    with caplog.at_level(logging.ERROR, logger="goblin_idem.middleware"):
+        assert (await request(mw, key="k")).status == 201  # a failing hook fails nothing
+        assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
+    assert seen == ["claimed", "replayed"]  # the hook saw each event, and failed each time
+    assert [r.getMessage() for r in caplog.records] == ["on_event hook failed"] * 2
     assert mw.counters.as_dict()["claimed"] == 1
     assert mw.counters.as_dict()["replayed"] == 1
 
