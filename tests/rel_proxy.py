@@ -219,7 +219,7 @@ class Proxy:
                     break
                 if direction == 0 and not conn.replication and b"PSYNC" in data.upper():
                     conn.replication = True
-                cut = direction == 0 and self._cut_at(conn, data)
+                cut = self._cut_at(conn, data) if direction == 0 else 0
                 if cut:
                     data = data[:cut]
                 delay = self._rng.uniform(*self.latency) if self.latency[1] > 0 else 0.0
