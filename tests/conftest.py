@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import fnmatch
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -117,6 +118,44 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     await client.flushall()
     yield Backend(name, store, client)
     await store.aclose()
+
+
+async def stored_items(store: Store, match: bytes = b"*") -> list[tuple[bytes, bytes]]:
+    """Every (key, value) of a string the store holds under `match`: what an operator, a
+    dump or a SCAN would see (MemoryStore has no SCAN, so its entries are read directly)."""
+    if isinstance(store, MemoryStore):
+        return [
+            (k, e[0])
+            for k, e in store._data.items()
+            if isinstance(e, tuple) and fnmatch.fnmatchcase(k.decode("latin-1"), match.decode())
+        ]
+    assert isinstance(store, RedisStore)
+    client = store.client
+    items = []
+    async for k in client.scan_iter(match=match, count=1000):  # type: ignore[union-attr]
+        items.append((k, await client.get(k) or b""))
+    return items
+
+
+async def assert_published_together_or_not_at_all(
+    direct: redis.asyncio.Redis | redis.asyncio.RedisCluster,
+    result_key: str,
+    claim_key: str,
+    token: bytes,
+    lease_ms: int,
+) -> None:
+    """After a publish cut off between its SET and its CAEXPIRE, read straight from the
+    server: the result and the claim's extension took effect together or not at all, and,
+    as the server never saw EXEC, not at all."""
+    stored = await direct.get(result_key)
+    claim_ttl = await direct.pttl(claim_key)
+    extended = claim_ttl > lease_ms
+    assert (stored is not None) == extended, (
+        f"the result {'landed' if stored is not None else 'is missing'} but the claim "
+        f"{'was' if extended else 'was not'} extended (claim PTTL {claim_ttl} ms)"
+    )
+    assert stored is None and 0 < claim_ttl <= lease_ms  # nothing of an unfinished EXEC ran
+    assert await direct.get(claim_key) == token
 
 
 @pytest.fixture

@@ -10,6 +10,10 @@ listens on a free 127.0.0.1 port and forwards to one target. Faults:
 - ``reset(fraction)``: a random `fraction` of the open connections are closed with a TCP RST;
 - ``partition()``: every open connection is dropped, with whatever it had queued, and new
   ones are refused until ``heal()``;
+- ``cut_after(marker)``: the connection whose client sends `marker` next forwards its bytes
+  up to the end of `marker` and no further, then ends (the server reads those bytes, then
+  the end of the stream; the client sees the connection close), and new connections are
+  refused until ``heal()``: a client cut off between two commands it sent in one write;
 - ``replication_delay``: an extra delay on the server-to-client direction of connections whose
   client spoke ``PSYNC`` (a Redis replica's link to its primary), so a replica behind the
   proxy lags its primary by that much while ordinary clients do not.
@@ -51,6 +55,17 @@ class _Conn:
     ready: list[asyncio.Event] = field(default_factory=lambda: [asyncio.Event(), asyncio.Event()])
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     closed: bool = False
+    sent_tail: bytes = b""  # the last client bytes, for a `cut_after` marker split over reads
+
+
+def resp_args(*args: bytes | str | int) -> bytes:
+    """Command arguments as they travel on the wire (RESP bulk strings), e.g. the last
+    arguments of a command as a `cut_after` marker."""
+    out = []
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
 
 
 class Proxy:
@@ -63,6 +78,8 @@ class Proxy:
         self._rng = random.Random(seed)
         self._refusing = False
         self._stall_new_until = 0.0
+        self._cut_marker = b""
+        self.cuts = 0
         self._conns: set[_Conn] = set()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
@@ -114,8 +131,15 @@ class Proxy:
         self._refusing = True
         return int(self._call(self._reset(1.0)))
 
+    def cut_after(self, marker: bytes) -> None:
+        """Cut the next connection whose client sends `marker` right after it (see above)."""
+        if not marker:
+            raise ValueError("cut_after needs a non-empty marker")
+        self._cut_marker = marker
+
     def heal(self) -> None:
         self._refusing = False
+        self._cut_marker = b""
 
     def open_connections(self) -> int:
         return len(self._conns)
@@ -195,16 +219,36 @@ class Proxy:
                     break
                 if direction == 0 and not conn.replication and b"PSYNC" in data.upper():
                     conn.replication = True
+                cut = self._cut_at(conn, data) if direction == 0 else 0
+                if cut:
+                    data = data[:cut]
                 delay = self._rng.uniform(*self.latency) if self.latency[1] > 0 else 0.0
                 if direction == 1 and conn.replication:
                     delay += self.replication_delay
                 last = max(last, time.monotonic() + delay)
                 queue.append((last, data))
                 conn.ready[direction].set()
+                if cut:
+                    break
         except (OSError, asyncio.CancelledError):
             pass
         queue.append((last, b""))  # end of stream
         conn.ready[direction].set()
+
+    def _cut_at(self, conn: _Conn, data: bytes) -> int:
+        """How many bytes of `data` to forward before a `cut_after` cut (0: no cut)."""
+        marker = self._cut_marker
+        if not marker:
+            return 0
+        seen = conn.sent_tail + data
+        conn.sent_tail = seen[-(len(marker) - 1) :] if len(marker) > 1 else b""
+        at = seen.find(marker)
+        if at < 0:
+            return 0
+        self._cut_marker = b""
+        self._refusing = True
+        self.cuts += 1
+        return at + len(marker) - (len(seen) - len(data))
 
     async def _write(self, conn: _Conn, writer: asyncio.StreamWriter, direction: int) -> None:
         queue, ready = conn.queues[direction], conn.ready[direction]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -131,7 +132,12 @@ async def test_completed() -> None:
     assert "             x-trace: t1\n" in text
     assert f"             content-length: {len(response.content)}\n" in text
     assert f"body         {len(response.content)} bytes" in text
-    assert "(600 s)" in text or "(599 s)" in text
+    claim_line = re.search(r"^claim +(\d+) ms left \((\d+) s\)$", text, re.M)
+    result_line = re.search(r"^result +(\d+) ms left \((\d+) s\), (\d+) bytes$", text, re.M)
+    assert claim_line is not None and result_line is not None, text
+    for line, ttl_ms in ((claim_line, state.claim_ttl_ms), (result_line, state.result_ttl_ms)):
+        assert int(line[1]) == ttl_ms and abs(int(line[2]) * 1000 - ttl_ms) <= 500, line[0]
+    assert int(result_line[3]) == state.result_bytes
 
 
 async def test_completed_not_replayable() -> None:

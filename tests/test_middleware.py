@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from asgi import Reply, request
-from conftest import Backend
+from conftest import Backend, stored_items
 from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,6 +26,8 @@ from goblin_idem.keys import key_names
 from goblin_idem.record import decode
 
 PROBLEM = b"application/problem+json"
+# A key that no log line or stored byte could contain by chance.
+RAW_KEY = "order-7f3a9c-raw-key"
 
 
 class Handler:
@@ -441,16 +443,16 @@ async def test_fingerprint_headers_option() -> None:
     assert (await request(mw, key="k", headers=[("X-Currency", "EUR")])).status == 201
 
 
-async def test_the_store_never_sees_the_raw_key() -> None:
-    store = MemoryStore()
+async def test_the_store_never_sees_the_raw_key(backend: Backend) -> None:
+    store = backend.store
     mw = IdempotencyMiddleware(Handler(), store=store)
     secret = "customer-4242-order-{x}"
-    await request(mw, key=secret)
-    keys = list(store._data)
-    assert len(keys) == 2
-    for k in keys:
-        assert secret.encode() not in k and b"4242" not in k
-        assert k.startswith(b"idem:{") and k.count(b"{") == 1
+    assert (await request(mw, key=secret)).status == 201
+    stored = await stored_items(store)
+    assert len(stored) == 2
+    for name, value in stored:
+        assert secret.encode() not in name + value and b"4242" not in name + value
+        assert name.startswith(b"idem:{") and name.count(b"{") == 1
 
 
 # -- what is stored and replayed ----------------------------------------------------------------
@@ -675,24 +677,31 @@ async def test_watchdog_keeps_a_long_run_claimed(store: Store) -> None:
     assert len(mw.watchdog) == 0  # nothing left held
 
 
-async def test_lost_lease_is_logged_and_counted(
-    store: Store, caplog: pytest.LogCaptureFixture
+async def test_lost_lease_is_logged_and_counted_under_the_key_hash(
+    backend: Backend, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The log and the store name a key by its hash: no log message, stored key name or
+    stored value contains the raw key, on any store."""
+    store = backend.store
     events: list[tuple[str, str]] = []
     handler = Handler(delay=1.0)
     mw = IdempotencyMiddleware(
         handler, store=store, lease_seconds=1, on_event=lambda e, h: events.append((e, h))
     )
-    names = key_names(b"idem", b"", b"k")
-    task = asyncio.create_task(request(mw, key="k"))
-    await asyncio.sleep(0.1)
-    await store.set(names.claim, "intruder", px=60_000)  # someone else now holds the key
-    with caplog.at_level(logging.WARNING):
+    names = key_names(b"idem", b"", RAW_KEY.encode())
+    with caplog.at_level(logging.DEBUG):
+        task = asyncio.create_task(request(mw, key=RAW_KEY))
+        await asyncio.sleep(0.1)
+        await store.set(names.claim, "intruder", px=60_000)  # someone else now holds the key
         assert (await task).status == 201  # the run goes on
-    assert mw.counters.lease_lost >= 1
+    assert mw.counters.lease_lost == 1
     assert ("lease_lost", names.hash) in events
-    assert any(names.hash in r.getMessage() for r in caplog.records)
-    assert "k" not in {r.getMessage() for r in caplog.records}
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(names.hash in m and "lease lost" in m for m in messages), messages
+    assert [m for m in messages if RAW_KEY in m] == []
+    stored = await stored_items(store)
+    assert {name for name, _ in stored} == {names.claim, names.result}
+    assert [(n, v) for n, v in stored if RAW_KEY.encode() in n + v] == []
 
 
 async def test_published_claim_lives_as_long_as_the_result(store: Store) -> None:
@@ -703,6 +712,61 @@ async def test_published_claim_lives_as_long_as_the_result(store: Store) -> None
     assert 59_000 < await store.pttl(names.result) <= 60_000
     await asyncio.sleep(1.2)  # past the lease: still a replay, never a second run
     assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
+
+
+class SlowRenewals(RedisStore):
+    """A RedisStore whose lease renewals reach the server `stall` seconds late, as on a slow
+    link: a fault injector around the real thing (every step runs on the server)."""
+
+    stall = 0.3
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.renewing = asyncio.Event()
+        self.renewed = asyncio.Event()
+
+    async def caexpire_many(self, renewals: Any) -> list[int | Exception]:
+        self.renewing.set()
+        await asyncio.sleep(self.stall)
+        try:
+            return await super().caexpire_many(renewals)
+        finally:
+            self.renewed.set()
+
+
+@pytest.mark.parametrize("path", ["auto-pipelined", "redis-py"])
+@pytest.mark.parametrize("mode", ["script", "native"])
+async def test_a_renewal_in_flight_at_publish_cannot_shorten_the_published_claim(
+    request_: pytest.FixtureRequest, mode: str, path: str
+) -> None:
+    """The run ends while a renewal of its lease is on its way: the publish must land after
+    it, or the late renewal cuts the claim from the result's TTL back to the lease, and the
+    key runs again once the lease is over."""
+    server: Server = request_.getfixturevalue(
+        "redis_native_server" if mode == "native" else "redis_server"
+    )
+    store = SlowRenewals.from_url(server.url, mode=mode, autopipeline=path == "auto-pipelined")  # type: ignore[arg-type]
+    assert isinstance(store, SlowRenewals)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await store.renewing.wait()  # the lease's renewal has been sent
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    mw = IdempotencyMiddleware(
+        app, store=store, lease_seconds=1, ttl_seconds=60, namespace=f"slow-{mode}-{path}"
+    )
+    names = key_names(mw.namespace, b"", b"k")
+    try:
+        await store.delete(names.claim, names.result)
+        assert (await request(mw, key="k")).status == 201
+        await asyncio.wait_for(store.renewed.wait(), 5)  # the late renewal has landed
+        claim_ttl = await store.pttl(names.claim)
+        assert 59_000 < claim_ttl <= 60_000, f"the published claim has {claim_ttl} ms left"
+        assert 59_000 < await store.pttl(names.result) <= 60_000
+    finally:
+        await store.aclose()
 
 
 # -- the store fails ----------------------------------------------------------------------------
@@ -857,13 +921,21 @@ async def test_default_store_is_the_embedded_one() -> None:
     assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
 
 
-async def test_counters_and_hook_failures(backend: Backend) -> None:
+async def test_counters_and_hook_failures(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[str] = []
+
     def broken(event: str, key_hash: str) -> None:
+        seen.append(event)
         raise RuntimeError("metrics down")
 
     mw = IdempotencyMiddleware(Handler(), store=backend.store, on_event=broken)
-    assert (await request(mw, key="k")).status == 201  # a failing hook fails nothing
-    await request(mw, key="k")
+    with caplog.at_level(logging.ERROR, logger="goblin_idem.middleware"):
+        assert (await request(mw, key="k")).status == 201  # a failing hook fails nothing
+        assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
+    assert seen == ["claimed", "replayed"]  # the hook saw each event, and failed each time
+    assert [r.getMessage() for r in caplog.records] == ["on_event hook failed"] * 2
     assert mw.counters.as_dict()["claimed"] == 1
     assert mw.counters.as_dict()["replayed"] == 1
 
@@ -890,6 +962,51 @@ async def test_a_claim_that_lapsed_during_the_run_is_retaken_at_publish(store: S
     assert again.header("idempotent-replayed") == b"true" and again.body == b"done"
     assert len(runs) == 1
     assert mw.counters.lease_lost == 1  # counted once
+
+
+async def test_a_lapsed_claim_that_another_run_took_stays_with_that_run(store: Store) -> None:
+    """Run A's claim lapses (deleted here, as its expiry would), run B claims the key and
+    runs; then A finishes. A's publish stores its result but must not take the claim back:
+    the key stays with B's token, B's lease keeps being renewed, and B publishes its own."""
+    entered = {run: asyncio.Event() for run in "AB"}
+    finish = {run: asyncio.Event() for run in "AB"}
+    runs: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        run = dict(scope["headers"])[b"x-run"].decode()
+        runs.append(run)
+        entered[run].set()
+        await finish[run].wait()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": f"run {run}".encode()})
+
+    mw = IdempotencyMiddleware(app, store=store, lease_seconds=1, ttl_seconds=60)
+    names = key_names(b"idem", b"", b"k")
+    run_a = asyncio.create_task(request(mw, key="k", headers=[("X-Run", "A")]))
+    await entered["A"].wait()
+    await store.delete(names.claim)  # A's claim lapses
+    run_b = asyncio.create_task(request(mw, key="k", headers=[("X-Run", "B")]))
+    await entered["B"].wait()
+    token_b = await store.get(names.claim)
+    assert token_b is not None
+
+    finish["A"].set()
+    a = await run_a
+    assert (a.status, a.body) == (201, b"run A")
+    assert await store.get(names.claim) == token_b, "A's publish took the claim from B"
+    await asyncio.sleep(0.5)  # more than a renewal period of B's 1 s lease
+    assert await store.get(names.claim) == token_b
+    assert 0 < await store.pttl(names.claim) <= 1000  # B's lease, renewed by B
+
+    finish["B"].set()
+    b = await run_b
+    assert (b.status, b.body, b.header("idempotent-replayed")) == (201, b"run B", None)
+    assert await store.get(names.claim) == token_b
+    assert 59_000 < await store.pttl(names.claim) <= 60_000  # B's publish extended B's claim
+    replay = await request(mw, key="k", headers=[("X-Run", "C")])
+    assert (replay.body, replay.header("idempotent-replayed")) == (b"run B", b"true")
+    assert runs == ["A", "B"]
 
 
 async def test_any_failure_of_the_store_step_is_a_503_not_a_500() -> None:

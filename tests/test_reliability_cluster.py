@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import secrets
 import signal
 import time
 from collections import Counter
@@ -24,16 +25,19 @@ from pathlib import Path
 
 import pytest
 import redis.exceptions
+from conftest import assert_published_together_or_not_at_all
 from redis.asyncio.cluster import RedisCluster
 from rel_cluster import failover, settled_cluster, shards, wait_settled
 from rel_common import FULL, pick, record
 from rel_failover import FailoverResult, failover_under_load
 from rel_inproc import CountingApp, Tally, send_once, until_done
+from rel_proxy import Proxy, resp_args
 from servers import Cluster, Server, start_cluster, start_server
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore
 from goblin_idem.errors import NotReplicatedError
 from goblin_idem.keys import key_names
+from goblin_idem.record import decode
 
 KEYS = pick(120, 1200)
 DUPLICATES = 3
@@ -219,7 +223,9 @@ async def test_wait_replicas_on_a_primary_with_a_replica() -> None:
         first = await send_once(mw, "w-1")
         assert first.status == 201
         with replica.sync_client() as r:  # WAITed: on the replica once answered
-            assert r.get(names.claim) is not None and r.get(names.result) is not None
+            stored = r.get(names.result)
+            assert stored is not None and decode(stored).body == first.body
+            assert r.get(names.claim) is not None and r.pttl(names.claim) > 2000  # published
 
         # Asking for more replicas than acknowledge: a clear error, 503, nothing run.
         with pytest.raises(NotReplicatedError, match=r"[01] of 2") as info:
@@ -377,26 +383,106 @@ async def test_cluster_failover_duplicates_with_and_without_wait(native_module: 
             assert r.silent_loss_duplicates > 0, r.figures()  # the scenario does lose writes
 
 
+@pytest.mark.parametrize("mode", ["script", "native"])
+async def test_cluster_publish_lands_together_or_not_at_all_when_the_connection_drops_between(
+    cluster: Cluster, mode: str
+) -> None:
+    """The cluster path sends publish to the key's primary over a plain connection: cut it
+    after the server has read the SET and before the claim's CAEXPIRE, and neither may take
+    effect (the server saw MULTI and the SET, then the client go without EXEC)."""
+    await asyncio.to_thread(wait_settled, cluster)
+    proxies = {s.primary.port: Proxy(s.primary.port).start() for s in shards(cluster)}
+    tag = secrets.token_hex(4)
+    claim_key, result_key, value = f"{{{tag}}}:c", f"{{{tag}}}:r", b"result " + tag.encode()
+    try:
+
+        def through_proxy(address: tuple[str, int]) -> tuple[str, int]:
+            proxy = proxies.get(address[1])
+            return ("127.0.0.1", proxy.port) if proxy is not None else address
+
+        store = RedisStore.from_url(
+            cluster.servers[0].url,
+            cluster=True,
+            mode=mode,  # type: ignore[arg-type]
+            address_remap=through_proxy,
+            socket_timeout=5,
+        )
+        try:
+            # Discover the layout first: redis-py remaps the addresses it discovers, but a
+            # command that initializes the client lazily can leave the startup node's real
+            # address in its slot table.
+            await _initialized(store)
+            assert await store.claim(claim_key, result_key, "tok", 30) is CLAIMED
+            for proxy in proxies.values():
+                proxy.cut_after(resp_args(value, "PX", 60_000))
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await store.publish(result_key, value, 60_000, claim_key, "tok")
+            assert sum(p.cuts for p in proxies.values()) == 1
+        finally:
+            await store.aclose()
+    finally:
+        for proxy in proxies.values():
+            proxy.stop()
+    direct = cluster.client()
+    try:
+        await assert_published_together_or_not_at_all(direct, result_key, claim_key, b"tok", 30_000)
+    finally:
+        await direct.aclose()
+
+
 async def test_cluster_publish_after_a_node_failure_is_a_store_error() -> None:
+    """A primary dies: its keys fail as store errors; a live primary's keys can still be
+    published while the cluster serves partial coverage, and once it declares itself down,
+    a publish is a store error that stores nothing."""
     small = start_cluster("redis", masters=3)
     store = RedisStore.from_url(small.servers[0].url, cluster=True, mode="script", socket_timeout=1)
     try:
         client = store.client
         assert isinstance(client, RedisCluster)
         await client.initialize()
-        dead = small.servers[2]
+        dead, live = small.servers[2], small.servers[:2]
         keys = [f"n{i}".encode() for i in range(100)]
         on_dead = next(k for k in keys if _primary_of(store, b"c{" + k + b"}") == dead.port)
         alive = next(k for k in keys if _primary_of(store, b"c{" + k + b"}") != dead.port)
-        assert await store.claim(b"c{" + alive + b"}", b"r{" + alive + b"}", b"t", 30) is CLAIMED
+        claim, result = b"c{" + alive + b"}", b"r{" + alive + b"}"
+        assert await store.claim(claim, result, b"t", 30) is CLAIMED
+        _require_full_coverage(small.servers, False)
         dead.kill()
         with pytest.raises(redis.exceptions.RedisError):
             await store.claim(b"c{" + on_dead + b"}", b"r{" + on_dead + b"}", b"t", 30)
-        # A publish on a healthy primary must succeed or fail as a store error.
-        try:
-            await store.publish(b"r{" + alive + b"}", b"v", 5000, b"c{" + alive + b"}", b"t")
-        except redis.exceptions.RedisError:
-            pass
+
+        assert await store.publish(result, b"v1", 5000, claim, b"t") == 1
+        owner = next(s for s in live if s.port == _primary_of(store, claim))
+        with owner.sync_client() as r:
+            assert r.get(result) == b"v1" and 4000 < r.pttl(claim) <= 5000
+
+        _require_full_coverage(live, True)
+        await asyncio.to_thread(_wait_cluster_state, live, "fail")
+        with pytest.raises(redis.exceptions.ClusterDownError):
+            await store.publish(result, b"v2", 60_000, claim, b"t")
+        _require_full_coverage(live, False)  # serving again, to be read
+        await asyncio.to_thread(_wait_cluster_state, live, "ok")
+        with owner.sync_client() as r:
+            assert r.get(result) == b"v1" and r.pttl(claim) <= 5000  # neither write landed
     finally:
         await store.aclose()
         small.stop()
+
+
+def _require_full_coverage(servers: list[Server], required: bool) -> None:
+    for server in servers:
+        with server.sync_client() as r:
+            r.config_set("cluster-require-full-coverage", "yes" if required else "no")
+
+
+def _wait_cluster_state(servers: list[Server], state: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for server in servers:
+            with server.sync_client() as r:
+                states.append(r.cluster("INFO")["cluster_state"])
+        if all(s == state for s in states):
+            return
+        assert time.monotonic() < deadline, f"cluster_state is {states}, not {state}"
+        time.sleep(0.1)

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from conftest import stored_items
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rel_common import pick, problem_slug, record
@@ -231,17 +232,6 @@ def check(
     seen[f"{out.status} {slug}"] += 1
 
 
-async def stored_items(store: Store, namespace: bytes) -> list[tuple[bytes, bytes]]:
-    if isinstance(store, MemoryStore):
-        return [(k, e[0]) for k, e in store._data.items() if isinstance(e, tuple)]
-    assert isinstance(store, RedisStore)
-    client = store.client
-    items = []
-    async for k in client.scan_iter(match=namespace + b":*", count=1000):  # type: ignore[union-attr]
-        items.append((k, await client.get(k) or b""))
-    return items
-
-
 async def fuzz_one(store: Store, case: Case, seen: Counter[str]) -> None:
     namespace = b"fz" + secrets.token_hex(4).encode()
     app = FuzzApp(case)
@@ -287,7 +277,7 @@ async def fuzz_one(store: Store, case: Case, seen: Counter[str]) -> None:
     except Exception as exc:  # pragma: no cover - the assertion explains
         raise AssertionError(f"the middleware raised {exc!r} for {case}") from exc
     key = case.key
-    for name, value in await stored_items(store, namespace):
+    for name, value in await stored_items(store, namespace + b":*"):
         assert case.mark not in name and case.mark not in value, (name, value)
         if key is not None and len(key) >= 12 and len(set(key)) > 3:
             assert key not in name and key not in value, (name, value)

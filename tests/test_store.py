@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import secrets
 import time
 
 import pytest
 import redis.asyncio
-from conftest import Backend
+from conftest import Backend, assert_published_together_or_not_at_all
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
+from rel_proxy import Proxy, resp_args
 from servers import Server, free_port, start_cluster, start_server
 
 from goblin_idem import CLAIMED, MemoryStore, RedisStore, Store
@@ -48,6 +52,37 @@ async def test_publish_rejects_a_bad_ttl(store: Store) -> None:
     assert await store.get("{k}:r") is None
 
 
+@pytest.mark.parametrize("mode", ["script", "native"])
+@pytest.mark.parametrize("path", ["auto-pipelined", "redis-py"])
+async def test_publish_lands_together_or_not_at_all_when_the_connection_drops_between(
+    redis_native_server: Server, path: str, mode: str
+) -> None:
+    """The connection is cut after the server has read publish's SET and before the claim's
+    CAEXPIRE: the server then sees the client go without EXEC, so neither may take effect.
+    (Without MULTI/EXEC the SET would run alone, and the claim would expire long before the
+    result it guards: a duplicate would win a fresh claim and run the work again.)"""
+    tag = secrets.token_hex(4)
+    claim_key, result_key, value = f"{{{tag}}}:c", f"{{{tag}}}:r", b"result " + tag.encode()
+    with Proxy(redis_native_server.port) as proxy:
+        store = RedisStore.from_url(
+            proxy.url,
+            mode=mode,  # type: ignore[arg-type]
+            autopipeline=path == "auto-pipelined",
+            retry=Retry(NoBackoff(), 0),  # a resent transaction would land whole anyway
+            socket_timeout=5,
+        )
+        try:
+            assert await store.claim(claim_key, result_key, "tok", 30) is CLAIMED
+            proxy.cut_after(resp_args(value, "PX", 60_000))  # the end of the SET
+            with pytest.raises(RedisConnectionError):
+                await store.publish(result_key, value, 60_000, claim_key, "tok")
+            assert proxy.cuts == 1
+        finally:
+            await store.aclose()
+    async with redis_native_server.client() as direct:
+        await assert_published_together_or_not_at_all(direct, result_key, claim_key, b"tok", 30_000)
+
+
 async def test_caexpire_many_renews_each_in_place(backend: Backend) -> None:
     store = backend.store
     await store.set("a", "ta", px=1000)
@@ -77,10 +112,11 @@ async def test_auto_mode_picks_script_on_a_stock_server(
 ) -> None:
     store = RedisStore.from_url(server.url)
     try:
+        await store.delete("{d}:c", "{d}:r")  # a plain command: it detects nothing
         assert store.mode == "auto"
         with caplog.at_level(logging.INFO, logger="goblin_idem.store"):
-            assert await store.claim("{d}:c", "{d}:r", "t", 5) in (CLAIMED, None)
-            await store.cad("{d}:c", "t")
+            assert await store.claim("{d}:c", "{d}:r", "t", 5) is CLAIMED
+            assert await store.cad("{d}:c", "t") == 1
         assert store.mode == "script"
         lines = [r.getMessage() for r in caplog.records if r.name == "goblin_idem.store"]
         assert lines == [
