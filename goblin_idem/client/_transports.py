@@ -90,7 +90,7 @@ class IdempotentTransport(_Wrapper[httpx.BaseTransport], httpx.BaseTransport):
 
 
 class AsyncIdempotentTransport(_Wrapper[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport):
-    """`IdempotentTransport` for `httpx.AsyncClient` (asyncio or trio): the same rules.
+    """`IdempotentTransport` for `httpx.AsyncClient`: the same rules.
 
     A cancelled call stops where it is: its wait ends, a response it was reading is closed.
     """
