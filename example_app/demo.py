@@ -4,6 +4,12 @@ Without ``--url`` the demo starts the app in this process (embedded MemoryStore)
 to it through httpx's ASGI transport; with ``--url`` it drives a running app, e.g.
 ``python -m example_app`` (on the MemoryStore, or on Redis with ``REDIS_URL``).
 
+Its client calls go through `goblin_idem.client.AsyncIdempotentTransport`, as a real client's
+would: a 409 for a duplicate in flight is waited out and retried by the transport, and each
+409 it retries is shown as a step (from its ``on_retry`` hook). The demo names every key
+itself (``auto_key=False``), so that the timeline can show them and so that its requests
+without a key reach the app without one.
+
 The scenarios: a first call and its duplicate; a duplicate racing a slow first call; the
 same key with another body; a worker that dies holding a claim; webhook redelivery; a
 stale If-Match; two starts of one job; and the ledger, which must show one charge per key.
@@ -25,10 +31,14 @@ from typing import Any
 
 import httpx
 
+from goblin_idem.client import AsyncIdempotentTransport, RetryEvent, RetryPolicy
+
 __all__ = ["DemoResult", "Step", "format_step", "main", "run_demo"]
 
 PROBLEM = "urn:goblin-idem:problem:"
 CURRENCY = "EUR"
+# Enough attempts to wait out the dead worker's lease at Retry-After: 1.
+POLICY = RetryPolicy(max_attempts=10, deadline=30.0)
 
 
 @dataclass
@@ -45,6 +55,7 @@ class Step:
     at: float  # seconds since the demo started, when the response arrived
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
+    attempts: int = 1  # the transport's attempt that got this response
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -53,6 +64,7 @@ class Step:
 @dataclass
 class DemoResult:
     account: str
+    store: dict[str, str] = field(default_factory=dict)  # GET /stats: the store's kind and mode
     steps: list[Step] = field(default_factory=list)
     charges: dict[str, int] = field(default_factory=dict)  # Idempotency-Key -> amount charged
     ledger: dict[str, Any] = field(default_factory=dict)  # GET /ledger?account=... at the end
@@ -79,15 +91,31 @@ def format_step(step: Step) -> str:
     return f"{step.at:6.2f}s  {mark}  {step.status}  {request:<40} {key:<24} {step.note}"
 
 
+# What a retried response of one key is recorded as: its scenario, and whether it is what
+# the scenario expects with a note for the timeline.
+RetryView = tuple[str, Callable[[httpx.Response], tuple[bool, str]]]
+
+
 class _Recorder:
-    def __init__(
-        self, client: httpx.AsyncClient, result: DemoResult, on_step: Callable[[Step], None] | None
-    ) -> None:
-        self.client = client
+    def __init__(self, result: DemoResult, on_step: Callable[[Step], None] | None) -> None:
         self.result = result
         self.on_step = on_step
         self.t0 = time.monotonic()
         self.arrived: dict[int, float] = {}  # id(response) -> when it arrived
+        self.retries: dict[str, RetryView] = {}  # key -> how its retried responses show
+        self.client: httpx.AsyncClient  # set by run_demo
+
+    def on_retry(self, event: RetryEvent) -> None:
+        """The transport's hook: a response it discards to retry becomes a step."""
+        view = self.retries.get(event.key)
+        if view is None or event.response is None:
+            return
+        scenario, judge = view
+        ok, note = judge(event.response)
+        self.arrived[id(event.response)] = time.monotonic() - self.t0
+        self.record(
+            scenario, event.response, key=event.key, ok=ok, note=note, attempt=event.attempt
+        )
 
     async def send(
         self,
@@ -113,6 +141,7 @@ class _Recorder:
         key: str | None,
         ok: bool,
         note: str,
+        attempt: int | None = None,
     ) -> Step:
         request = response.request
         path = request.url.raw_path.decode()
@@ -127,6 +156,7 @@ class _Recorder:
             at=self.arrived.pop(id(response), time.monotonic() - self.t0),
             headers={k.lower(): v for k, v in response.headers.items()},
             body=response.content,
+            attempts=_attempts(response) if attempt is None else attempt,
         )
         self.result.steps.append(step)
         if self.on_step is not None:
@@ -147,25 +177,64 @@ def _replayed(response: httpx.Response) -> bool:
     return bool(response.headers.get("idempotent-replayed") == "true")
 
 
+def _attempts(response: httpx.Response) -> int:
+    return int(response.extensions.get("idempotency", {}).get("attempts", 1))
+
+
+def _in_flight(response: httpx.Response) -> bool:
+    return (
+        response.status_code == 409
+        and response.headers.get("retry-after") is not None
+        and _problem_type(response) == PROBLEM + "in-flight"
+    )
+
+
 async def run_demo(
-    client: httpx.AsyncClient,
+    transport: httpx.AsyncBaseTransport,
+    base_url: str,
     *,
     run_id: str | None = None,
     slow_ms: int = 1200,
     head_start: float = 0.3,
     dead_lease_seconds: int = 2,
     job_ms: int = 1200,
+    on_start: Callable[[DemoResult], None] | None = None,
     on_step: Callable[[Step], None] | None = None,
 ) -> DemoResult:
-    """Run every scenario against the app behind `client`; each response becomes a Step.
+    """Run every scenario against the app that `transport` reaches at `base_url`; each
+    response becomes a Step. The client wraps `transport` in an AsyncIdempotentTransport,
+    and closes it at the end.
 
-    `on_step` sees each step as it is recorded (the command line prints it). The run takes
-    about slow_ms + dead_lease_seconds + job_ms, plus a second of Retry-After waits.
+    `on_start` sees the result once the app's store is known, `on_step` each step as it is
+    recorded (the command line prints them). The run takes about slow_ms +
+    dead_lease_seconds + job_ms, plus a second of Retry-After waits.
     """
     run_id = run_id or secrets.token_hex(3)
     account = f"acct_{run_id}"
     result = DemoResult(account)
-    rec = _Recorder(client, result, on_step)
+    rec = _Recorder(result, on_step)
+    keyed = AsyncIdempotentTransport(
+        transport, policy=POLICY, auto_key=False, on_retry=rec.on_retry
+    )
+    async with httpx.AsyncClient(transport=keyed, base_url=base_url, timeout=30) as client:
+        rec.client = client
+        result.store = (await client.get("/stats")).json()["store"]
+        if on_start is not None:
+            on_start(result)
+        await _scenarios(rec, run_id, slow_ms, head_start, dead_lease_seconds, job_ms)
+    return result
+
+
+async def _scenarios(
+    rec: _Recorder,
+    run_id: str,
+    slow_ms: int,
+    head_start: float,
+    dead_lease_seconds: int,
+    job_ms: int,
+) -> None:
+    result = rec.result
+    account = result.account
 
     def payment(amount: int) -> dict[str, Any]:
         return {"account": account, "amount_cents": amount, "currency": CURRENCY}
@@ -204,50 +273,45 @@ async def run_demo(
         note=f"refused: {_problem_type(other) or 'no problem type'}",
     )
 
-    # 4. A duplicate racing a slow first call: 409 + Retry-After while it runs.
+    # 4. A duplicate racing a slow first call: 409 + Retry-After while it runs; the
+    # transport waits that long and retries, and gets the replay.
     key = f"demo-{run_id}-slow"
     path = f"/payments?delay_ms={slow_ms}"
 
-    def record_racer(racer: httpx.Response) -> None:
+    def racing(racer: httpx.Response) -> tuple[bool, str]:
         retry_after = racer.headers.get("retry-after")
-        rec.record(
-            "racing-duplicate",
-            racer,
-            key=key,
-            ok=racer.status_code == 409
-            and retry_after is not None
-            and _problem_type(racer) == PROBLEM + "in-flight",
-            note=f"in flight: Retry-After: {retry_after}, nothing run",
-        )
+        return _in_flight(racer), f"in flight: Retry-After: {retry_after}, nothing run"
 
+    rec.retries[key] = ("racing-duplicate", racing)
     slow_task = asyncio.ensure_future(rec.send("POST", path, key=key, body=payment(2500)))
     await asyncio.sleep(head_start)
     racer = await rec.send("POST", path, key=key, body=payment(2500))
-    if racer.status_code == 409:
-        record_racer(racer)
-        slow = await slow_task
-    else:  # the later-sent request reached the server first, so it is the one that ran
-        slow, racer = racer, await slow_task
-        record_racer(racer)
+    slow = await slow_task
+    if _replayed(
+        slow
+    ):  # the later-sent request reached the server first, so it is the one that ran
+        slow, racer = racer, slow
     rec.record(
         "slow-first-call",
         slow,
         key=key,
-        ok=slow.status_code == 201 and not _replayed(slow),
+        ok=slow.status_code == 201 and not _replayed(slow) and _attempts(slow) == 1,
         note=f"the slow call finished after {slow_ms} ms and charged 2500 once",
     )
     result.charges[key] = 2500
-    await asyncio.sleep(float(racer.headers.get("retry-after") or 1))
-    again = await rec.send("POST", path, key=key, body=payment(2500))
     rec.record(
         "retry-after-slow",
-        again,
+        racer,
         key=key,
-        ok=again.status_code == 201 and _replayed(again) and again.content == slow.content,
-        note="the client's retry after Retry-After gets the replay",
+        ok=racer.status_code == 201
+        and _replayed(racer)
+        and racer.content == slow.content
+        and _attempts(racer) == 1 + len(result.all("racing-duplicate")),
+        note=f"the transport retried after Retry-After: the replay (attempts: {_attempts(racer)})",
     )
 
-    # 5. A worker dies holding the claim: 409 until its lease runs out, then one run.
+    # 5. A worker dies holding the claim: 409 until its lease runs out, then one run. The
+    # transport keeps retrying after each Retry-After until then.
     key = f"demo-{run_id}-dead"
     dead = await rec.send(
         "POST", "/demo/dead-worker", body={"key": key, "lease_seconds": dead_lease_seconds}
@@ -260,30 +324,28 @@ async def run_demo(
         ok=dead.status_code == 200,
         note=f"a worker claims the key ({dead_lease_seconds} s lease) and dies before charging",
     )
-    deadline = claimed_at + dead_lease_seconds + 5
-    while True:
-        retry = await rec.send("POST", "/payments", key=key, body=payment(700))
+
+    def claimed(retry: httpx.Response) -> tuple[bool, str]:
         waited = time.monotonic() - claimed_at
-        if retry.status_code != 409 or time.monotonic() > deadline:
-            break
         retry_after = retry.headers.get("retry-after")
-        rec.record(
-            "retry-while-claimed",
-            retry,
-            key=key,
-            ok=retry_after is not None and _problem_type(retry) == PROBLEM + "in-flight",
-            note=f"still claimed by the dead worker ({waited:.1f} s); Retry-After: {retry_after}",
-        )
-        await asyncio.sleep(float(retry_after or 1))
+        note = f"still claimed by the dead worker ({waited:.1f} s); Retry-After: {retry_after}"
+        return _in_flight(retry), note
+
+    rec.retries[key] = ("retry-while-claimed", claimed)
+    retry = await rec.send("POST", "/payments", key=key, body=payment(700))
+    waited = time.monotonic() - claimed_at
+    blocked = len(result.all("retry-while-claimed"))
     rec.record(
         "retry-after-lease",
         retry,
         key=key,
         ok=retry.status_code == 201
         and not _replayed(retry)
-        and bool(result.all("retry-while-claimed"))
+        and blocked > 0
+        and _attempts(retry) == 1 + blocked
         and waited >= dead_lease_seconds - 0.05,
-        note=f"the lease expired ({waited:.1f} s after the claim): this retry ran, charged 700",
+        note=f"the lease expired ({waited:.1f} s after the claim): attempt {_attempts(retry)} "
+        "ran, charged 700",
     )
     result.charges[key] = 700
 
@@ -398,24 +460,23 @@ async def run_demo(
             f"(expected {expected})"
         ),
     )
-    return result
 
 
 async def _run(url: str | None, on_step: Callable[[Step], None]) -> DemoResult:
     if url is not None:
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            stats = (await client.get("/stats")).json()
-            store = stats["store"]
-            print(f"demo against {url} (store: {store['kind']}, mode {store['mode']})")
-            return await run_demo(client, on_step=on_step)
+
+        def banner(result: DemoResult) -> None:
+            print(
+                f"demo against {url} (store: {result.store['kind']}, mode {result.store['mode']})"
+            )
+
+        return await run_demo(httpx.AsyncHTTPTransport(), url, on_start=banner, on_step=on_step)
     from .app import create_app
 
     app = create_app()
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://demo") as client:
-            print("demo against the app in this process (store: memory, embedded)")
-            return await run_demo(client, on_step=on_step)
+        print("demo against the app in this process (store: memory, embedded)")
+        return await run_demo(httpx.ASGITransport(app=app), "http://demo", on_step=on_step)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""Child processes for the crash and cross-process tests: a uvicorn server over a real store,
-and a Lock holder. Each is started by PID and stopped by PID."""
+"""Child processes for the crash, cross-process and client tests: uvicorn serving a test app
+or the example app over a real store, and a Lock holder. Each is started by PID and stopped
+by PID."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).parent
+ROOT = HERE.parent
 
 
 def spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -38,12 +40,15 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
         proc.stderr.close()
 
 
-def start_uvicorn(port: int, env: dict[str, str], timeout: float = 15.0) -> subprocess.Popen[bytes]:
+def start_uvicorn(
+    port: int, env: dict[str, str], timeout: float = 15.0, app: str = "crash_app:app"
+) -> subprocess.Popen[bytes]:
+    """`app` (a module of this directory with a ``/health`` route) under uvicorn."""
     proc = spawn(
         [
             "-m",
             "uvicorn",
-            "crash_app:app",
+            app,
             "--host",
             "127.0.0.1",
             "--port",
@@ -65,3 +70,31 @@ def start_uvicorn(port: int, env: dict[str, str], timeout: float = 15.0) -> subp
             time.sleep(0.05)
     stop(proc, signal.SIGKILL)
     raise RuntimeError("uvicorn did not answer")
+
+
+def start_example_app(port: int, log: Path, **env: str) -> subprocess.Popen[bytes]:
+    """`python -m example_app --port N` with output to `log`, answering /stats, or fail."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GOBLIN_"))}
+    full_env.update(env)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "example_app", "--port", str(port)],
+            cwd=ROOT,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 10
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the app exited ({proc.returncode}):\n{log.read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/stats", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            stop(proc)
+            raise AssertionError(f"the app did not answer in 10 s:\n{log.read_text()}")
+        time.sleep(0.05)

@@ -14,6 +14,9 @@ listens on a free 127.0.0.1 port and forwards to one target. Faults:
   up to the end of `marker` and no further, then ends (the server reads those bytes, then
   the end of the stream; the client sees the connection close), and new connections are
   refused until ``heal()``: a client cut off between two commands it sent in one write;
+- ``drop_responses(n)``: the next `n` answers are lost: when the server's first bytes of
+  one arrive, the connection is reset on both sides instead of forwarding them, so the
+  request was received and processed but the client never hears back;
 - ``replication_delay``: an extra delay on the server-to-client direction of connections whose
   client spoke ``PSYNC`` (a Redis replica's link to its primary), so a replica behind the
   proxy lags its primary by that much while ordinary clients do not.
@@ -43,6 +46,7 @@ class ProxyStats:
     stalls: int = 0
     dropped_bytes: int = 0  # queued when a partition or reset dropped the connection
     forwarded_bytes: int = 0
+    dropped_responses: int = 0
 
 
 @dataclass(eq=False)
@@ -80,6 +84,7 @@ class Proxy:
         self._stall_new_until = 0.0
         self._cut_marker = b""
         self.cuts = 0
+        self._drop_responses = 0
         self._conns: set[_Conn] = set()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
@@ -141,6 +146,10 @@ class Proxy:
         self._refusing = False
         self._cut_marker = b""
 
+    def drop_responses(self, n: int) -> None:
+        """Lose the next `n` server answers (each resets its connection)."""
+        self._call(self._set_drop(n))
+
     def open_connections(self) -> int:
         return len(self._conns)
 
@@ -154,6 +163,9 @@ class Proxy:
         if self._server is not None:
             self._server.close()
         await self._reset(1.0, count=False)
+
+    async def _set_drop(self, n: int) -> None:
+        self._drop_responses = n
 
     async def _stall(self, seconds: float, fraction: float) -> int:
         chosen = [c for c in list(self._conns) if self._rng.random() < fraction]
@@ -217,6 +229,11 @@ class Proxy:
                 data = await reader.read(CHUNK)
                 if not data:
                     break
+                if direction == 1 and self._drop_responses > 0:
+                    self._drop_responses -= 1
+                    self.stats.dropped_responses += 1
+                    self._abort(conn, count=False)
+                    return
                 if direction == 0 and not conn.replication and b"PSYNC" in data.upper():
                     conn.replication = True
                 cut = self._cut_at(conn, data) if direction == 0 else 0

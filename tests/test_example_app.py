@@ -4,16 +4,15 @@ process (on the MemoryStore, and on a throwaway redis-server)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from procs import stop
+from fastapi import FastAPI
+from procs import start_example_app, stop
 from servers import Server, free_port
 
 from example_app import create_app
@@ -52,12 +51,17 @@ SCENARIOS = [
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
+async def app() -> AsyncIterator[FastAPI]:
     app = create_app(MemoryStore(), job_lease_ms=150)
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
-            yield c
+        yield app
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+        yield c
 
 
 def payment(account: str = "acct_1", amount: int = 1500) -> dict[str, object]:
@@ -87,8 +91,10 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     assert other.status == 422
     assert other.json()["type"] == PROBLEM + "key-reused"
 
+    assert first.attempts == dup.attempts == other.attempts == 1
+
     racer = result.step("racing-duplicate")
-    assert racer.status == 409
+    assert racer.status == 409 and racer.attempts == 1
     assert racer.headers["retry-after"] == "1"  # the middleware's default
     assert racer.json()["type"] == PROBLEM + "in-flight"
     slow = result.step("slow-first-call")
@@ -98,6 +104,9 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     replay = result.step("retry-after-slow")
     assert (replay.status, replay.headers["idempotent-replayed"]) == (201, "true")
     assert replay.body == slow.body
+    # the transport waited Retry-After and sent the racer again: one call, two attempts
+    assert (slow.attempts, replay.attempts) == (1, 2)
+    assert replay.at - racer.at >= int(racer.headers["retry-after"]) - 0.05
 
     dead = result.step("dead-worker")
     assert dead.status == 200
@@ -105,8 +114,10 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     blocked = result.all("retry-while-claimed")
     assert blocked
     assert all(s.status == 409 and s.headers["retry-after"] == "1" for s in blocked)
+    assert [s.attempts for s in blocked] == list(range(1, len(blocked) + 1))
     recovered = result.step("retry-after-lease")
     assert recovered.status == 201 and "idempotent-replayed" not in recovered.headers
+    assert recovered.attempts == len(blocked) + 1
     assert recovered.json()["amount_cents"] == 700
     assert recovered.at - dead.at >= dead_lease_seconds - 0.1
 
@@ -145,40 +156,12 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     assert by_key[event.key or ""] == [event.json()["payment"]["id"]]
 
 
-def start_app(port: int, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    """`python -m example_app --port N` with output to `log`, answering /stats, or fail."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GOBLIN_"))}
-    full_env.update(env)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "example_app", "--port", str(port)],
-            cwd=ROOT,
-            env=full_env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 10
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"the app exited ({proc.returncode}):\n{log.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/stats", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            stop(proc)
-            raise AssertionError(f"the app did not answer in 10 s:\n{log.read_text()}")
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def app_process(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """`python -m example_app` as a newcomer runs it: the embedded store, default settings."""
     port = free_port()
     log = tmp_path / "app.log"
-    proc = start_app(port, log)
+    proc = start_example_app(port, log)
     try:
         yield f"http://127.0.0.1:{port}", log
     finally:
@@ -188,11 +171,18 @@ def app_process(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 # -- the demo --------------------------------------------------------------------------------
 
 
-async def test_demo_in_process(client: httpx.AsyncClient) -> None:
+async def test_demo_in_process(app: FastAPI, client: httpx.AsyncClient) -> None:
     printed: list[str] = []
-    result = await run_demo(client, on_step=lambda s: printed.append(s.scenario))
+    started: list[dict[str, str]] = []
+    result = await run_demo(
+        httpx.ASGITransport(app=app),
+        "http://app",
+        on_start=lambda r: started.append(dict(r.store)),
+        on_step=lambda s: printed.append(s.scenario),
+    )
     check_demo(result)
     assert printed == [s.scenario for s in result.steps]
+    assert started == [{"kind": "memory", "mode": "embedded"}]
     stats = (await client.get("/stats")).json()
     assert stats["store"] == {"kind": "memory", "mode": "embedded"}
     counters = stats["middleware"]
@@ -207,13 +197,13 @@ async def test_demo_against_uvicorn_on_redis(redis_server: Server, tmp_path: Pat
         r.flushall()
     port = free_port()
     log = tmp_path / "app.log"
-    proc = start_app(port, log, REDIS_URL=redis_server.url, GOBLIN_LEASE_SECONDS="2")
+    proc = start_example_app(port, log, REDIS_URL=redis_server.url, GOBLIN_LEASE_SECONDS="2")
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
             stats = (await c.get("/stats")).json()
             assert stats["store"] == {"kind": "redis", "mode": "script"}
             assert stats["config"]["lease_seconds"] == 2
-            result = await run_demo(c)
+        result = await run_demo(httpx.AsyncHTTPTransport(), f"http://127.0.0.1:{port}")
         check_demo(result)
         # The ledger lives in redis itself, next to the idempotency keys.
         with redis_server.sync_client() as r:

@@ -279,8 +279,9 @@ async def fuzz_one(store: Store, case: Case, seen: Counter[str]) -> None:
     key = case.key
     for name, value in await stored_items(store, namespace + b":*"):
         assert case.mark not in name and case.mark not in value, (name, value)
+        # The key itself may also be what a body happens to hold; the marker never is.
         if key is not None and len(key) >= 12 and len(set(key)) > 3:
-            assert key not in name and key not in value, (name, value)
+            assert key not in name, name
     seen["examples"] += 1
 
 
