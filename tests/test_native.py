@@ -9,8 +9,10 @@ load/unload. Leases expire for real: nothing here mocks a clock.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -879,13 +881,23 @@ def test_module_unload_and_double_load(kind: str, module_path: Path) -> None:
 # -- building -------------------------------------------------------------------------------
 
 
-def test_build_is_cached_by_source_hash(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module_path: Path
-) -> None:
+@pytest.fixture
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh $XDG_CACHE_HOME for this test: the user's own cache is never touched."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_build_is_cached_by_source_hash(cache_home: Path, module_path: Path) -> None:
     first = build_module()
-    assert first.is_absolute() and first.is_relative_to(tmp_path / "cache" / "goblin-idem")
+    root = cache_home / "goblin-idem"
+    assert first.is_absolute() and first.is_relative_to(root)
     assert os.access(first, os.X_OK)
+    # private to this user: nobody else can put a module where it will be loaded from
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(first.parent.stat().st_mode) == 0o700
+    recorded = (first.parent / "goblin.so.sha256").read_text().strip()
+    assert recorded == hashlib.sha256(first.read_bytes()).hexdigest()
     stamp = first.stat().st_mtime_ns
     assert build_module(cc="no-such-compiler-needed") == first  # reused, no compile
     assert first.stat().st_mtime_ns == stamp
@@ -894,12 +906,80 @@ def test_build_is_cached_by_source_hash(
     assert not list(first.parent.glob(".goblin-*"))  # no temp file left behind
 
 
-def test_build_errors_are_clear(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["replaced", "hash-missing", "truncated"])
+def test_build_cache_compiles_again_what_its_hash_does_not_match(
+    cache_home: Path, damage: str
+) -> None:
+    first = build_module()
+    good = first.read_bytes()
+    if damage == "replaced":
+        first.write_bytes(b"\x7fELF not the module our build wrote")
+    elif damage == "hash-missing":
+        (first.parent / "goblin.so.sha256").unlink()
+    else:
+        first.write_bytes(good[: len(good) // 2])
     with pytest.raises(RuntimeError, match="no C compiler found"):
+        build_module(cc="no-such-cc-anywhere")  # it wants to compile, not to load that file
+    assert build_module() == first
+    assert first.read_bytes() == good
+    assert (first.parent / "goblin.so.sha256").read_text().strip() == (
+        hashlib.sha256(good).hexdigest()
+    )
+
+
+OWN_CACHE = "set $XDG_CACHE_HOME to a directory of your own, or build with `build-module --out DIR`"
+
+
+def _cache_refusal() -> str:
+    with pytest.raises(RuntimeError) as err:
+        build_module()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("which", ["root", "build"])
+def test_build_cache_refuses_a_directory_others_can_write(cache_home: Path, which: str) -> None:
+    first = build_module()
+    directory = cache_home / "goblin-idem" if which == "root" else first.parent
+    directory.chmod(0o777)
+    assert _cache_refusal() == (
+        f"refusing the module cache {directory}: it is writable by group or others "
+        f"(mode 777); run `chmod 700 {directory}`, or {OWN_CACHE}"
+    )
+    directory.chmod(0o755)  # readable by others is fine: not writable
+    assert build_module() == first
+
+
+def test_build_cache_refuses_a_directory_another_user_owns(cache_home: Path) -> None:
+    root = cache_home / "goblin-idem"
+    if os.geteuid() == 0:  # root can hand a directory to another user
+        root.mkdir(parents=True, mode=0o700)
+        os.chown(root, 65534, 65534)
+    else:  # anyone else reaches one that root owns through the cache path
+        cache_home.mkdir(parents=True)
+        root.symlink_to(Path(sys.prefix).anchor)
+    assert _cache_refusal() == (
+        f"refusing the module cache {root}: it is owned by uid {root.stat().st_uid}, not by "
+        f"you (uid {os.geteuid()}); remove it, or {OWN_CACHE}"
+    )
+    if os.geteuid() == 0:
+        assert list(root.iterdir()) == []  # nothing was built into it
+
+
+def test_build_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="no C compiler found") as err:
         build_module(tmp_path, cc="no-such-cc-anywhere")
+    assert "`build-module --cc COMPILER`" in str(err.value)  # the CLI's own flag
     with pytest.raises(RuntimeError, match="failed"):
         build_module(tmp_path, cc="false")
     assert list(tmp_path.iterdir()) == []
+    cli = subprocess.run(
+        [sys.executable, "-m", "goblin_idem", "build-module", "--out", str(tmp_path)],
+        env={**os.environ, "CC": "no-such-cc-anywhere"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cli.returncode == 1 and "--cc COMPILER" in cli.stderr
 
 
 def test_cli_prints_the_path_last(tmp_path: Path) -> None:
