@@ -857,25 +857,54 @@ def test_cluster_node_redirects_and_refuses_cross_slot(cluster: Cluster) -> None
 # -- MODULE LOAD / UNLOAD -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_module_unload_and_double_load(kind: str, module_path: Path) -> None:
-    s = start_server(kind, modules=[str(module_path)], args=["--enable-module-command", "yes"])
+@pytest.fixture(params=KINDS)
+def module_command_server(request: pytest.FixtureRequest, module_path: Path) -> Iterator[Server]:
+    """A throwaway server that allows MODULE LOAD / UNLOAD, which a test may crash."""
+    s = start_server(
+        request.param, modules=[str(module_path)], args=["--enable-module-command", "yes"]
+    )
+    yield s
+    s.stop()
+
+
+def test_module_refuses_to_be_unloaded_under_a_queued_transaction(
+    module_command_server: Server,
+) -> None:
+    s = module_command_server
+    tx, other = Raw(s), Raw(s)
     try:
-        with s.sync_client() as c:
-            with pytest.raises(redis.exceptions.ResponseError):
-                c.execute_command("MODULE", "LOAD", str(module_path))
-            assert c.ping()
-            names = [m[b"name"] for m in c.execute_command("MODULE", "LIST")]
-            assert names.count(b"goblin") == 1
-            assert c.execute_command("GOBLIN.CAD", "k", "v") == 0  # still served
-            assert c.execute_command("MODULE", "UNLOAD", "goblin") == b"OK"
-            with pytest.raises(redis.exceptions.ResponseError, match="unknown command"):
-                c.execute_command("GOBLIN.CAD", "k", "v")
-            assert c.execute_command("MODULE", "LOAD", str(module_path)) == b"OK"
-            c.set("k", "v")
-            assert c.execute_command("GOBLIN.CAD", "k", "v") == 1
+        assert tx.call("SET", "k", "a") == OK
+        assert tx.call("MULTI") == OK
+        assert tx.call("GOBLIN.CAS", "k", "a", "b") == b"+QUEUED\r\n"
+        unload = other.call("MODULE", "UNLOAD", "goblin")
+        try:
+            executed = tx.call("EXEC")
+        except OSError:  # the connection died with the server
+            s.proc.wait(timeout=60)  # the crash report takes a moment
+            pytest.fail(f"EXEC after MODULE UNLOAD killed the server (exit {s.proc.returncode})")
+        assert unload == b"-ERR Error unloading module: operation not possible.\r\n"
+        assert executed == b"*1\r\n+OK\r\n"
+        assert other.call("GET", "k") == bulk(b"b")
+        assert other.call("GOBLIN.CAD", "k", "b") == ONE  # still served
+        assert s.running() and other.call("PING") == b"+PONG\r\n"
     finally:
-        s.stop()
+        tx.close()
+        other.close()
+    # a shutdown is let through (Valkey unloads every module on its way out), quietly
+    s.stop(remove_dir=False)
+    assert s.proc.returncode == 0
+    assert (s.dir / "server.log").read_text().count("goblin cannot be unloaded") == 1
+
+
+def test_module_is_loaded_once(module_command_server: Server, module_path: Path) -> None:
+    with module_command_server.sync_client() as c:
+        with pytest.raises(redis.exceptions.ResponseError):
+            c.execute_command("MODULE", "LOAD", str(module_path))
+        assert c.ping()
+        names = [m[b"name"] for m in c.execute_command("MODULE", "LIST")]
+        assert names.count(b"goblin") == 1
+        c.set("k", "v")
+        assert c.execute_command("GOBLIN.CAD", "k", "v") == 1
 
 
 # -- building -------------------------------------------------------------------------------

@@ -11,6 +11,10 @@
  * GOBLIN command itself. A replica or an AOF reload therefore needs no module and
  * reproduces the same absolute expiry, however late it applies the stream.
  *
+ * The module refuses to be unloaded (RedisModule_OnUnload): a transaction queued before
+ * MODULE UNLOAD would call a freed command at EXEC and crash the server (Redis 7.0 and
+ * Valkey 9). A new build is loaded by restarting the server with it.
+ *
  * The server's module ABI is declared below by hand: only the handful of entry
  * points, constants and structs this file uses. Names and values follow the public
  * module API reference ("RedisModule_*" names are accepted by Valkey too).
@@ -30,6 +34,8 @@ typedef struct ModKey ModKey;    /* RedisModuleKey */
 typedef struct ModStr ModStr;    /* RedisModuleString */
 typedef struct ModCmd ModCmd;    /* RedisModuleCommand */
 typedef long long mod_mstime;    /* mstime_t */
+typedef struct { uint64_t id, dataver; } mod_event; /* RedisModuleEvent */
+typedef void (*mod_event_fn)(ModCtx *ctx, mod_event event, uint64_t subevent, void *data);
 typedef int (*mod_cmd_fn)(ModCtx *ctx, ModStr **argv, int argc);
 
 #define MOD_OK 0
@@ -40,6 +46,7 @@ typedef int (*mod_cmd_fn)(ModCtx *ctx, ModStr **argv, int argc);
 #define MOD_KEYTYPE_EMPTY 0
 #define MOD_KEYTYPE_STRING 1
 #define MOD_NO_EXPIRE (-1LL)
+#define MOD_EVENT_SHUTDOWN 5
 #define MOD_NOTIFY_GENERIC (1 << 2)
 #define MOD_NOTIFY_STRING (1 << 3)
 #define MOD_NOTIFY_EXPIRED (1 << 8)
@@ -125,6 +132,8 @@ static mod_mstime (*RM_GetAbsExpire)(ModKey *key);
 static int (*RM_SetAbsExpire)(ModKey *key, mod_mstime at);
 static long long (*RM_Milliseconds)(void);
 static int (*RM_Replicate)(ModCtx *ctx, const char *cmd, const char *fmt, ...);
+static void (*RM_Log)(ModCtx *ctx, const char *level, const char *fmt, ...);
+static int (*RM_SubscribeToServerEvent)(ModCtx *ctx, mod_event event, mod_event_fn callback);
 static int (*RM_SignalModifiedKey)(ModCtx *ctx, ModStr *name);
 static int (*RM_NotifyKeyspaceEvent)(ModCtx *ctx, int type, const char *event, ModStr *key);
 static int (*RM_ReplyWithError)(ModCtx *ctx, const char *err);
@@ -163,6 +172,8 @@ static const api_entry API_TABLE[] = {
     API(SetAbsExpire, 1),
     API(Milliseconds, 1),
     API(Replicate, 1),
+    API(Log, 1),
+    API(SubscribeToServerEvent, 1),
     API(SignalModifiedKey, 1),
     API(NotifyKeyspaceEvent, 1),
     API(ReplyWithError, 1),
@@ -445,6 +456,13 @@ static int register_command(ModCtx *ctx, const command_def *def) {
     return RM_SetCommandInfo(cmd, &info);
 }
 
+static int shutting_down;
+
+static void on_shutdown(ModCtx *ctx, mod_event event, uint64_t subevent, void *data) {
+    (void)ctx, (void)event, (void)subevent, (void)data;
+    shutting_down = 1;
+}
+
 int RedisModule_OnLoad(ModCtx *ctx, ModStr **argv, int argc) {
     (void)argv;
     (void)argc;
@@ -465,5 +483,20 @@ int RedisModule_OnLoad(ModCtx *ctx, ModStr **argv, int argc) {
     RM_SetModuleOptions(ctx, MOD_OPTION_NO_IMPLICIT_SIGNAL_MODIFIED);
     for (size_t i = 0; i < sizeof COMMANDS / sizeof COMMANDS[0]; i++)
         if (register_command(ctx, &COMMANDS[i]) != MOD_OK) return MOD_ERR;
+    RM_SubscribeToServerEvent(ctx, (mod_event){ MOD_EVENT_SHUTDOWN, 1 }, on_shutdown);
     return MOD_OK;
 }
+/* Unloading is refused, and both Redis 7.0 and Valkey 9 cancel MODULE UNLOAD when this
+ * returns an error. A transaction queued before the unload keeps a pointer to the
+ * freed command, and its EXEC would crash the server. A new build is loaded by
+ * restarting the server with it (one node at a time, replicas first, for no downtime).
+ * Only a server that is shutting down (Valkey unloads every module on its way out)
+ * is let go: no command runs after that. */
+int RedisModule_OnUnload(ModCtx *ctx) {
+    if (shutting_down) return MOD_OK;
+    RM_Log(ctx, "warning",
+           "goblin cannot be unloaded (a queued MULTI would call its freed commands); "
+           "restart the server to load another build");
+    return MOD_ERR;
+}
+
