@@ -657,6 +657,74 @@ def test_maxmemory_refuses_only_commands_that_can_grow(
         r.config_set("maxmemory", 0)
 
 
+STORAGE = [("OBJECT", "ENCODING"), ("MEMORY", "USAGE")]
+
+
+def _pipelined(r: redis.Redis, calls: Sequence[Sequence[Arg]]) -> list[object]:
+    """Replies to `calls`, sent 100 at a time: client buffers stay small and steady."""
+    replies: list[object] = []
+    for start in range(0, len(calls), 100):
+        p = r.pipeline(transaction=False)
+        for call in calls[start : start + 100]:
+            p.execute_command(*call)
+        replies += p.execute(raise_on_error=False)
+    return replies
+
+
+def test_failed_compares_keep_how_values_are_stored(r: redis.Redis) -> None:
+    # int-encoded (shared below 10000, and not), embedded strings (Redis: up to 44 bytes,
+    # Valkey: about 110 with the key) and plain ones; DMA would rewrite the first three
+    n = 1000
+    values: dict[str, bytes] = {}
+    for i in range(n):
+        values[f"s:{i}"] = b"%d" % i
+        values[f"i:{i}"] = b"%d" % (10**12 + i)
+        values[f"e:{i}"] = b"token-%08d" % i
+        values[f"l:{i}"] = b"%-100d" % i
+    r.mset(values)
+    r.mset({"warm:" + k: v for k, v in values.items()})
+    r.set("held", "someone")
+
+    def failing(prefix: str) -> list[tuple[Arg, ...]]:
+        calls: list[tuple[Arg, ...]] = []
+        for key, value in values.items():
+            same_length = b"x" * len(value)  # passes the length check, fails on the bytes
+            calls += [
+                ("GOBLIN.CAD", prefix + key, same_length),
+                ("GOBLIN.CAD", prefix + key, value + b"x"),
+                ("GOBLIN.CAEXPIRE", prefix + key, same_length, 5000),
+                ("GOBLIN.CAS", prefix + key, same_length, "new"),
+                ("GOBLIN.CLAIM", "held", prefix + key, "t", 30),  # reads the value
+            ]
+        return calls
+
+    def stored() -> dict[str, tuple[object, object]]:
+        replies = _pipelined(r, [(cmd, sub, k) for k in values for cmd, sub in STORAGE])
+        return dict(zip(values, zip(replies[::2], replies[1::2], strict=True), strict=True))
+
+    # the same work on copies first, and the first INFO memory, which allocates once:
+    # nothing the measured part does is then a first time
+    _pipelined(r, failing("warm:"))
+    stored()
+    r.info("memory")
+    before, used_before = stored(), r.info("memory")["used_memory"]
+    replies = _pipelined(r, failing(""))
+    after, used_after = stored(), r.info("memory")["used_memory"]
+    assert replies == [x for v in values.values() for x in (0, 0, 0, 0, v)]
+    assert {b"int", b"embstr"} <= {enc for enc, _ in before.values()}  # the cases exist
+    changed = {k: (before[k], after[k]) for k in values if after[k] != before[k]}
+    grown = used_after - used_before
+    assert not changed, (
+        f"{len(changed)} values stored differently, used_memory {grown:+d} bytes; "
+        f"(encoding, MEMORY USAGE) before and after, e.g. {list(changed.items())[:4]}"
+    )
+    assert grown < 4 * len(values)  # and nothing grew elsewhere
+    # a renewal reads the value the same way: still not rewritten
+    assert r.execute_command("GOBLIN.CAEXPIRE", "i:1", values["i:1"], 5000) == 1
+    assert r.execute_command("GOBLIN.CAEXPIRE", "e:1", values["e:1"], 5000) == 1
+    assert r.object("encoding", "i:1") == b"int" and r.object("encoding", "e:1") == b"embstr"
+
+
 # -- replication ----------------------------------------------------------------------------
 
 

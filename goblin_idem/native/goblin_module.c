@@ -11,9 +11,17 @@
  * GOBLIN command itself. A replica or an AOF reload therefore needs no module and
  * reproduces the same absolute expiry, however late it applies the stream.
  *
+ * A compare never changes how the server stores the value: reading an int-encoded or
+ * embedded string through DMA would rewrite it as a separate allocation (see
+ * read_value). A failed compare therefore allocates nothing that outlives the command,
+ * which is why CAD and CAEXPIRE may run under maxmemory, like DEL and PEXPIRE.
+ *
  * The module refuses to be unloaded (RedisModule_OnUnload): a transaction queued before
  * MODULE UNLOAD would call a freed command at EXEC and crash the server (Redis 7.0 and
  * Valkey 9). A new build is loaded by restarting the server with it.
+ *
+ * A short value is read through an internal GET (see read_value), so such reads show in
+ * INFO commandstats as cmdstat_get, as the scripts' redis.call("get") do.
  *
  * The server's module ABI is declared below by hand: only the handful of entry
  * points, constants and structs this file uses. Names and values follow the public
@@ -33,6 +41,7 @@ typedef struct ModCtx ModCtx;    /* RedisModuleCtx */
 typedef struct ModKey ModKey;    /* RedisModuleKey */
 typedef struct ModStr ModStr;    /* RedisModuleString */
 typedef struct ModCmd ModCmd;    /* RedisModuleCommand */
+typedef struct ModReply ModReply; /* RedisModuleCallReply */
 typedef long long mod_mstime;    /* mstime_t */
 typedef struct { uint64_t id, dataver; } mod_event; /* RedisModuleEvent */
 typedef void (*mod_event_fn)(ModCtx *ctx, mod_event event, uint64_t subevent, void *data);
@@ -46,6 +55,7 @@ typedef int (*mod_cmd_fn)(ModCtx *ctx, ModStr **argv, int argc);
 #define MOD_KEYTYPE_EMPTY 0
 #define MOD_KEYTYPE_STRING 1
 #define MOD_NO_EXPIRE (-1LL)
+#define MOD_REPLY_STRING 0
 #define MOD_EVENT_SHUTDOWN 5
 #define MOD_NOTIFY_GENERIC (1 << 2)
 #define MOD_NOTIFY_STRING (1 << 3)
@@ -132,6 +142,11 @@ static mod_mstime (*RM_GetAbsExpire)(ModKey *key);
 static int (*RM_SetAbsExpire)(ModKey *key, mod_mstime at);
 static long long (*RM_Milliseconds)(void);
 static int (*RM_Replicate)(ModCtx *ctx, const char *cmd, const char *fmt, ...);
+static ModReply *(*RM_Call)(ModCtx *ctx, const char *cmd, const char *fmt, ...);
+static int (*RM_CallReplyType)(ModReply *reply);
+static const char *(*RM_CallReplyStringPtr)(ModReply *reply, size_t *len);
+static void (*RM_FreeCallReply)(ModReply *reply);
+static size_t (*RM_ValueLength)(ModKey *key);
 static void (*RM_Log)(ModCtx *ctx, const char *level, const char *fmt, ...);
 static int (*RM_SubscribeToServerEvent)(ModCtx *ctx, mod_event event, mod_event_fn callback);
 static int (*RM_SignalModifiedKey)(ModCtx *ctx, ModStr *name);
@@ -172,6 +187,11 @@ static const api_entry API_TABLE[] = {
     API(SetAbsExpire, 1),
     API(Milliseconds, 1),
     API(Replicate, 1),
+    API(Call, 1),
+    API(CallReplyType, 1),
+    API(CallReplyStringPtr, 1),
+    API(FreeCallReply, 1),
+    API(ValueLength, 1),
     API(Log, 1),
     API(SubscribeToServerEvent, 1),
     API(SignalModifiedKey, 1),
@@ -200,24 +220,64 @@ static const api_entry API_TABLE[] = {
 #define ERR_WRONGTYPE "WRONGTYPE Operation against a key holding the wrong kind of value"
 #define ERR_INTERNAL(cmd) "ERR " cmd " could not update the key"
 
+/* Values of this length or shorter may be stored as an integer or embedded in their
+ * object (Redis 7.0 embeds up to 44 bytes, Valkey 9 up to about 110 with the key);
+ * longer ones are plain strings on both. */
+#define SHORT_VALUE_MAX 256
+
+typedef struct {
+    const char *ptr;
+    size_t len;
+    ModReply *reply; /* owns ptr when not NULL; freed by release_value */
+} stored_value;
+
+/* Read the value of an open string key without changing how the server stores it.
+ * DMA reads a plain string in place, but first rewrites an int-encoded or embedded one
+ * as a separate allocation that outlives the command (24 bytes more per int-valued key,
+ * even when the compare then fails). A short value is therefore copied out by a GET run
+ * through the server, into a reply that is freed before the command returns; a long one
+ * is read in place, never copied. Should that GET be refused (GET renamed), DMA still
+ * reads the right bytes. Returns 0 for a value that is not a string. */
+static int read_value(ModCtx *ctx, ModKey *key, ModStr *name, stored_value *out) {
+    out->reply = NULL;
+    if (RM_ValueLength(key) <= SHORT_VALUE_MAX) {
+        ModReply *reply = RM_Call(ctx, "GET", "s", name);
+        if (reply != NULL && RM_CallReplyType(reply) == MOD_REPLY_STRING) {
+            out->ptr = RM_CallReplyStringPtr(reply, &out->len);
+            out->reply = reply;
+            return 1;
+        }
+        if (reply != NULL) RM_FreeCallReply(reply);
+    }
+    out->ptr = RM_StringDMA(key, &out->len, MOD_READ);
+    return out->ptr != NULL;
+}
+
+static void release_value(stored_value *value) {
+    if (value->reply != NULL) RM_FreeCallReply(value->reply);
+}
+
 typedef enum { CMP_MISSING, CMP_WRONGTYPE, CMP_DIFFERENT, CMP_EQUAL } cmp_result;
 
 /* Compare the string at an open key with `expected`, byte for byte. The key was
  * opened (and so lazily expired) by the caller; a NULL handle means "no such key".
- * The stored bytes are compared in place through DMA, never copied out. (The server
- * turns an int-encoded or embedded value into a plain one on its first DMA access;
- * later accesses to that key allocate nothing.) */
-static cmp_result compare_value(ModKey *key, const ModStr *expected) {
+ * The stored length is known without reading the value, so most mismatches stop there. */
+static cmp_result compare_value(ModCtx *ctx, ModKey *key, ModStr *name, const ModStr *expected) {
     if (key == NULL) return CMP_MISSING;
     int type = RM_KeyType(key);
     if (type == MOD_KEYTYPE_EMPTY) return CMP_MISSING;
     if (type != MOD_KEYTYPE_STRING) return CMP_WRONGTYPE;
-    size_t have_len = 0, want_len = 0;
-    const char *have = RM_StringDMA(key, &have_len, MOD_READ);
+    size_t want_len = 0;
     const char *want = RM_StringPtrLen(expected, &want_len);
-    if (have == NULL) return CMP_WRONGTYPE;
-    if (have_len != want_len) return CMP_DIFFERENT;
-    return (want_len == 0 || memcmp(have, want, want_len) == 0) ? CMP_EQUAL : CMP_DIFFERENT;
+    if (RM_ValueLength(key) != want_len) return CMP_DIFFERENT;
+    if (want_len == 0) return CMP_EQUAL;
+    stored_value have;
+    if (!read_value(ctx, key, name, &have)) return CMP_WRONGTYPE;
+    cmp_result r = have.len == want_len && memcmp(have.ptr, want, want_len) == 0
+                       ? CMP_EQUAL
+                       : CMP_DIFFERENT;
+    release_value(&have);
+    return r;
 }
 
 /* Reply for the outcomes that are the same in every compare-and-X command. */
@@ -278,16 +338,16 @@ static int cmd_claim(ModCtx *ctx, ModStr **argv, int argc) {
 
     /* The claim was held: a plain GET of the result, so a non-string is WRONGTYPE. */
     ModKey *result = RM_OpenKey(ctx, argv[2], MOD_READ);
+    stored_value value;
     int rc;
     if (result == NULL || RM_KeyType(result) == MOD_KEYTYPE_EMPTY) {
         rc = RM_ReplyWithNull(ctx);
-    } else if (RM_KeyType(result) != MOD_KEYTYPE_STRING) {
+    } else if (RM_KeyType(result) != MOD_KEYTYPE_STRING ||
+               !read_value(ctx, result, argv[2], &value)) {
         rc = RM_ReplyWithError(ctx, ERR_WRONGTYPE);
     } else {
-        size_t len = 0;
-        const char *value = RM_StringDMA(result, &len, MOD_READ);
-        rc = value != NULL ? RM_ReplyWithStringBuffer(ctx, value, len)
-                           : RM_ReplyWithError(ctx, ERR_WRONGTYPE);
+        rc = RM_ReplyWithStringBuffer(ctx, value.ptr, value.len);
+        release_value(&value);
     }
     if (result != NULL) RM_CloseKey(result);
     return rc;
@@ -311,7 +371,7 @@ static int cmd_caexpire(ModCtx *ctx, ModStr **argv, int argc) {
         return RM_ReplyWithError(ctx, ERR_EXPIRE("goblin.caexpire"));
 
     ModKey *key = RM_OpenKey(ctx, argv[1], MOD_READ | MOD_WRITE);
-    cmp_result r = compare_value(key, argv[2]);
+    cmp_result r = compare_value(ctx, key, argv[1], argv[2]);
     if (r != CMP_EQUAL) {
         if (key != NULL) RM_CloseKey(key);
         return reply_no_match(ctx, r);
@@ -348,7 +408,7 @@ static int cmd_cas(ModCtx *ctx, ModStr **argv, int argc) {
     if (argc != 4) return RM_ReplyWithError(ctx, ERR_ARITY("goblin.cas"));
 
     ModKey *key = RM_OpenKey(ctx, argv[1], MOD_READ | MOD_WRITE);
-    cmp_result r = compare_value(key, argv[2]);
+    cmp_result r = compare_value(ctx, key, argv[1], argv[2]);
     if (r != CMP_EQUAL) {
         if (key != NULL) RM_CloseKey(key);
         return reply_no_match(ctx, r);
@@ -387,7 +447,7 @@ static int cmd_cad(ModCtx *ctx, ModStr **argv, int argc) {
     if (argc != 3) return RM_ReplyWithError(ctx, ERR_ARITY("goblin.cad"));
 
     ModKey *key = RM_OpenKey(ctx, argv[1], MOD_READ | MOD_WRITE);
-    cmp_result r = compare_value(key, argv[2]);
+    cmp_result r = compare_value(ctx, key, argv[1], argv[2]);
     if (r != CMP_EQUAL) {
         if (key != NULL) RM_CloseKey(key);
         return reply_no_match(ctx, r);
@@ -408,7 +468,9 @@ typedef struct {
     mod_cmd_fn fn;
     /* CAD and CAEXPIRE never grow memory and must work under maxmemory, like DEL and
      * PEXPIRE (and like the scripts they replace): a lock release refused with OOM
-     * would keep the lock held until its lease runs out. */
+     * would keep the lock held until its lease runs out. Their compares allocate
+     * nothing that outlives the command (read_value); a renewal may add an expiry
+     * entry, as PEXPIRE does. */
     const char *flags;
     int firstkey, lastkey;
     int arity;
