@@ -791,6 +791,74 @@ def test_replica_without_module_sees_the_effects(kind: str, module_path: Path) -
         master.stop()
 
 
+# SET renamed to another name, PEXPIREAT and DEL removed: every form a GOBLIN command
+# replicates its effect as (SET ... PXAT, PEXPIREAT, SET ... KEEPTTL, DEL) is refused.
+RENAMED = """\
+rename-command SET SET-RENAMED
+rename-command PEXPIREAT ""
+rename-command DEL ""
+"""
+
+
+def no_replication(command: str, missing: str) -> bytes:
+    return (
+        f"-ERR {command} changed nothing: the server has no {missing} command to replicate "
+        f"it with (remove 'rename-command {missing}' from the server configuration)\r\n"
+    ).encode()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_effect_the_server_cannot_replicate_is_not_made(kind: str, module_path: Path) -> None:
+    primary = start_server(
+        kind,
+        modules=[str(module_path)],
+        config=RENAMED,
+        args=["--repl-diskless-sync-delay", "0"],
+    )
+    replica: Server | None = None
+    conn: Raw | None = None
+    try:
+        replica = start_server(kind, args=["--replicaof", "127.0.0.1", str(primary.port)])
+        _wait_link_up(replica)
+        conn = Raw(primary)
+        assert conn.call("MSET", "k", "tok", "x", "tok", "d", "tok") == OK
+        replies = [
+            conn.call("GOBLIN.CLAIM", "c", "r", "t", 30),  # SET c t PXAT
+            conn.call("GOBLIN.CAEXPIRE", "k", "tok", 50_000),  # PEXPIREAT k
+            conn.call("GOBLIN.CAS", "k", "tok", "new"),  # SET k new KEEPTTL
+            conn.call("GOBLIN.CAD", "d", "tok"),  # DEL d
+            conn.call("GOBLIN.CAD", "d", "tok"),
+            conn.call("GOBLIN.CAEXPIRE", "x", "tok", 0),  # DEL x on Redis; see below
+        ]
+        assert conn.call("WAIT", 1, 5000) == b":1\r\n"
+        with primary.sync_client() as m, replica.sync_client() as s:
+
+            def state(c: redis.Redis) -> dict[str, tuple[object, object]]:
+                return {k: (c.get(k), c.execute_command("PEXPIRETIME", k)) for k in "ckxd"}
+
+            # first of all: the replica holds exactly what the primary holds
+            assert state(s) == state(m)
+            assert m.mget("c", "k", "d") == [None, b"tok", b"tok"] and m.pttl("k") == -1
+        past = no_replication("goblin.caexpire", "DEL")
+        assert replies == [
+            no_replication("goblin.claim", "SET"),
+            no_replication("goblin.caexpire", "PEXPIREAT"),
+            no_replication("goblin.cas", "SET"),
+            no_replication("goblin.cad", "DEL"),
+            no_replication("goblin.cad", "DEL"),
+            past,
+        ]
+        log = (primary.dir / "server.log").read_text()
+        for missing in ("SET", "PEXPIREAT", "DEL"):
+            assert log.count(f"the server has no {missing} command (rename-command?)") == 1
+    finally:
+        if conn is not None:
+            conn.close()
+        if replica is not None:
+            replica.stop()
+        primary.stop()
+
+
 # -- AOF ------------------------------------------------------------------------------------
 
 AOF_ARGS = ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]

@@ -11,6 +11,15 @@
  * GOBLIN command itself. A replica or an AOF reload therefore needs no module and
  * reproduces the same absolute expiry, however late it applies the stream.
  *
+ * No silent divergence: a command asks the server to replicate its effect *before* it
+ * changes the key (the server sends what was asked only once the command returns, so
+ * the order inside the handler is free). The server refuses when the built-in command
+ * is missing (`rename-command PEXPIREAT ""`, or renamed to another name); the GOBLIN
+ * command then changes nothing, replies an error naming the missing command, and the
+ * module logs one warning per missing command. Once the server accepted, the changes
+ * that follow cannot fail for a key opened for writing with a non-negative deadline;
+ * should one fail anyway, the key is deleted on the primary and the replicas alike.
+ *
  * A compare never changes how the server stores the value: reading an int-encoded or
  * embedded string through DMA would rewrite it as a separate allocation (see
  * read_value). A failed compare therefore allocates nothing that outlives the command,
@@ -219,6 +228,49 @@ static const api_entry API_TABLE[] = {
 #define ERR_NOT_INT "ERR value is not an integer or out of range"
 #define ERR_WRONGTYPE "WRONGTYPE Operation against a key holding the wrong kind of value"
 #define ERR_INTERNAL(cmd) "ERR " cmd " could not update the key"
+/* RM_Replicate fails only when the server has no command of that name. */
+#define ERR_NO_REPLICATION(cmd, repl)                                                 \
+    "ERR " cmd " changed nothing: the server has no " repl " command to replicate it " \
+    "with (remove 'rename-command " repl "' from the server configuration)"
+
+/* After a real change: invalidate WATCH / client-side caches and tell keyspace
+ * subscribers, exactly as the built-in command doing the same change would. */
+static void touched(ModCtx *ctx, ModStr *key, int type, const char *event) {
+    RM_SignalModifiedKey(ctx, key);
+    RM_NotifyKeyspaceEvent(ctx, type, event, key);
+}
+
+/* The built-in commands effects are replicated as; a missing one is logged once. */
+typedef enum { REPL_SET, REPL_PEXPIREAT, REPL_DEL, REPL_KINDS } repl_kind;
+static const char *const REPL_NAME[REPL_KINDS] = { "SET", "PEXPIREAT", "DEL" };
+static int repl_warned[REPL_KINDS];
+
+/* The server refused to replicate an effect as `kind`: log that once, at warning level,
+ * and reply `err`. */
+static int replication_refused(ModCtx *ctx, repl_kind kind, const char *err) {
+    if (!repl_warned[kind]) {
+        repl_warned[kind] = 1;
+        RM_Log(ctx, "warning",
+               "the server has no %s command (rename-command?), so GOBLIN commands cannot "
+               "replicate an effect with it: they reply an error instead of changing the key; "
+               "remove 'rename-command %s' from the server configuration",
+               REPL_NAME[kind], REPL_NAME[kind]);
+    }
+    return RM_ReplyWithError(ctx, err);
+}
+
+/* A change failed after its replication was queued. Never seen: RM_StringSet and
+ * RM_SetAbsExpire only fail for a key not opened for writing or a negative deadline.
+ * The key is deleted here and on the replicas, so they cannot disagree. */
+static int drop_after_failure(ModCtx *ctx, ModKey *key, ModStr *name, const char *err) {
+    int existed = RM_KeyType(key) != MOD_KEYTYPE_EMPTY;
+    if (existed) RM_DeleteKey(key);
+    RM_CloseKey(key);
+    if (existed) touched(ctx, name, MOD_NOTIFY_GENERIC, "del");
+    if (RM_Replicate(ctx, "DEL", "s", name) != MOD_OK)
+        return replication_refused(ctx, REPL_DEL, err);
+    return RM_ReplyWithError(ctx, err);
+}
 
 /* Values of this length or shorter may be stored as an integer or embedded in their
  * object (Redis 7.0 embeds up to 44 bytes, Valkey 9 up to about 110 with the key);
@@ -286,13 +338,6 @@ static int reply_no_match(ModCtx *ctx, cmp_result r) {
     return RM_ReplyWithLongLong(ctx, 0);
 }
 
-/* After a real change: invalidate WATCH / client-side caches and tell keyspace
- * subscribers, exactly as the built-in command doing the same change would. */
-static void touched(ModCtx *ctx, ModStr *key, int type, const char *event) {
-    RM_SignalModifiedKey(ctx, key);
-    RM_NotifyKeyspaceEvent(ctx, type, event, key);
-}
-
 /* ------------------------------------------------------------------------- */
 /* GOBLIN.CLAIM claim_key result_key token seconds                           */
 /*                                                                           */
@@ -318,20 +363,16 @@ static int cmd_claim(ModCtx *ctx, ModStr **argv, int argc) {
     /* NX tests existence only: a claim key of any type makes the claim fail. */
     ModKey *claim = RM_OpenKey(ctx, argv[1], MOD_READ | MOD_WRITE);
     if (claim != NULL && RM_KeyType(claim) == MOD_KEYTYPE_EMPTY) {
-        if (RM_StringSet(claim, argv[3]) != MOD_OK) {
+        if (RM_Replicate(ctx, "SET", "sscl", argv[1], argv[3], "PXAT", at) != MOD_OK) {
             RM_CloseKey(claim);
-            return RM_ReplyWithError(ctx, ERR_INTERNAL("goblin.claim"));
+            return replication_refused(ctx, REPL_SET, ERR_NO_REPLICATION("goblin.claim", "SET"));
         }
-        if (RM_SetAbsExpire(claim, at) != MOD_OK) {
-            /* Never leave a lease-less claim behind: it would be held forever. */
-            RM_DeleteKey(claim);
-            RM_CloseKey(claim);
-            return RM_ReplyWithError(ctx, ERR_INTERNAL("goblin.claim"));
-        }
+        /* Never leave a lease-less claim behind: it would be held forever. */
+        if (RM_StringSet(claim, argv[3]) != MOD_OK || RM_SetAbsExpire(claim, at) != MOD_OK)
+            return drop_after_failure(ctx, claim, argv[1], ERR_INTERNAL("goblin.claim"));
         RM_CloseKey(claim);
         touched(ctx, argv[1], MOD_NOTIFY_STRING, "set");
         RM_NotifyKeyspaceEvent(ctx, MOD_NOTIFY_GENERIC, "expire", argv[1]);
-        RM_Replicate(ctx, "SET", "sscl", argv[1], argv[3], "PXAT", at);
         return RM_ReplyWithStringBuffer(ctx, "CLAIMED", 7);
     }
     if (claim != NULL) RM_CloseKey(claim);
@@ -360,6 +401,21 @@ static int cmd_claim(ModCtx *ctx, ModStr **argv, int argc) {
 /* renewed while the caller's token is still the one stored.                 */
 /* ------------------------------------------------------------------------- */
 
+/* A deadline already in the past ends the key the way PEXPIRE does on this server. */
+static int expire_now(ModCtx *ctx, ModKey *key, ModStr *name) {
+    if (RM_Replicate(ctx, "DEL", "s", name) != MOD_OK) {
+        RM_CloseKey(key);
+        return replication_refused(ctx, REPL_DEL, ERR_NO_REPLICATION("goblin.caexpire", "DEL"));
+    }
+    RM_DeleteKey(key);
+    RM_CloseKey(key);
+    if (past_deadline_is_expiry)
+        touched(ctx, name, MOD_NOTIFY_EXPIRED, "expired");
+    else
+        touched(ctx, name, MOD_NOTIFY_GENERIC, "del");
+    return RM_ReplyWithLongLong(ctx, 1);
+}
+
 static int cmd_caexpire(ModCtx *ctx, ModStr **argv, int argc) {
     if (argc != 4) return RM_ReplyWithError(ctx, ERR_ARITY("goblin.caexpire"));
 
@@ -376,24 +432,18 @@ static int cmd_caexpire(ModCtx *ctx, ModStr **argv, int argc) {
         if (key != NULL) RM_CloseKey(key);
         return reply_no_match(ctx, r);
     }
+    if (ms <= 0) return expire_now(ctx, key, argv[1]);
 
-    if (ms <= 0) {
-        /* A deadline already in the past deletes the key, like PEXPIRE. */
-        RM_DeleteKey(key);
-        RM_CloseKey(key);
-        if (past_deadline_is_expiry)
-            touched(ctx, argv[1], MOD_NOTIFY_EXPIRED, "expired");
-        else
-            touched(ctx, argv[1], MOD_NOTIFY_GENERIC, "del");
-        RM_Replicate(ctx, "DEL", "s", argv[1]);
-        return RM_ReplyWithLongLong(ctx, 1);
-    }
     long long at = now + ms;
-    int ok = RM_SetAbsExpire(key, at);
+    if (RM_Replicate(ctx, "PEXPIREAT", "sl", argv[1], at) != MOD_OK) {
+        RM_CloseKey(key);
+        return replication_refused(ctx, REPL_PEXPIREAT,
+                                   ERR_NO_REPLICATION("goblin.caexpire", "PEXPIREAT"));
+    }
+    if (RM_SetAbsExpire(key, at) != MOD_OK)
+        return drop_after_failure(ctx, key, argv[1], ERR_INTERNAL("goblin.caexpire"));
     RM_CloseKey(key);
-    if (ok != MOD_OK) return RM_ReplyWithError(ctx, ERR_INTERNAL("goblin.caexpire"));
     touched(ctx, argv[1], MOD_NOTIFY_GENERIC, "expire");
-    RM_Replicate(ctx, "PEXPIREAT", "sl", argv[1], at);
     return RM_ReplyWithLongLong(ctx, 1);
 }
 
@@ -413,26 +463,21 @@ static int cmd_cas(ModCtx *ctx, ModStr **argv, int argc) {
         if (key != NULL) RM_CloseKey(key);
         return reply_no_match(ctx, r);
     }
+    if (RM_Replicate(ctx, "SET", "ssc", argv[1], argv[3], "KEEPTTL") != MOD_OK) {
+        RM_CloseKey(key);
+        return replication_refused(ctx, REPL_SET, ERR_NO_REPLICATION("goblin.cas", "SET"));
+    }
 
     /* StringSet replaces the key and drops its TTL: keep the absolute deadline. */
     mod_mstime at = RM_GetAbsExpire(key);
     /* The new value is kept by reference; give back a network buffer's slack first. */
     if (RM_TrimStringAllocation != NULL) RM_TrimStringAllocation(argv[3]);
-    if (RM_StringSet(key, argv[3]) != MOD_OK) {
-        RM_CloseKey(key);
-        return RM_ReplyWithError(ctx, ERR_INTERNAL("goblin.cas"));
-    }
-    if (at != MOD_NO_EXPIRE && RM_SetAbsExpire(key, at) != MOD_OK) {
-        /* A leased value must not silently become permanent. */
-        RM_DeleteKey(key);
-        RM_CloseKey(key);
-        touched(ctx, argv[1], MOD_NOTIFY_GENERIC, "del");
-        RM_Replicate(ctx, "DEL", "s", argv[1]);
-        return RM_ReplyWithError(ctx, ERR_INTERNAL("goblin.cas"));
-    }
+    /* A leased value must not silently become permanent. */
+    if (RM_StringSet(key, argv[3]) != MOD_OK ||
+        (at != MOD_NO_EXPIRE && RM_SetAbsExpire(key, at) != MOD_OK))
+        return drop_after_failure(ctx, key, argv[1], ERR_INTERNAL("goblin.cas"));
     RM_CloseKey(key);
     touched(ctx, argv[1], MOD_NOTIFY_STRING, "set");
-    RM_Replicate(ctx, "SET", "ssc", argv[1], argv[3], "KEEPTTL");
     return RM_ReplyWithSimpleString(ctx, "OK");
 }
 
@@ -452,10 +497,13 @@ static int cmd_cad(ModCtx *ctx, ModStr **argv, int argc) {
         if (key != NULL) RM_CloseKey(key);
         return reply_no_match(ctx, r);
     }
+    if (RM_Replicate(ctx, "DEL", "s", argv[1]) != MOD_OK) {
+        RM_CloseKey(key);
+        return replication_refused(ctx, REPL_DEL, ERR_NO_REPLICATION("goblin.cad", "DEL"));
+    }
     RM_DeleteKey(key);
     RM_CloseKey(key);
     touched(ctx, argv[1], MOD_NOTIFY_GENERIC, "del");
-    RM_Replicate(ctx, "DEL", "s", argv[1]);
     return RM_ReplyWithLongLong(ctx, 1);
 }
 
@@ -548,6 +596,7 @@ int RedisModule_OnLoad(ModCtx *ctx, ModStr **argv, int argc) {
     RM_SubscribeToServerEvent(ctx, (mod_event){ MOD_EVENT_SHUTDOWN, 1 }, on_shutdown);
     return MOD_OK;
 }
+
 /* Unloading is refused, and both Redis 7.0 and Valkey 9 cancel MODULE UNLOAD when this
  * returns an error. A transaction queued before the unload keeps a pointer to the
  * freed command, and its EXEC would crash the server. A new build is loaded by
@@ -561,4 +610,3 @@ int RedisModule_OnUnload(ModCtx *ctx) {
            "restart the server to load another build");
     return MOD_ERR;
 }
-
