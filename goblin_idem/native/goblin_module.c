@@ -19,6 +19,8 @@
  * module logs one warning per missing command. Once the server accepted, the changes
  * that follow cannot fail for a key opened for writing with a non-negative deadline;
  * should one fail anyway, the key is deleted on the primary and the replicas alike.
+ * (On Valkey 8.1+ a CAEXPIRE into the past is an expiry, which the server propagates
+ * itself; see expire_now.)
  *
  * A compare never changes how the server stores the value: reading an int-encoded or
  * embedded string through DMA would rewrite it as a separate allocation (see
@@ -167,8 +169,9 @@ static int (*RM_ReplyWithSimpleString)(ModCtx *ctx, const char *msg);
 static int (*RM_ReplyWithStringBuffer)(ModCtx *ctx, const char *buf, size_t len);
 static int (*RM_GetServerVersion)(void);
 
-/* Which keyspace event a deadline already in the past produces: "del" on Redis, but
- * "expired" on Valkey since 8.1. Set at load time from the host server. */
+/* What PEXPIRE with a deadline already in the past does: on Redis, a plain deletion
+ * ("del" event); on Valkey since 8.1, an expiry ("expired" event, counted in INFO's
+ * expired_keys). Set at load time from the host server. */
 static int past_deadline_is_expiry;
 
 typedef struct {
@@ -403,6 +406,17 @@ static int cmd_claim(ModCtx *ctx, ModStr **argv, int argc) {
 
 /* A deadline already in the past ends the key the way PEXPIRE does on this server. */
 static int expire_now(ModCtx *ctx, ModKey *key, ModStr *name) {
+    if (past_deadline_is_expiry && RM_SetAbsExpire(key, 0) == MOD_OK) {
+        /* Valkey 8.1+: PEXPIRE expires the key, counted in expired_keys, which no module
+         * call can do. The server's own lazy expiry can: the key now has a deadline in
+         * the past, and looking it up again deletes it exactly as PEXPIRE does (the
+         * "expired" event, WATCH invalidation, expired_keys, and a DEL or UNLINK
+         * propagated as lazyfree-lazy-expire says, by the server itself). */
+        RM_CloseKey(key);
+        ModKey *again = RM_OpenKey(ctx, name, MOD_READ | MOD_WRITE);
+        if (again != NULL) RM_CloseKey(again);
+        return RM_ReplyWithLongLong(ctx, 1);
+    }
     if (RM_Replicate(ctx, "DEL", "s", name) != MOD_OK) {
         RM_CloseKey(key);
         return replication_refused(ctx, REPL_DEL, ERR_NO_REPLICATION("goblin.caexpire", "DEL"));
@@ -518,11 +532,16 @@ typedef struct {
      * PEXPIRE (and like the scripts they replace): a lock release refused with OOM
      * would keep the lock held until its lease runs out. Their compares allocate
      * nothing that outlives the command (read_value); a renewal may add an expiry
-     * entry, as PEXPIRE does. */
+     * entry, as PEXPIRE does.
+     * `fast` (O(1), never blocks) is kept for CLAIM, CAD and CAEXPIRE, whose byte
+     * compares are bounded by a lease token sent with the command. CAS is not `fast`:
+     * like SET, it stores a value of any size, and compares one (a 100 MB compare
+     * holds the main thread for milliseconds). */
     const char *flags;
     int firstkey, lastkey;
     int arity;
     const char *summary;
+    const char *complexity;
     mod_key_spec specs[3];
 } command_def;
 
@@ -533,17 +552,18 @@ typedef struct {
 
 static const command_def COMMANDS[] = {
     { "goblin.claim", cmd_claim, "write deny-oom fast", 1, 2, 5,
-      "Take a leased claim if it is free, else read the stored result.",
+      "Take a leased claim if it is free, else read the stored result.", "O(1)",
       { KEY_AT(1, MOD_CMD_KEY_OW | MOD_CMD_KEY_INSERT),
         KEY_AT(2, MOD_CMD_KEY_RO | MOD_CMD_KEY_ACCESS), { 0 } } },
     { "goblin.caexpire", cmd_caexpire, "write fast", 1, 1, 4,
-      "Set a key's TTL in milliseconds if it holds the expected string.",
+      "Set a key's TTL in milliseconds if it holds the expected string.", "O(1)",
       { KEY_AT(1, MOD_CMD_KEY_RW | MOD_CMD_KEY_ACCESS | MOD_CMD_KEY_UPDATE), { 0 } } },
-    { "goblin.cas", cmd_cas, "write deny-oom fast", 1, 1, 4,
+    { "goblin.cas", cmd_cas, "write deny-oom", 1, 1, 4,
       "Overwrite a key, keeping its TTL, if it holds the expected string.",
+      "O(N) where N is the length of the expected value",
       { KEY_AT(1, MOD_CMD_KEY_RW | MOD_CMD_KEY_ACCESS | MOD_CMD_KEY_UPDATE), { 0 } } },
     { "goblin.cad", cmd_cad, "write fast", 1, 1, 3,
-      "Delete a key if it holds the expected string.",
+      "Delete a key if it holds the expected string.", "O(1)",
       { KEY_AT(1, MOD_CMD_KEY_RW | MOD_CMD_KEY_ACCESS | MOD_CMD_KEY_DELETE), { 0 } } },
 };
 
@@ -559,7 +579,7 @@ static int register_command(ModCtx *ctx, const command_def *def) {
     mod_cmd_info info = {
         .version = &CMD_INFO_V1,
         .summary = def->summary,
-        .complexity = "O(1)",
+        .complexity = def->complexity,
         .arity = def->arity,
         .key_specs = (mod_key_spec *)def->specs,
     };
