@@ -34,7 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="output directory (default: a per-user cache directory keyed by the source)",
     )
-    build.add_argument("--cc", default=None, help="C compiler to use (default: $CC or cc)")
+    build.add_argument(
+        "--cc", metavar="COMPILER", default=None, help="C compiler to use (default: $CC or cc)"
+    )
     build.set_defaults(func=_build_module)
 
     from goblin_idem.inspect import add_subcommand as add_inspect

@@ -114,9 +114,15 @@ class Server:
         _wait_ready(self, timeout)
 
 
+CONFIG_FILE = "server.conf"
+
+
 def _spawn(kind: str, port: int, directory: Path, args: Sequence[str]) -> subprocess.Popen[bytes]:
+    # A configuration file must come first; command-line options then add to it.
+    conf = directory / CONFIG_FILE
     cmd = [
         server_binary(kind),
+        *([str(conf)] if conf.is_file() else []),
         "--port",
         str(port),
         "--bind",
@@ -177,11 +183,14 @@ def start_server(
     modules: Sequence[str] = (),
     persist: bool = False,
     directory: Path | None = None,
+    config: str = "",
     timeout: float = 10.0,
 ) -> Server:
     """Start one server and wait until it answers PING.
 
     `modules` are `.so` paths passed as `--loadmodule`; `persist=False` turns RDB and AOF off.
+    `config` is the text of a configuration file, for directives that belong in one (such
+    as `rename-command`); it is written to the server's directory and kept for restarts.
     A port taken between choosing and binding is retried on a fresh port.
     """
     full_args = [] if persist else ["--save", "", "--appendonly", "no"]
@@ -192,6 +201,8 @@ def start_server(
     for _ in range(5):
         owns = directory is None
         d = Path(tempfile.mkdtemp(prefix=f"goblin-{kind}-")) if owns else Path(directory)  # type: ignore[arg-type]
+        if config:
+            (d / CONFIG_FILE).write_text(config)
         port = free_port(cluster="--cluster-enabled" in full_args)
         server = Server(kind, port, _spawn(kind, port, d, full_args), d, full_args, owns_dir=owns)
         try:

@@ -2,15 +2,18 @@
 
 Replies are read off the socket as raw RESP bytes, so every reply-table row, error text and
 spec transcript is checked byte for byte. Beyond the spec pages: parity with the spec's Lua
-bodies, replication to a replica without the module, AOF reload (with and without the
-module), cluster routing, WATCH / keyspace-event behaviour, maxmemory, and module
-load/unload. Leases expire for real: nothing here mocks a clock.
+bodies, replication to a replica without the module (and with replication commands renamed
+away), AOF reload (with and without the module), cluster routing, WATCH / keyspace-event
+behaviour, how values stay stored after compares, maxmemory, module load and refused unload,
+and the build cache. Leases expire for real: nothing here mocks a clock.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -457,13 +460,14 @@ def test_wrong_arity(raw: Callable[..., bytes], command: str) -> None:
 
 def test_command_table(server: Server, r: redis.Redis) -> None:
     info = r.command()
+    # CAS stores and compares values of any size, like SET: not `fast`
     expected = {
-        "goblin.claim": (5, 1, 2, "denyoom"),
-        "goblin.caexpire": (4, 1, 1, None),
-        "goblin.cas": (4, 1, 1, "denyoom"),
-        "goblin.cad": (3, 1, 1, None),
+        "goblin.claim": (5, 1, 2, {"write", "denyoom", "fast"}),
+        "goblin.caexpire": (4, 1, 1, {"write", "fast"}),
+        "goblin.cas": (4, 1, 1, {"write", "denyoom"}),
+        "goblin.cad": (3, 1, 1, {"write", "fast"}),
     }
-    for name, (arity, first, last, oom) in expected.items():
+    for name, (arity, first, last, flags) in expected.items():
         entry = info[name]
         assert (entry["arity"], entry["first_key_pos"], entry["last_key_pos"]) == (
             arity,
@@ -471,8 +475,7 @@ def test_command_table(server: Server, r: redis.Redis) -> None:
             last,
         )
         assert entry["step_count"] == 1
-        assert {"write", "fast"} <= set(entry["flags"])
-        assert ("denyoom" in entry["flags"]) == (oom is not None)
+        assert set(entry["flags"]) - {"module"} == flags, name
         assert "movablekeys" not in entry["flags"]
     assert r.command_getkeys("goblin.claim", "a", "b", "t", "5") == ["a", "b"]
     assert r.command_getkeys("goblin.caexpire", "k", "t", "5") == ["k"]
@@ -655,6 +658,94 @@ def test_maxmemory_refuses_only_commands_that_can_grow(
         r.config_set("maxmemory", 0)
 
 
+STORAGE = [("OBJECT", "ENCODING"), ("MEMORY", "USAGE")]
+
+
+def _pipelined(r: redis.Redis, calls: Sequence[Sequence[Arg]]) -> list[object]:
+    """Replies to `calls`, sent 100 at a time: client buffers stay small and steady."""
+    replies: list[object] = []
+    for start in range(0, len(calls), 100):
+        p = r.pipeline(transaction=False)
+        for call in calls[start : start + 100]:
+            p.execute_command(*call)
+        replies += p.execute(raise_on_error=False)
+    return replies
+
+
+def test_failed_compares_keep_how_values_are_stored(r: redis.Redis) -> None:
+    # int-encoded (shared below 10000, and not), embedded strings (Redis: up to 44 bytes,
+    # Valkey: about 110 with the key) and plain ones; DMA would rewrite the first three
+    n = 1000
+    values: dict[str, bytes] = {}
+    for i in range(n):
+        values[f"s:{i}"] = b"%d" % i
+        values[f"i:{i}"] = b"%d" % (10**12 + i)
+        values[f"e:{i}"] = b"token-%08d" % i
+        values[f"l:{i}"] = b"%-100d" % i
+    r.mset(values)
+    r.mset({"warm:" + k: v for k, v in values.items()})
+    r.set("held", "someone")
+
+    def failing(prefix: str) -> list[tuple[Arg, ...]]:
+        calls: list[tuple[Arg, ...]] = []
+        for key, value in values.items():
+            same_length = b"x" * len(value)  # passes the length check, fails on the bytes
+            calls += [
+                ("GOBLIN.CAD", prefix + key, same_length),
+                ("GOBLIN.CAD", prefix + key, value + b"x"),
+                ("GOBLIN.CAEXPIRE", prefix + key, same_length, 5000),
+                ("GOBLIN.CAS", prefix + key, same_length, "new"),
+                ("GOBLIN.CLAIM", "held", prefix + key, "t", 30),  # reads the value
+            ]
+        return calls
+
+    def stored() -> dict[str, tuple[object, object]]:
+        replies = _pipelined(r, [(cmd, sub, k) for k in values for cmd, sub in STORAGE])
+        return dict(zip(values, zip(replies[::2], replies[1::2], strict=True), strict=True))
+
+    # the same work on copies first, and the first INFO memory, which allocates once:
+    # nothing the measured part does is then a first time
+    _pipelined(r, failing("warm:"))
+    stored()
+    r.info("memory")
+    before, used_before = stored(), r.info("memory")["used_memory"]
+    replies = _pipelined(r, failing(""))
+    after, used_after = stored(), r.info("memory")["used_memory"]
+    assert replies == [x for v in values.values() for x in (0, 0, 0, 0, v)]
+    assert {b"int", b"embstr"} <= {enc for enc, _ in before.values()}  # the cases exist
+    changed = {k: (before[k], after[k]) for k in values if after[k] != before[k]}
+    grown = used_after - used_before
+    assert not changed, (
+        f"{len(changed)} values stored differently, used_memory {grown:+d} bytes; "
+        f"(encoding, MEMORY USAGE) before and after, e.g. {list(changed.items())[:4]}"
+    )
+    assert grown < 4 * len(values)  # and nothing grew elsewhere
+    # a renewal reads the value the same way: still not rewritten
+    assert r.execute_command("GOBLIN.CAEXPIRE", "i:1", values["i:1"], 5000) == 1
+    assert r.execute_command("GOBLIN.CAEXPIRE", "e:1", values["e:1"], 5000) == 1
+    assert r.object("encoding", "i:1") == b"int" and r.object("encoding", "e:1") == b"embstr"
+
+
+def test_caexpire_past_deadline_counts_like_pexpire(server: Server, r: redis.Redis) -> None:
+    # Valkey 8.1+ counts a PEXPIRE into the past in expired_keys; Redis 7.0 does not
+    def expired_keys() -> int:
+        return int(r.info("stats")["expired_keys"])
+
+    counted: dict[str, int] = {}
+    for name, call in [
+        ("pexpire", ("PEXPIRE", "k", -1)),
+        ("native", ("GOBLIN.CAEXPIRE", "k", "v", 0)),
+        ("script", ("EVAL", CAEXPIRE_LUA, 1, "k", "v", -5)),
+    ]:
+        r.set("k", "v")
+        before = expired_keys()
+        assert r.execute_command(*call) == 1
+        assert r.exists("k") == 0
+        counted[name] = expired_keys() - before
+    n = 1 if server.kind == "valkey" else 0
+    assert counted == {"pexpire": n, "native": n, "script": n}
+
+
 # -- replication ----------------------------------------------------------------------------
 
 
@@ -719,6 +810,76 @@ def test_replica_without_module_sees_the_effects(kind: str, module_path: Path) -
         if replica is not None:
             replica.stop()
         master.stop()
+
+
+# SET renamed to another name, PEXPIREAT and DEL removed: every form a GOBLIN command
+# replicates its effect as (SET ... PXAT, PEXPIREAT, SET ... KEEPTTL, DEL) is refused.
+RENAMED = """\
+rename-command SET SET-RENAMED
+rename-command PEXPIREAT ""
+rename-command DEL ""
+"""
+
+
+def no_replication(command: str, missing: str) -> bytes:
+    return (
+        f"-ERR {command} changed nothing: the server has no {missing} command to replicate "
+        f"it with (remove 'rename-command {missing}' from the server configuration)\r\n"
+    ).encode()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_effect_the_server_cannot_replicate_is_not_made(kind: str, module_path: Path) -> None:
+    primary = start_server(
+        kind,
+        modules=[str(module_path)],
+        config=RENAMED,
+        args=["--repl-diskless-sync-delay", "0"],
+    )
+    replica: Server | None = None
+    conn: Raw | None = None
+    try:
+        replica = start_server(kind, args=["--replicaof", "127.0.0.1", str(primary.port)])
+        _wait_link_up(replica)
+        conn = Raw(primary)
+        assert conn.call("MSET", "k", "tok", "x", "tok", "d", "tok") == OK
+        replies = [
+            conn.call("GOBLIN.CLAIM", "c", "r", "t", 30),  # SET c t PXAT
+            conn.call("GOBLIN.CAEXPIRE", "k", "tok", 50_000),  # PEXPIREAT k
+            conn.call("GOBLIN.CAS", "k", "tok", "new"),  # SET k new KEEPTTL
+            conn.call("GOBLIN.CAD", "d", "tok"),  # DEL d
+            conn.call("GOBLIN.CAD", "d", "tok"),
+            conn.call("GOBLIN.CAEXPIRE", "x", "tok", 0),  # DEL x on Redis; see below
+        ]
+        assert conn.call("WAIT", 1, 5000) == b":1\r\n"
+        with primary.sync_client() as m, replica.sync_client() as s:
+
+            def state(c: redis.Redis) -> dict[str, tuple[object, object]]:
+                return {k: (c.get(k), c.execute_command("PEXPIRETIME", k)) for k in "ckxd"}
+
+            # first of all: the replica holds exactly what the primary holds
+            assert state(s) == state(m)
+            assert m.mget("c", "k", "d") == [None, b"tok", b"tok"] and m.pttl("k") == -1
+        # Valkey expires a key given a past deadline and the server propagates the deletion
+        # itself, which no rename can refuse; Redis deletes it and replicates a DEL
+        past = ONE if kind == "valkey" else no_replication("goblin.caexpire", "DEL")
+        assert replies == [
+            no_replication("goblin.claim", "SET"),
+            no_replication("goblin.caexpire", "PEXPIREAT"),
+            no_replication("goblin.cas", "SET"),
+            no_replication("goblin.cad", "DEL"),
+            no_replication("goblin.cad", "DEL"),
+            past,
+        ]
+        log = (primary.dir / "server.log").read_text()
+        for missing in ("SET", "PEXPIREAT", "DEL"):
+            assert log.count(f"the server has no {missing} command (rename-command?)") == 1
+    finally:
+        if conn is not None:
+            conn.close()
+        if replica is not None:
+            replica.stop()
+        primary.stop()
 
 
 # -- AOF ------------------------------------------------------------------------------------
@@ -855,37 +1016,76 @@ def test_cluster_node_redirects_and_refuses_cross_slot(cluster: Cluster) -> None
 # -- MODULE LOAD / UNLOAD -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_module_unload_and_double_load(kind: str, module_path: Path) -> None:
-    s = start_server(kind, modules=[str(module_path)], args=["--enable-module-command", "yes"])
+@pytest.fixture(params=KINDS)
+def module_command_server(request: pytest.FixtureRequest, module_path: Path) -> Iterator[Server]:
+    """A throwaway server that allows MODULE LOAD / UNLOAD, which a test may crash."""
+    s = start_server(
+        request.param, modules=[str(module_path)], args=["--enable-module-command", "yes"]
+    )
+    yield s
+    s.stop()
+
+
+def test_module_refuses_to_be_unloaded_under_a_queued_transaction(
+    module_command_server: Server,
+) -> None:
+    s = module_command_server
+    tx, other = Raw(s), Raw(s)
     try:
-        with s.sync_client() as c:
-            with pytest.raises(redis.exceptions.ResponseError):
-                c.execute_command("MODULE", "LOAD", str(module_path))
-            assert c.ping()
-            names = [m[b"name"] for m in c.execute_command("MODULE", "LIST")]
-            assert names.count(b"goblin") == 1
-            assert c.execute_command("GOBLIN.CAD", "k", "v") == 0  # still served
-            assert c.execute_command("MODULE", "UNLOAD", "goblin") == b"OK"
-            with pytest.raises(redis.exceptions.ResponseError, match="unknown command"):
-                c.execute_command("GOBLIN.CAD", "k", "v")
-            assert c.execute_command("MODULE", "LOAD", str(module_path)) == b"OK"
-            c.set("k", "v")
-            assert c.execute_command("GOBLIN.CAD", "k", "v") == 1
+        assert tx.call("SET", "k", "a") == OK
+        assert tx.call("MULTI") == OK
+        assert tx.call("GOBLIN.CAS", "k", "a", "b") == b"+QUEUED\r\n"
+        unload = other.call("MODULE", "UNLOAD", "goblin")
+        try:
+            executed = tx.call("EXEC")
+        except OSError:  # the connection died with the server
+            s.proc.wait(timeout=60)  # the crash report takes a moment
+            pytest.fail(f"EXEC after MODULE UNLOAD killed the server (exit {s.proc.returncode})")
+        assert unload == b"-ERR Error unloading module: operation not possible.\r\n"
+        assert executed == b"*1\r\n+OK\r\n"
+        assert other.call("GET", "k") == bulk(b"b")
+        assert other.call("GOBLIN.CAD", "k", "b") == ONE  # still served
+        assert s.running() and other.call("PING") == b"+PONG\r\n"
     finally:
-        s.stop()
+        tx.close()
+        other.close()
+    # a shutdown is let through (Valkey unloads every module on its way out), quietly
+    s.stop(remove_dir=False)
+    assert s.proc.returncode == 0
+    assert (s.dir / "server.log").read_text().count("goblin cannot be unloaded") == 1
+
+
+def test_module_is_loaded_once(module_command_server: Server, module_path: Path) -> None:
+    with module_command_server.sync_client() as c:
+        with pytest.raises(redis.exceptions.ResponseError):
+            c.execute_command("MODULE", "LOAD", str(module_path))
+        assert c.ping()
+        names = [m[b"name"] for m in c.execute_command("MODULE", "LIST")]
+        assert names.count(b"goblin") == 1
+        c.set("k", "v")
+        assert c.execute_command("GOBLIN.CAD", "k", "v") == 1
 
 
 # -- building -------------------------------------------------------------------------------
 
 
-def test_build_is_cached_by_source_hash(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module_path: Path
-) -> None:
+@pytest.fixture
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh $XDG_CACHE_HOME for this test: the user's own cache is never touched."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_build_is_cached_by_source_hash(cache_home: Path, module_path: Path) -> None:
     first = build_module()
-    assert first.is_absolute() and first.is_relative_to(tmp_path / "cache" / "goblin-idem")
+    root = cache_home / "goblin-idem"
+    assert first.is_absolute() and first.is_relative_to(root)
     assert os.access(first, os.X_OK)
+    # private to this user: nobody else can put a module where it will be loaded from
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(first.parent.stat().st_mode) == 0o700
+    recorded = (first.parent / "goblin.so.sha256").read_text().strip()
+    assert recorded == hashlib.sha256(first.read_bytes()).hexdigest()
     stamp = first.stat().st_mtime_ns
     assert build_module(cc="no-such-compiler-needed") == first  # reused, no compile
     assert first.stat().st_mtime_ns == stamp
@@ -894,12 +1094,80 @@ def test_build_is_cached_by_source_hash(
     assert not list(first.parent.glob(".goblin-*"))  # no temp file left behind
 
 
-def test_build_errors_are_clear(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["replaced", "hash-missing", "truncated"])
+def test_build_cache_compiles_again_what_its_hash_does_not_match(
+    cache_home: Path, damage: str
+) -> None:
+    first = build_module()
+    good = first.read_bytes()
+    if damage == "replaced":
+        first.write_bytes(b"\x7fELF not the module our build wrote")
+    elif damage == "hash-missing":
+        (first.parent / "goblin.so.sha256").unlink()
+    else:
+        first.write_bytes(good[: len(good) // 2])
     with pytest.raises(RuntimeError, match="no C compiler found"):
+        build_module(cc="no-such-cc-anywhere")  # it wants to compile, not to load that file
+    assert build_module() == first
+    assert first.read_bytes() == good
+    assert (first.parent / "goblin.so.sha256").read_text().strip() == (
+        hashlib.sha256(good).hexdigest()
+    )
+
+
+OWN_CACHE = "set $XDG_CACHE_HOME to a directory of your own, or build with `build-module --out DIR`"
+
+
+def _cache_refusal() -> str:
+    with pytest.raises(RuntimeError) as err:
+        build_module()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("which", ["root", "build"])
+def test_build_cache_refuses_a_directory_others_can_write(cache_home: Path, which: str) -> None:
+    first = build_module()
+    directory = cache_home / "goblin-idem" if which == "root" else first.parent
+    directory.chmod(0o777)
+    assert _cache_refusal() == (
+        f"refusing the module cache {directory}: it is writable by group or others "
+        f"(mode 777); run `chmod 700 {directory}`, or {OWN_CACHE}"
+    )
+    directory.chmod(0o755)  # readable by others is fine: not writable
+    assert build_module() == first
+
+
+def test_build_cache_refuses_a_directory_another_user_owns(cache_home: Path) -> None:
+    root = cache_home / "goblin-idem"
+    if os.geteuid() == 0:  # root can hand a directory to another user
+        root.mkdir(parents=True, mode=0o700)
+        os.chown(root, 65534, 65534)
+    else:  # anyone else reaches one that root owns through the cache path
+        cache_home.mkdir(parents=True)
+        root.symlink_to(Path(sys.prefix).anchor)
+    assert _cache_refusal() == (
+        f"refusing the module cache {root}: it is owned by uid {root.stat().st_uid}, not by "
+        f"you (uid {os.geteuid()}); remove it, or {OWN_CACHE}"
+    )
+    if os.geteuid() == 0:
+        assert list(root.iterdir()) == []  # nothing was built into it
+
+
+def test_build_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="no C compiler found") as err:
         build_module(tmp_path, cc="no-such-cc-anywhere")
+    assert "`build-module --cc COMPILER`" in str(err.value)  # the CLI's own flag
     with pytest.raises(RuntimeError, match="failed"):
         build_module(tmp_path, cc="false")
     assert list(tmp_path.iterdir()) == []
+    cli = subprocess.run(
+        [sys.executable, "-m", "goblin_idem", "build-module", "--out", str(tmp_path)],
+        env={**os.environ, "CC": "no-such-cc-anywhere"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cli.returncode == 1 and "--cc COMPILER" in cli.stderr
 
 
 def test_cli_prints_the_path_last(tmp_path: Path) -> None:

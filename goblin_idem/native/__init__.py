@@ -32,10 +32,35 @@ def _compiler(cc: str | None) -> list[str]:
     argv = shlex.split(command)
     if not argv or shutil.which(argv[0]) is None:
         raise RuntimeError(
-            f"no C compiler found (tried {command!r}); install one (e.g. gcc or clang) "
-            "or pass cc=... / set $CC"
+            f"no C compiler found (tried {command!r}); install one (e.g. gcc or clang), "
+            "or name it with `build-module --cc COMPILER` (`cc=` from Python) or $CC"
         )
     return argv
+
+
+def _private_dir(path: Path) -> Path:
+    """Create `path` (mode 0700) if needed; refuse it unless it is ours and only ours to write.
+
+    The cached module is later loaded into a server process, so a cache directory that
+    another user owns or can write to could hand us their code.
+    """
+    fix = "set $XDG_CACHE_HOME to a directory of your own, or build with `build-module --out DIR`"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as exc:
+        raise RuntimeError(f"cannot use the module cache {path}: {exc}; {fix}") from exc
+    if st.st_uid != os.geteuid():
+        raise RuntimeError(
+            f"refusing the module cache {path}: it is owned by uid {st.st_uid}, not by you "
+            f"(uid {os.geteuid()}); remove it, or {fix}"
+        )
+    if st.st_mode & 0o022:
+        raise RuntimeError(
+            f"refusing the module cache {path}: it is writable by group or others "
+            f"(mode {st.st_mode & 0o777:o}); run `chmod 700 {path}`, or {fix}"
+        )
+    return path
 
 
 def _cache_root() -> Path:
@@ -49,12 +74,30 @@ def _digest(source: bytes) -> str:
     return h.hexdigest()[:16]
 
 
+def _hash_path(module: Path) -> Path:
+    return module.with_name(module.name + ".sha256")
+
+
+def _verified(module: Path) -> bool:
+    """Whether `module` is the file our build wrote: its SHA-256 matches the one next to it."""
+    try:
+        recorded = _hash_path(module).read_text().strip()
+        actual = hashlib.sha256(module.read_bytes()).hexdigest()
+    except OSError:
+        return False
+    return recorded == actual
+
+
 def build_module(out_dir: str | os.PathLike[str] | None = None, *, cc: str | None = None) -> Path:
     """Compile the module and return the absolute path of the `.so`.
 
     Without `out_dir` the result goes to a per-user cache directory keyed by a hash of the
     source and flags (`$XDG_CACHE_HOME/goblin-idem/<hash>/`, default `~/.cache`), and an
     existing build there is reused, so the compiler only runs when the source changed.
+    The cache directories are created with mode 0700 and refused (`RuntimeError`) when
+    another user owns them or group or others can write to them. The build writes the
+    module's SHA-256 next to it (`goblin.so.sha256`); a cached module that does not match
+    it (torn write, a file our build did not write) is compiled again, never loaded.
     With `out_dir` the module is always compiled into that directory.
 
     The file is compiled under a temporary name and renamed into place, so a reader never
@@ -64,9 +107,12 @@ def build_module(out_dir: str | os.PathLike[str] | None = None, *, cc: str | Non
     src = source_path()
     source = src.read_bytes()
     cached = out_dir is None
-    target_dir = _cache_root() / _digest(source) if out_dir is None else Path(out_dir)
+    if out_dir is None:
+        target_dir = _private_dir(_private_dir(_cache_root()) / _digest(source))
+    else:
+        target_dir = Path(out_dir)
     target = (target_dir / MODULE_FILENAME).absolute()
-    if cached and target.is_file():
+    if cached and _verified(target):
         return target
     compiler = _compiler(cc)
     target_dir.mkdir(parents=True, exist_ok=True)
@@ -89,6 +135,10 @@ def build_module(out_dir: str | os.PathLike[str] | None = None, *, cc: str | Non
             )
         # --loadmodule refuses a module file without the execute bit.
         tmp.chmod(0o755)
+        if cached:
+            # Whatever the interleaving with another build or a crash, a module and a hash
+            # that do not match are compiled again, never returned.
+            _hash_path(target).write_text(hashlib.sha256(tmp.read_bytes()).hexdigest() + "\n")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
