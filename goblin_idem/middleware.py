@@ -24,10 +24,9 @@ from redis.exceptions import RedisError
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import problems
+from . import options, problems
 from .keys import DEFAULT_KEY_PATTERN, KeyNames, credentials_scope, key_names, valid_key
 from .lease import Lease, Watchdog
-from .memory import MemoryStore
 from .record import Record, RecordError, decode, encode, fingerprint
 from .store import CLAIMED, Store
 
@@ -97,6 +96,15 @@ class RoutePolicy:
     ttl_seconds: int | None = None
     lease_seconds: int | None = None
 
+    def __post_init__(self) -> None:
+        options.flag("@idempotent(enabled=...)", self.enabled)
+        if self.required is not None:
+            options.flag("@idempotent(required=...)", self.required)
+        for name in ("ttl_seconds", "lease_seconds"):
+            value = getattr(self, name)
+            if value is not None:
+                options.whole_number(f"@idempotent({name}=...)", value, minimum=1)
+
 
 @overload
 def idempotent(func: F, /) -> F: ...
@@ -127,6 +135,11 @@ def idempotent(
     The middleware finds the route the request will reach and applies its policy;
     ``enabled=False`` exempts the route.
     """
+    if func is not None and not callable(func):
+        raise TypeError(
+            "idempotent takes keyword arguments only, as in @idempotent(required=True); "
+            f"got a {type(func).__name__} as its first argument"
+        )
     policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds)
 
     def mark(f: F) -> F:
@@ -206,29 +219,52 @@ class IdempotencyMiddleware:
         namespace: str = "idem",
         on_event: Callable[[str, str], None] | None = None,
     ) -> None:
-        if lease_seconds <= 0 or ttl_seconds <= 0:
-            raise ValueError("lease_seconds and ttl_seconds must be positive")
+        if not callable(app):
+            raise TypeError(f"app must be an ASGI application, not a {type(app).__name__}")
         self.app = app
-        self.store: Store = store if store is not None else MemoryStore()
-        self.header_name = header
+        self.store: Store = options.store(store)
+        self.header_name = options.http_tokens("header", [header], "header name")[0]
         self.header = header.lower().encode("latin-1")
-        self.methods = frozenset(m.upper() for m in methods)
-        self.defaults = _Settings(required, ttl_seconds * 1000, lease_seconds)
-        self.include = tuple(include) if include is not None else None
-        self.exclude = tuple(exclude)
-        self.required_paths = tuple(required_paths)
-        self.key_pattern = key_pattern
-        self.scope_of = scope
-        self.fingerprint_headers = tuple(h.lower().encode("latin-1") for h in fingerprint_headers)
-        self.max_body_bytes = max_body_bytes
-        self.max_response_bytes = max_response_bytes
-        self.retry_after = str(retry_after_seconds).encode()
-        self.wait_ms = wait_ms
+        self.methods = frozenset(
+            m.upper() for m in options.http_tokens("methods", methods, "method", allow_empty=False)
+        )
+        lease_seconds = options.whole_number("lease_seconds", lease_seconds, minimum=1)
+        ttl_seconds = options.whole_number("ttl_seconds", ttl_seconds, minimum=1)
+        self.defaults = _Settings(
+            options.flag("required", required), ttl_seconds * 1000, lease_seconds
+        )
+        self.include = options.patterns("include", include) if include is not None else None
+        self.exclude = options.patterns("exclude", exclude)
+        self.required_paths = options.patterns("required_paths", required_paths)
+        self.key_pattern = options.key_pattern(key_pattern)
+        self.scope_of = options.callable_or_none(
+            "scope", scope, "a function of the ASGI scope returning the caller's identity"
+        )
+        self.fingerprint_headers = tuple(
+            h.lower().encode("latin-1")
+            for h in options.http_tokens("fingerprint_headers", fingerprint_headers, "header name")
+        )
+        self.max_body_bytes = options.whole_number("max_body_bytes", max_body_bytes, minimum=1)
+        self.max_response_bytes = options.whole_number(
+            "max_response_bytes", max_response_bytes, minimum=0
+        )
+        self.retry_after = str(
+            options.whole_number("retry_after_seconds", retry_after_seconds, minimum=0)
+        ).encode()
+        self.wait_ms = options.whole_number("wait_ms", wait_ms, minimum=0)
+        poll_interval_ms = options.whole_number("poll_interval_ms", poll_interval_ms, minimum=0)
+        if wait_ms and not poll_interval_ms:
+            raise ValueError(
+                "poll_interval_ms must be >= 1 when wait_ms > 0: it is the pause between two "
+                "claim polls, and 0 would poll the store in a busy loop (50 is the default)"
+            )
         self.poll_interval = poll_interval_ms / 1000
-        self.store_server_errors = store_server_errors
-        self.fail_open = fail_open
-        self.namespace = namespace.encode()
-        self.on_event = on_event
+        self.store_server_errors = options.flag("store_server_errors", store_server_errors)
+        self.fail_open = options.flag("fail_open", fail_open)
+        self.namespace = options.namespace(namespace)
+        self.on_event = options.callable_or_none(
+            "on_event", on_event, "a function (event, key_hash) called on every counter increment"
+        )
         self.counters = Counters()
         self.watchdog = Watchdog.for_store(self.store)
         self._background: set[asyncio.Task[Any]] = set()
