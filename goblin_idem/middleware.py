@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import secrets
+import sys
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar, overload
@@ -106,6 +107,12 @@ class RoutePolicy:
                 options.whole_number(f"@idempotent({name}=...)", value, minimum=1)
 
 
+# How many endpoints @idempotent has marked in this process. While none has, no request
+# needs its route looked up, so a request without a key passes with a header scan only;
+# counted at decoration, so a route added after the first request is seen as well.
+_marked_endpoints = 0
+
+
 @overload
 def idempotent(func: F, /) -> F: ...
 
@@ -143,7 +150,9 @@ def idempotent(
     policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds)
 
     def mark(f: F) -> F:
+        global _marked_endpoints
         setattr(f, _POLICY_ATTR, policy)
+        _marked_endpoints += 1
         return f
 
     return mark(func) if func is not None else mark
@@ -269,7 +278,7 @@ class IdempotencyMiddleware:
         self.watchdog = Watchdog.for_store(self.store)
         self._background: set[asyncio.Task[Any]] = set()
         self._path_settings = functools.lru_cache(maxsize=4096)(self._settings_for_path)
-        self._has_marked: bool | None = None  # does any route's endpoint carry a RoutePolicy?
+        self._hidden_warned = False  # logged that a route hides its endpoint
         # Can a request without a key be refused (400) by the options? Routes' policies
         # are looked at on the first request.
         self._may_require = required or bool(self.required_paths)
@@ -300,12 +309,22 @@ class IdempotencyMiddleware:
 
     def _settings(self, scope: Scope) -> _Settings | None:
         settings = self._path_settings(scope["path"])
-        routes = getattr(scope.get("app"), "routes", None)
-        if self._has_marked is None:
-            self._has_marked = _any_marked(routes or ())
-        if not self._has_marked or not routes:
+        routes = getattr(scope.get("app"), "routes", None) if _marked_endpoints else None
+        if not routes:
             return settings
-        policy = _route_policy(routes, scope)
+        try:
+            policy = _route_policy(routes, dict(scope))  # a copy: matching must change nothing
+        except _EndpointHidden as exc:
+            if not self._hidden_warned:
+                self._hidden_warned = True
+                logger.warning(
+                    "the route %r matched a request but does not say which endpoint it "
+                    "serves, so the @idempotent marks behind it are not applied (the "
+                    "middleware's own options are); FastAPI 0.137.0 and 0.137.1 do this for "
+                    "included routers: upgrade FastAPI",
+                    exc.args[0],
+                )
+            return settings
         if policy is None:
             return settings
         if not policy.enabled:
@@ -332,7 +351,7 @@ class IdempotencyMiddleware:
                 keys += 1
             elif name == b"content-length":
                 content_length = value
-        if key is None and self._has_marked is False and not self._may_require:
+        if key is None and not _marked_endpoints and not self._may_require:
             await self.app(scope, receive, send)  # the common case: nothing to do, fast
             return
         settings = self._settings(scope)
@@ -702,23 +721,41 @@ def _replay_receive(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _any_marked(routes: Iterable[Any]) -> bool:
-    return any(
-        hasattr(getattr(route, "endpoint", None), _POLICY_ATTR)
-        or _any_marked(getattr(route, "routes", None) or ())
-        for route in routes
-    )
+class _EndpointHidden(Exception):
+    """A route matched but named no endpoint, and no public way lists what it routes to."""
 
 
-def _route_policy(routes: Iterable[Any], scope: Scope) -> RoutePolicy | None:
-    """The policy of the endpoint the router will pick for this request (through Mounts)."""
+def _route_policy(
+    routes: Iterable[Any], scope: Scope, listed_from: Any = None
+) -> RoutePolicy | None:
+    """The policy of the endpoint the router will pick for this request, found the way the
+    router finds it: each route's `matches(scope)`, in order, and the endpoint that the
+    first full match's child scope names. A Mount (or Host) names the mounted app, whose
+    routes are asked in turn with the child scope merged in, as the router hands it on.
+    An included router of FastAPI >= 0.137 matches for its routes but keeps their child
+    scope to itself; FastAPI's public `iter_route_contexts` lists those routes with the
+    include prefixes applied, each answering `matches` the same way."""
     for route in routes:
         match, child = route.matches(scope)
         if match is not Match.FULL:
             continue
-        policy: RoutePolicy | None = getattr(getattr(route, "endpoint", None), _POLICY_ATTR, None)
+        if "endpoint" not in child:
+            if listed_from is not None:  # its listing names no endpoint either
+                raise _EndpointHidden(type(listed_from).__name__)
+            return _route_policy(_included_routes(route), scope, route)
+        endpoint = child["endpoint"]
+        policy: RoutePolicy | None = getattr(endpoint, _POLICY_ATTR, None)
         if policy is not None:
             return policy
-        inner = getattr(route, "routes", None)
+        inner = getattr(endpoint, "routes", None)
         return _route_policy(inner, {**scope, **child}) if inner else None
     return None
+
+
+def _included_routes(route: Any) -> Iterable[Any]:
+    # A route object of FastAPI's is there only if FastAPI is imported: no import here.
+    expand = getattr(sys.modules.get("fastapi.routing"), "iter_route_contexts", None)
+    if expand is None:
+        raise _EndpointHidden(type(route).__name__)
+    contexts: Iterable[Any] = expand([route])
+    return contexts
