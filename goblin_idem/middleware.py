@@ -26,7 +26,14 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import options, problems
-from .keys import DEFAULT_KEY_PATTERN, KeyNames, credentials_scope, key_names, valid_key
+from .keys import (
+    DEFAULT_KEY_PATTERN,
+    KeyNames,
+    credentials_scope,
+    key_names,
+    string_key,
+    valid_key,
+)
 from .lease import Lease, Watchdog
 from .record import Record, RecordError, decode, encode, fingerprint
 from .store import CLAIMED, Store
@@ -369,18 +376,10 @@ class IdempotencyMiddleware:
                 return
             await self.app(scope, receive, send)
             return
-        if keys > 1 or not valid_key(key, self.key_pattern):
-            self._count("invalid_key")
-            await problems.send_problem(
-                send,
-                problems.INVALID_KEY,
-                f"Send exactly one {self.header_name} header, "
-                + (
-                    "of 1 to 255 printable ASCII characters."
-                    if self.key_pattern is DEFAULT_KEY_PATTERN
-                    else "in the form this service accepts."
-                ),
-            )
+        if key[:1] == b'"':
+            key = string_key(key)  # the IETF draft's form, an RFC 8941 String
+        if keys > 1 or key is None or not valid_key(key, self.key_pattern):
+            await self._refuse_key(send, malformed=keys == 1 and key is None)
             return
 
         body = await self._read_body(receive, send, content_length)
@@ -429,6 +428,21 @@ class IdempotencyMiddleware:
             )
         else:
             await self._answer_duplicate(record, fp, send, names)
+
+    async def _refuse_key(self, send: Send, *, malformed: bool) -> None:
+        self._count("invalid_key")
+        if malformed:
+            detail = (
+                f"A quoted {self.header_name} must be an RFC 8941 String: printable ASCII "
+                'between double quotes, with \\" and \\\\ as the only escapes.'
+            )
+        else:
+            detail = f"Send exactly one {self.header_name} header, " + (
+                "of 1 to 255 printable ASCII characters."
+                if self.key_pattern is DEFAULT_KEY_PATTERN
+                else "in the form this service accepts."
+            )
+        await problems.send_problem(send, problems.INVALID_KEY, detail)
 
     def _scope_bytes(self, scope: Scope) -> bytes:
         if self.scope_of is None:
