@@ -69,6 +69,7 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
+HOP_BY_HOP_BUT_TRAILER = HOP_BY_HOP - {b"trailer"}
 REPLAYED = (b"idempotent-replayed", b"true")
 _POLICY_ATTR = "__goblin_idem__"
 
@@ -529,14 +530,7 @@ class IdempotencyMiddleware:
             )
             return
         self._count("replayed", names.hash)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": record.status,
-                "headers": [*record.headers, REPLAYED],
-            }
-        )
-        await send({"type": "http.response.body", "body": record.body, "more_body": False})
+        await _send_record(send, record)
 
     # -- the one run --
 
@@ -647,8 +641,20 @@ class IdempotencyMiddleware:
 
 class _Responder:
     """Wraps `send` for the one run: passes the response through as it streams, keeps a
-    copy, and holds back the final body message until the response is published (or the
-    claim released), so a client that saw the whole response can rely on its replay."""
+    copy, and holds back the message that ends the response until the response is
+    published (or the claim released), so a client that saw the whole response can rely on
+    its replay.
+
+    A response ends, by the ASGI spec and its extensions, with the body message whose
+    `more_body` is false, a `http.response.pathsend`, or a `http.response.zerocopysend`
+    whose `more_body` is false; if its start said `trailers: True`, with the
+    `http.response.trailers` message whose `more_trailers` is false instead. A file that
+    pathsend or zerocopysend names is read here, up to what may still be stored, and
+    sent on as a body message of the bytes read: what is stored is then what the client
+    got, even if the file changes afterwards. A file too large to store goes to the server
+    as it came, and the response is stored as not replayable; one that cannot be read goes
+    as it came too, and the key is released, as for a response that failed. Other messages
+    (`http.response.debug`, early hints) pass through and are not stored."""
 
     def __init__(
         self,
@@ -672,6 +678,7 @@ class _Responder:
         self.chunks: list[bytes] = []
         self.size = 0
         self.keep = True
+        self.trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
         self.finished = False
 
     async def send(self, message: Message) -> None:
@@ -680,18 +687,62 @@ class _Responder:
             self.status = message["status"]
             self.headers = list(message.get("headers", ()))
             self.keep = self.status < 500 or self.mw.store_server_errors
+            if message.get("trailers", False):
+                self.trailers = []
         elif kind == "http.response.body":
-            chunk = message.get("body", b"")
-            if self.keep:
-                self.size += len(chunk)
-                if self.size <= self.mw.max_response_bytes:
-                    self.chunks.append(chunk)
-                else:
-                    self.chunks.clear()
-            if not message.get("more_body", False) and not self.finished:
-                self.finished = True
-                await self.mw._shielded(self._closing_step())
+            self._keep(message.get("body", b""))
+            if not message.get("more_body", False) and self.trailers is None:
+                await self._finish()
+        elif kind == "http.response.trailers":
+            if self.trailers is not None:
+                self.trailers += message.get("headers", ())
+            if not message.get("more_trailers", False):
+                await self._finish()
+        elif kind == "http.response.pathsend" or kind == "http.response.zerocopysend":
+            message = await self._file_as_body(message)
+            if not message.get("more_body", False) and self.trailers is None:
+                await self._finish()
         await self._send(message)
+
+    def _keep(self, chunk: bytes) -> None:
+        if self.keep:
+            self.size += len(chunk)
+            if self.size <= self.mw.max_response_bytes:
+                self.chunks.append(chunk)
+            else:
+                self.chunks.clear()
+
+    async def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self.mw._shielded(self._closing_step())
+
+    async def _file_as_body(self, message: Message) -> Message:
+        """The body message of the bytes a pathsend or zerocopysend names, or the message
+        itself if they are not to be stored (see the class docstring)."""
+        room = self.mw.max_response_bytes - self.size
+        if not self.keep or room < 0:
+            return message
+        try:
+            data = await asyncio.to_thread(_read_file, message, room)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning(
+                "key %s: could not read the file the response sends (%s); the key is released",
+                self.names.hash,
+                _describe(exc),
+            )
+            self.keep = False
+            return message
+        if data is None:
+            self.size = self.mw.max_response_bytes + 1  # more than may be stored
+            self.chunks.clear()
+            return message
+        self._keep(data)
+        return {
+            "type": "http.response.body",
+            "body": data,
+            "more_body": message.get("more_body", False),
+        }
 
     def _closing_step(self) -> Callable[[], Coroutine[Any, Any, None]]:
         """Publish the response, or release the key (a 5xx not stored); counted here, once."""
@@ -704,20 +755,67 @@ class _Responder:
             record = Record(self.status, [], b"", self.fp, replayable=False)
         else:
             body = b"".join(self.chunks)
-            headers = _replay_headers(self.status, self.headers, body)
-            record = Record(self.status, headers, body, self.fp)
+            headers = _replay_headers(self.status, self.headers, body, self.trailers is not None)
+            record = Record(self.status, headers, body, self.fp, trailers=self.trailers)
         return functools.partial(mw._publish, self.lease, names, self.token, record, self.ttl_ms)
 
 
 def _replay_headers(
-    status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    status: int, headers: list[tuple[bytes, bytes]], body: bytes, trailers: bool
 ) -> list[tuple[bytes, bytes]]:
     """The headers to replay: in order, repeated ones kept, hop-by-hop ones dropped, and a
-    Content-Length that matches the body (a streamed response had none)."""
+    Content-Length that matches the body (a streamed response had none). A response with
+    trailers keeps its Trailer header and gets no Content-Length: the server must frame
+    the replay as it framed the original (HTTP/1.1 sends trailers only after a chunked
+    body)."""
+    if trailers:
+        return [(n.lower(), v) for n, v in headers if n.lower() not in HOP_BY_HOP_BUT_TRAILER]
     kept = [(n.lower(), v) for n, v in headers if n.lower() not in HOP_BY_HOP]
     if status >= 200 and status not in (204, 304) and all(n != b"content-length" for n, _ in kept):
         kept.append((b"content-length", str(len(body)).encode()))
     return kept
+
+
+def _read_file(message: Message, limit: int) -> bytes | None:
+    """The bytes a pathsend (`path`) or zerocopysend (`file`, `offset`, `count`) message
+    sends, or None if there are more than `limit`. A zerocopysend without `offset` reads
+    from the file's position and moves it past what it read, as sendfile would."""
+    if message["type"] == "http.response.pathsend":
+        with open(message["path"], "rb") as f:
+            data = f.read(limit + 1)
+        return data if len(data) <= limit else None
+    file = message["file"]
+    fd = file if isinstance(file, int) else file.fileno()
+    offset = message.get("offset")
+    start = os.lseek(fd, 0, os.SEEK_CUR) if offset is None else offset
+    end = os.fstat(fd).st_size
+    count = message.get("count")
+    if count is not None:
+        end = min(end, start + count)
+    if end - start > limit:
+        return None
+    data = os.pread(fd, max(end - start, 0), start)
+    if offset is None:
+        os.lseek(fd, start + len(data), os.SEEK_SET)
+    return data
+
+
+async def _send_record(send: Send, record: Record) -> None:
+    """The stored response, as the app sent it: with trailers if it declared them (the
+    server then frames and delivers them as it did the first time)."""
+    start = {
+        "type": "http.response.start",
+        "status": record.status,
+        "headers": [*record.headers, REPLAYED],
+    }
+    if record.trailers is not None:
+        start["trailers"] = True
+    await send(start)
+    await send({"type": "http.response.body", "body": record.body, "more_body": False})
+    if record.trailers is not None:
+        await send(
+            {"type": "http.response.trailers", "headers": record.trailers, "more_trailers": False}
+        )
 
 
 def _replay_receive(body: bytes, receive: Receive) -> Receive:
