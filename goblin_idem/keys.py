@@ -26,10 +26,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from starlette.types import Scope
+
 __all__ = [
+    "CREDENTIAL_HEADERS",
     "DEFAULT_KEY_PATTERN",
     "KeyNames",
+    "cookie_scope",
+    "credential_header",
     "credentials_scope",
+    "header_scope",
     "key_names",
     "names_of",
     "string_key",
@@ -76,6 +82,74 @@ def credentials_scope(headers: list[tuple[bytes, bytes]]) -> bytes:
         if name == b"authorization":
             return value
     return b""
+
+
+# Request headers that carry a caller's credential when Authorization does not: the
+# session cookie, and the API-key and token headers of common APIs and gateways. A keyed
+# request without Authorization but with one of them shares the anonymous (empty) default
+# scope with every other such caller.
+CREDENTIAL_HEADERS = frozenset(
+    {
+        b"cookie",
+        b"x-api-key",
+        b"api-key",
+        b"apikey",
+        b"x-apikey",
+        b"x-auth-token",
+        b"auth-token",
+        b"x-access-token",
+        b"access-token",
+        b"x-token",
+        b"x-session-token",
+        b"x-session-id",
+        b"session-id",
+        b"x-goog-api-key",
+        b"x-amz-security-token",
+        b"x-functions-key",
+        b"ocp-apim-subscription-key",
+    }
+)
+
+
+def credential_header(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The name of the first header in CREDENTIAL_HEADERS, if any (never its value)."""
+    for name, _ in headers:
+        if name in CREDENTIAL_HEADERS:
+            return name
+    return None
+
+
+def header_scope(name: str) -> Callable[[Scope], bytes]:
+    """A `scope=` for an app that authenticates by an API key header: the value of header
+    `name` (empty if absent), so each key holder has its own key space."""
+    wanted = name.lower().encode("latin-1")
+
+    def scope(asgi_scope: Scope) -> bytes:
+        for header, value in asgi_scope["headers"]:
+            if header == wanted:
+                return bytes(value)
+        return b""
+
+    return scope
+
+
+def cookie_scope(name: str) -> Callable[[Scope], bytes]:
+    """A `scope=` for an app that authenticates by a session cookie: the value of cookie
+    `name` (empty if absent), so each session has its own key space. Name a cookie whose
+    value stays the same for the session (a session id), not one that is re-signed as the
+    session's data changes, or a retry after such a change runs again."""
+    wanted = name.encode("latin-1")
+
+    def scope(asgi_scope: Scope) -> bytes:
+        for header, value in asgi_scope["headers"]:
+            if header == b"cookie":
+                for pair in value.split(b";"):
+                    key, sep, cookie = pair.strip().partition(b"=")
+                    if sep and key == wanted:
+                        return bytes(cookie.strip(b'"'))
+        return b""
+
+    return scope
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from . import options, problems
 from .keys import (
     DEFAULT_KEY_PATTERN,
     KeyNames,
+    credential_header,
     credentials_scope,
     key_names,
     string_key,
@@ -287,6 +288,8 @@ class IdempotencyMiddleware:
         self._background: set[asyncio.Task[Any]] = set()
         self._path_settings = functools.lru_cache(maxsize=4096)(self._settings_for_path)
         self._hidden_warned = False  # logged that a route hides its endpoint
+        self._shared_scope_warned = False  # logged that callers share the empty scope
+        self._vary_warned = False  # logged that a stored response varies per client
         # Can a request without a key be refused (400) by the options? Routes' policies
         # are looked at on the first request.
         self._may_require = required or bool(self.required_paths)
@@ -447,9 +450,56 @@ class IdempotencyMiddleware:
 
     def _scope_bytes(self, scope: Scope) -> bytes:
         if self.scope_of is None:
-            return credentials_scope(scope["headers"])
+            value = credentials_scope(scope["headers"])
+            if not value and not self._shared_scope_warned:
+                self._warn_shared_scope(scope["headers"])
+            return value
         value = self.scope_of(scope)
         return value.encode() if isinstance(value, str) else value
+
+    def _warn_shared_scope(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Once per middleware: a keyed request with no Authorization header but a header
+        that carries a credential shares the empty default scope with every such caller."""
+        name = credential_header(headers)
+        if name is None:
+            return
+        self._shared_scope_warned = True
+        logger.warning(
+            "a request with an %s carries no Authorization header but a %s header: with "
+            "the default scope (the Authorization header) every such caller shares one key "
+            "space, so a caller who sends another's key gets the other's stored response, "
+            "Set-Cookie included; pass scope= a function that returns the caller's "
+            "identity (goblin_idem.header_scope or cookie_scope; README: Choosing a scope). "
+            "Logged once.",
+            self.header_name,
+            name.decode("latin-1"),
+        )
+
+    def _warn_vary(self, headers: list[tuple[bytes, bytes]], names: KeyNames) -> None:
+        """Once per middleware: the stored response varies by request headers that the key
+        does not cover, so every duplicate gets this variant (a middleware that adapts the
+        response to each client, such as GZip or CORS, wraps this one)."""
+        fields = {
+            field.strip().lower().decode("latin-1")
+            for name, value in headers
+            if name == b"vary"
+            for field in value.split(b",")
+        }
+        fields -= {h.decode("latin-1") for h in self.fingerprint_headers}
+        fields.discard("")
+        if not fields:
+            return
+        self._vary_warned = True
+        logger.warning(
+            "the response stored for key %s varies by %s (its Vary header) but the key "
+            "does not: every duplicate gets this variant, whatever its own %s. If a "
+            "middleware such as GZipMiddleware or CORSMiddleware added it, it wraps the "
+            "idempotency middleware: add IdempotencyMiddleware before it (README: Middleware "
+            "order). Logged once.",
+            names.hash,
+            ", ".join(sorted(fields)),
+            " or ".join(sorted(fields)),
+        )
 
     def _fingerprint_header_values(self, scope: Scope) -> list[bytes]:
         found = dict.fromkeys(self.fingerprint_headers, b"")
@@ -756,6 +806,8 @@ class _Responder:
         else:
             body = b"".join(self.chunks)
             headers = _replay_headers(self.status, self.headers, body, self.trailers is not None)
+            if not mw._vary_warned:
+                mw._warn_vary(headers, names)
             record = Record(self.status, headers, body, self.fp, trailers=self.trailers)
         return functools.partial(mw._publish, self.lease, names, self.token, record, self.ttl_ms)
 
