@@ -57,41 +57,43 @@ def callable_or_none(name: str, value: object, what: str) -> Any:
     return value
 
 
-def patterns(name: str, value: object) -> tuple[str, ...]:
-    """A list of fnmatch patterns; a bare string is refused, since iterating it would
-    give one pattern per character."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"{name} must be a list of path patterns, like [{value!r}], not {_kind(value)}"
-            if isinstance(value, str)
-            else f"{name} must be a list of path patterns (str), not {_kind(value)}"
-        )
-    items = tuple(value)
-    for item in items:
-        if not isinstance(item, str):
-            raise TypeError(f"{name} must hold path patterns (str), not {_kind(item)}")
-    return items
-
-
-def http_tokens(name: str, value: object, what: str, *, allow_empty: bool = True) -> list[str]:
-    """A list of header names or methods: each an RFC 9110 token (no spaces, colons or
-    control characters), as a server would accept it on the wire."""
+def _strings(name: str, value: object, what: str) -> list[object]:
+    """The items of a list option; a bare string is refused, since iterating it would give
+    one item per character."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(
             f"{name} must be a list of {what}s, like [{value!r}], not {_kind(value)}"
             if isinstance(value, str)
             else f"{name} must be a list of {what}s (str), not {_kind(value)}"
         )
-    items = list(value)
+    return list(value)
+
+
+def patterns(name: str, value: object) -> tuple[str, ...]:
+    """A list of fnmatch path patterns."""
+    found = []
+    for item in _strings(name, value, "path pattern"):
+        if not isinstance(item, str):
+            raise TypeError(f"{name} must hold path patterns (str), not {_kind(item)}")
+        found.append(item)
+    return tuple(found)
+
+
+def http_tokens(name: str, value: object, what: str, *, allow_empty: bool = True) -> list[str]:
+    """A list of header names or methods: each an RFC 9110 token (no spaces, colons or
+    control characters), as a server would accept it on the wire."""
+    items = _strings(name, value, what)
     if not items and not allow_empty:
         raise ValueError(f"{name} must name at least one {what}")
+    tokens = []
     for item in items:
         if not isinstance(item, str) or _TOKEN.fullmatch(item) is None:
             raise ValueError(
                 f"{name}: {item!r} is not a valid {what}; use letters, digits and "
                 "!#$%&'*+-.^_`|~ only (no spaces, colons or control characters)"
             )
-    return items
+        tokens.append(item)
+    return tokens
 
 
 def store(value: object) -> Store:

@@ -9,7 +9,7 @@ import pytest
 from asgi import request
 from procs import start_uvicorn, stop
 from servers import Server, free_port
-from test_middleware import Handler
+from test_middleware import Handler, problem
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, Store
 from goblin_idem.keys import key_names, string_key
@@ -73,14 +73,12 @@ async def test_the_length_limit_counts_the_key_not_its_quotes() -> None:
     ],
 )
 async def test_malformed_quoted_key_is_400_and_runs_nothing(value: str) -> None:
-    store = MemoryStore()
     handler = Handler()
-    mw = IdempotencyMiddleware(handler, store=store)
-    reply = await request(mw, key=value)
-    assert reply.status == 400
-    problem = json.loads(reply.body)
-    assert problem["type"] == INVALID and "RFC 8941 String" in problem["detail"]
-    assert handler.runs == 0 and len(store) == 0 and mw.counters.invalid_key == 1
+    mw = IdempotencyMiddleware(handler, store=(store := MemoryStore()))
+    detail = problem(reply := await request(mw, key=value))
+    assert (reply.status, detail["type"]) == (400, INVALID)
+    assert "RFC 8941 String" in detail["detail"]
+    assert (handler.runs, len(store), mw.counters.invalid_key) == (0, 0, 1)
 
 
 async def test_an_empty_string_is_an_invalid_key() -> None:
