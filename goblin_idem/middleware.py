@@ -479,10 +479,12 @@ class IdempotencyMiddleware:
         """Once per middleware: the stored response varies by request headers that the key
         does not cover, so every duplicate gets this variant (a middleware that adapts the
         response to each client, such as GZip or CORS, wraps this one)."""
+        varies = [value for name, value in headers if name == b"vary"]
+        if not varies:
+            return
         fields = {
             field.strip().lower().decode("latin-1")
-            for name, value in headers
-            if name == b"vary"
+            for value in varies
             for field in value.split(b",")
         }
         fields -= {h.decode("latin-1") for h in self.fingerprint_headers}
