@@ -452,17 +452,16 @@ class IdempotencyMiddleware:
         if self.scope_of is None:
             value = credentials_scope(scope["headers"])
             if not value and not self._shared_scope_warned:
-                self._warn_shared_scope(scope["headers"])
+                credential = credential_header(scope["headers"])
+                if credential is not None:
+                    self._warn_shared_scope(credential)
             return value
         value = self.scope_of(scope)
         return value.encode() if isinstance(value, str) else value
 
-    def _warn_shared_scope(self, headers: list[tuple[bytes, bytes]]) -> None:
+    def _warn_shared_scope(self, name: bytes) -> None:
         """Once per middleware: a keyed request with no Authorization header but a header
         that carries a credential shares the empty default scope with every such caller."""
-        name = credential_header(headers)
-        if name is None:
-            return
         self._shared_scope_warned = True
         logger.warning(
             "a request with an %s carries no Authorization header but a %s header: with "
@@ -742,10 +741,25 @@ class _Responder:
             if message.get("trailers", False):
                 self.trailers = []
         elif kind == "http.response.body":
-            self._keep(message.get("body", b""))
-            if not message.get("more_body", False) and self.trailers is None:
-                await self._finish()
-        elif kind == "http.response.trailers":
+            chunk = message.get("body", b"")
+            if self.keep:
+                self.size += len(chunk)
+                if self.size <= self.mw.max_response_bytes:
+                    self.chunks.append(chunk)
+                else:
+                    self.chunks.clear()
+            if not message.get("more_body", False) and self.trailers is None and not self.finished:
+                self.finished = True  # inline, as the hot path: no coroutine for it
+                await self.mw._shielded(self._closing_step())
+        else:
+            message = await self._other(message)
+        await self._send(message)
+
+    async def _other(self, message: Message) -> Message:
+        """The other ends of a response (trailers, pathsend, zerocopysend); any other
+        message passes as it came."""
+        kind = message["type"]
+        if kind == "http.response.trailers":
             if self.trailers is not None:
                 self.trailers += message.get("headers", ())
             if not message.get("more_trailers", False):
@@ -754,15 +768,7 @@ class _Responder:
             message = await self._file_as_body(message)
             if not message.get("more_body", False) and self.trailers is None:
                 await self._finish()
-        await self._send(message)
-
-    def _keep(self, chunk: bytes) -> None:
-        if self.keep:
-            self.size += len(chunk)
-            if self.size <= self.mw.max_response_bytes:
-                self.chunks.append(chunk)
-            else:
-                self.chunks.clear()
+        return message
 
     async def _finish(self) -> None:
         if not self.finished:
@@ -789,7 +795,8 @@ class _Responder:
             self.size = self.mw.max_response_bytes + 1  # more than may be stored
             self.chunks.clear()
             return message
-        self._keep(data)
+        self.size += len(data)  # no more than the room left
+        self.chunks.append(data)
         return {
             "type": "http.response.body",
             "body": data,
