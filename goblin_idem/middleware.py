@@ -290,8 +290,8 @@ class IdempotencyMiddleware:
         self._hidden_warned = False  # logged that a route hides its endpoint
         self._shared_scope_warned = False  # logged that callers share the empty scope
         self._vary_warned = False  # logged that a stored response varies per client
-        # Can a request without a key be refused (400) by the options? Routes' policies
-        # are looked at on the first request.
+        # Can a request without a key be refused (400) by the options? Route marks are
+        # looked up for each request while any endpoint is marked (_marked_endpoints).
         self._may_require = required or bool(self.required_paths)
 
     # -- bookkeeping --
