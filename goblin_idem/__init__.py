@@ -1,6 +1,7 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
 
 from .errors import GoblinError, LockError, LockNotOwnedError, NotReplicatedError
+from .keys import cookie_scope, header_scope
 from .lease import Lease, Lock, Watchdog
 from .memory import MemoryStore
 from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
@@ -24,6 +25,8 @@ __all__ = [
     "RoutePolicy",
     "Store",
     "Watchdog",
+    "cookie_scope",
+    "header_scope",
     "idempotent",
 ]
 

@@ -1,4 +1,18 @@
-"""Idempotency-Key validation and the store key names derived from it.
+r"""Idempotency-Key parsing and validation, and the store key names derived from it.
+
+The key a request names: the IETF draft defines ``Idempotency-Key`` as an RFC 8941
+Structured Field String, so a conforming client sends it quoted::
+
+    Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"
+
+with ``\"`` and ``\\`` as the only escapes and printable ASCII (0x20-0x7E) inside. A value
+whose first byte is a double quote is parsed as such an Item: its String's content is the
+key, so ``"abc"`` and ``abc`` name the same key (the same store keys, the same replay).
+Parameters after the String (``"abc";v=1``) are parsed by RFC 8941's grammar and ignored,
+as RFC 8941 section 2 bids for parameters a field does not define: they do not change the
+key. Anything else that starts with a quote (unterminated, another escape, a byte outside
+0x20-0x7E, text after the closing quote or a malformed parameter) is refused (400). A value
+that does not start with a quote is the key as sent, as most clients send UUIDs today.
 
 The raw key never reaches the store: claim and result keys are named by a hash of
 (scope, key), so a key of any bytes cannot collide with another tenant's, cannot carry
@@ -12,17 +26,47 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from starlette.types import Scope
+
 __all__ = [
+    "CREDENTIAL_HEADERS",
     "DEFAULT_KEY_PATTERN",
     "KeyNames",
+    "cookie_scope",
+    "credential_header",
     "credentials_scope",
+    "header_scope",
     "key_names",
     "names_of",
+    "string_key",
     "valid_key",
 ]
 
 # 1 to 255 printable ASCII characters (space included), as most payment APIs accept.
 DEFAULT_KEY_PATTERN = re.compile(rb"[\x20-\x7e]{1,255}")
+
+# RFC 8941: sf-string (3.3.3), the bare items a parameter value may be (3.3), and an Item
+# with its parameters (3.1.2), followed by nothing but the spaces a field may end with (4.2).
+_STRING = rb'"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*"'
+_BARE_ITEM = (
+    rb"(?:-?[0-9]{1,12}\.[0-9]{1,3}|-?[0-9]{1,15}|"
+    + _STRING
+    + rb"|[A-Za-z*][!#$%&'*+\-.^_`|~0-9A-Za-z:/]*|:[A-Za-z0-9+/=]*:|\?[01])"
+)
+_STRING_ITEM = re.compile(
+    rb"(" + _STRING + rb")(?:;\x20*[a-z*][a-z0-9_\-.*]*(?:=" + _BARE_ITEM + rb")?)*\x20*"
+)
+_ESCAPE = re.compile(rb"\\(.)")
+
+
+def string_key(raw: bytes) -> bytes | None:
+    """The key of a header value sent as an RFC 8941 String Item (it starts with a double
+    quote): the String's content, unescaped; None if the value is not such an Item."""
+    match = _STRING_ITEM.fullmatch(raw)
+    if match is None:
+        return None
+    content = match.group(1)[1:-1]
+    return _ESCAPE.sub(rb"\1", content) if b"\\" in content else content
 
 
 def valid_key(raw: bytes, pattern: re.Pattern[bytes] | Callable[[bytes], bool]) -> bool:
@@ -38,6 +82,74 @@ def credentials_scope(headers: list[tuple[bytes, bytes]]) -> bytes:
         if name == b"authorization":
             return value
     return b""
+
+
+# Request headers that carry a caller's credential when Authorization does not: the
+# session cookie, and the API-key and token headers of common APIs and gateways. A keyed
+# request without Authorization but with one of them shares the anonymous (empty) default
+# scope with every other such caller.
+CREDENTIAL_HEADERS = frozenset(
+    {
+        b"cookie",
+        b"x-api-key",
+        b"api-key",
+        b"apikey",
+        b"x-apikey",
+        b"x-auth-token",
+        b"auth-token",
+        b"x-access-token",
+        b"access-token",
+        b"x-token",
+        b"x-session-token",
+        b"x-session-id",
+        b"session-id",
+        b"x-goog-api-key",
+        b"x-amz-security-token",
+        b"x-functions-key",
+        b"ocp-apim-subscription-key",
+    }
+)
+
+
+def credential_header(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The name of the first header in CREDENTIAL_HEADERS, if any (never its value)."""
+    for name, _ in headers:
+        if name in CREDENTIAL_HEADERS:
+            return name
+    return None
+
+
+def header_scope(name: str) -> Callable[[Scope], bytes]:
+    """A `scope=` for an app that authenticates by an API key header: the value of header
+    `name` (empty if absent), so each key holder has its own key space."""
+    wanted = name.lower().encode("latin-1")
+
+    def scope(asgi_scope: Scope) -> bytes:
+        for header, value in asgi_scope["headers"]:
+            if header == wanted:
+                return bytes(value)
+        return b""
+
+    return scope
+
+
+def cookie_scope(name: str) -> Callable[[Scope], bytes]:
+    """A `scope=` for an app that authenticates by a session cookie: the value of cookie
+    `name` (empty if absent), so each session has its own key space. Name a cookie whose
+    value stays the same for the session (a session id), not one that is re-signed as the
+    session's data changes, or a retry after such a change runs again."""
+    wanted = name.encode("latin-1")
+
+    def scope(asgi_scope: Scope) -> bytes:
+        for header, value in asgi_scope["headers"]:
+            if header == b"cookie":
+                for pair in value.split(b";"):
+                    key, sep, cookie = pair.strip().partition(b"=")
+                    if sep and key == wanted:
+                        return bytes(cookie.strip(b'"'))
+        return b""
+
+    return scope
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import secrets
+import sys
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar, overload
@@ -24,10 +25,17 @@ from redis.exceptions import RedisError
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import problems
-from .keys import DEFAULT_KEY_PATTERN, KeyNames, credentials_scope, key_names, valid_key
+from . import options, problems
+from .keys import (
+    DEFAULT_KEY_PATTERN,
+    KeyNames,
+    credential_header,
+    credentials_scope,
+    key_names,
+    string_key,
+    valid_key,
+)
 from .lease import Lease, Watchdog
-from .memory import MemoryStore
 from .record import Record, RecordError, decode, encode, fingerprint
 from .store import CLAIMED, Store
 
@@ -62,6 +70,7 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
+HOP_BY_HOP_BUT_TRAILER = HOP_BY_HOP - {b"trailer"}
 REPLAYED = (b"idempotent-replayed", b"true")
 _POLICY_ATTR = "__goblin_idem__"
 
@@ -97,6 +106,21 @@ class RoutePolicy:
     ttl_seconds: int | None = None
     lease_seconds: int | None = None
 
+    def __post_init__(self) -> None:
+        options.flag("@idempotent(enabled=...)", self.enabled)
+        if self.required is not None:
+            options.flag("@idempotent(required=...)", self.required)
+        for name in ("ttl_seconds", "lease_seconds"):
+            value = getattr(self, name)
+            if value is not None:
+                options.whole_number(f"@idempotent({name}=...)", value, minimum=1)
+
+
+# How many endpoints @idempotent has marked in this process. While none has, no request
+# needs its route looked up, so a request without a key passes with a header scan only;
+# counted at decoration, so a route added after the first request is seen as well.
+_marked_endpoints = 0
+
 
 @overload
 def idempotent(func: F, /) -> F: ...
@@ -127,10 +151,17 @@ def idempotent(
     The middleware finds the route the request will reach and applies its policy;
     ``enabled=False`` exempts the route.
     """
+    if func is not None and not callable(func):
+        raise TypeError(
+            "idempotent takes keyword arguments only, as in @idempotent(required=True); "
+            f"got a {type(func).__name__} as its first argument"
+        )
     policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds)
 
     def mark(f: F) -> F:
+        global _marked_endpoints
         setattr(f, _POLICY_ATTR, policy)
+        _marked_endpoints += 1
         return f
 
     return mark(func) if func is not None else mark
@@ -206,36 +237,61 @@ class IdempotencyMiddleware:
         namespace: str = "idem",
         on_event: Callable[[str, str], None] | None = None,
     ) -> None:
-        if lease_seconds <= 0 or ttl_seconds <= 0:
-            raise ValueError("lease_seconds and ttl_seconds must be positive")
+        if not callable(app):
+            raise TypeError(f"app must be an ASGI application, not a {type(app).__name__}")
         self.app = app
-        self.store: Store = store if store is not None else MemoryStore()
-        self.header_name = header
+        self.store: Store = options.store(store)
+        self.header_name = options.http_tokens("header", [header], "header name")[0]
         self.header = header.lower().encode("latin-1")
-        self.methods = frozenset(m.upper() for m in methods)
-        self.defaults = _Settings(required, ttl_seconds * 1000, lease_seconds)
-        self.include = tuple(include) if include is not None else None
-        self.exclude = tuple(exclude)
-        self.required_paths = tuple(required_paths)
-        self.key_pattern = key_pattern
-        self.scope_of = scope
-        self.fingerprint_headers = tuple(h.lower().encode("latin-1") for h in fingerprint_headers)
-        self.max_body_bytes = max_body_bytes
-        self.max_response_bytes = max_response_bytes
-        self.retry_after = str(retry_after_seconds).encode()
-        self.wait_ms = wait_ms
+        self.methods = frozenset(
+            m.upper() for m in options.http_tokens("methods", methods, "method", allow_empty=False)
+        )
+        lease_seconds = options.whole_number("lease_seconds", lease_seconds, minimum=1)
+        ttl_seconds = options.whole_number("ttl_seconds", ttl_seconds, minimum=1)
+        self.defaults = _Settings(
+            options.flag("required", required), ttl_seconds * 1000, lease_seconds
+        )
+        self.include = options.patterns("include", include) if include is not None else None
+        self.exclude = options.patterns("exclude", exclude)
+        self.required_paths = options.patterns("required_paths", required_paths)
+        self.key_pattern = options.key_pattern(key_pattern)
+        self.scope_of = options.callable_or_none(
+            "scope", scope, "a function of the ASGI scope returning the caller's identity"
+        )
+        self.fingerprint_headers = tuple(
+            h.lower().encode("latin-1")
+            for h in options.http_tokens("fingerprint_headers", fingerprint_headers, "header name")
+        )
+        self.max_body_bytes = options.whole_number("max_body_bytes", max_body_bytes, minimum=1)
+        self.max_response_bytes = options.whole_number(
+            "max_response_bytes", max_response_bytes, minimum=0
+        )
+        self.retry_after = str(
+            options.whole_number("retry_after_seconds", retry_after_seconds, minimum=0)
+        ).encode()
+        self.wait_ms = options.whole_number("wait_ms", wait_ms, minimum=0)
+        poll_interval_ms = options.whole_number("poll_interval_ms", poll_interval_ms, minimum=0)
+        if wait_ms and not poll_interval_ms:
+            raise ValueError(
+                "poll_interval_ms must be >= 1 when wait_ms > 0: it is the pause between two "
+                "claim polls, and 0 would poll the store in a busy loop (50 is the default)"
+            )
         self.poll_interval = poll_interval_ms / 1000
-        self.store_server_errors = store_server_errors
-        self.fail_open = fail_open
-        self.namespace = namespace.encode()
-        self.on_event = on_event
+        self.store_server_errors = options.flag("store_server_errors", store_server_errors)
+        self.fail_open = options.flag("fail_open", fail_open)
+        self.namespace = options.namespace(namespace)
+        self.on_event = options.callable_or_none(
+            "on_event", on_event, "a function (event, key_hash) called on every counter increment"
+        )
         self.counters = Counters()
         self.watchdog = Watchdog.for_store(self.store)
         self._background: set[asyncio.Task[Any]] = set()
         self._path_settings = functools.lru_cache(maxsize=4096)(self._settings_for_path)
-        self._has_marked: bool | None = None  # does any route's endpoint carry a RoutePolicy?
-        # Can a request without a key be refused (400) by the options? Routes' policies
-        # are looked at on the first request.
+        self._hidden_warned = False  # logged that a route hides its endpoint
+        self._shared_scope_warned = False  # logged that callers share the empty scope
+        self._vary_warned = False  # logged that a stored response varies per client
+        # Can a request without a key be refused (400) by the options? Route marks are
+        # looked up for each request while any endpoint is marked (_marked_endpoints).
         self._may_require = required or bool(self.required_paths)
 
     # -- bookkeeping --
@@ -264,12 +320,22 @@ class IdempotencyMiddleware:
 
     def _settings(self, scope: Scope) -> _Settings | None:
         settings = self._path_settings(scope["path"])
-        routes = getattr(scope.get("app"), "routes", None)
-        if self._has_marked is None:
-            self._has_marked = _any_marked(routes or ())
-        if not self._has_marked or not routes:
+        routes = getattr(scope.get("app"), "routes", None) if _marked_endpoints else None
+        if not routes:
             return settings
-        policy = _route_policy(routes, scope)
+        try:
+            policy = _route_policy(routes, dict(scope))  # a copy: matching must change nothing
+        except _EndpointHidden as exc:
+            if not self._hidden_warned:
+                self._hidden_warned = True
+                logger.warning(
+                    "the route %r matched a request but does not say which endpoint it "
+                    "serves, so the @idempotent marks behind it are not applied (the "
+                    "middleware's own options are); FastAPI 0.137.0 and 0.137.1 do this for "
+                    "included routers: upgrade FastAPI",
+                    exc.args[0],
+                )
+            return settings
         if policy is None:
             return settings
         if not policy.enabled:
@@ -296,7 +362,7 @@ class IdempotencyMiddleware:
                 keys += 1
             elif name == b"content-length":
                 content_length = value
-        if key is None and self._has_marked is False and not self._may_require:
+        if key is None and not _marked_endpoints and not self._may_require:
             await self.app(scope, receive, send)  # the common case: nothing to do, fast
             return
         settings = self._settings(scope)
@@ -314,18 +380,10 @@ class IdempotencyMiddleware:
                 return
             await self.app(scope, receive, send)
             return
-        if keys > 1 or not valid_key(key, self.key_pattern):
-            self._count("invalid_key")
-            await problems.send_problem(
-                send,
-                problems.INVALID_KEY,
-                f"Send exactly one {self.header_name} header, "
-                + (
-                    "of 1 to 255 printable ASCII characters."
-                    if self.key_pattern is DEFAULT_KEY_PATTERN
-                    else "in the form this service accepts."
-                ),
-            )
+        if key[:1] == b'"':
+            key = string_key(key)  # the IETF draft's form, an RFC 8941 String
+        if keys > 1 or key is None or not valid_key(key, self.key_pattern):
+            await self._refuse_key(send, malformed=keys == 1 and key is None)
             return
 
         body = await self._read_body(receive, send, content_length)
@@ -375,11 +433,74 @@ class IdempotencyMiddleware:
         else:
             await self._answer_duplicate(record, fp, send, names)
 
+    async def _refuse_key(self, send: Send, *, malformed: bool) -> None:
+        self._count("invalid_key")
+        if malformed:
+            detail = (
+                f"A quoted {self.header_name} must be an RFC 8941 String: printable ASCII "
+                'between double quotes, with \\" and \\\\ as the only escapes.'
+            )
+        else:
+            detail = f"Send exactly one {self.header_name} header, " + (
+                "of 1 to 255 printable ASCII characters."
+                if self.key_pattern is DEFAULT_KEY_PATTERN
+                else "in the form this service accepts."
+            )
+        await problems.send_problem(send, problems.INVALID_KEY, detail)
+
     def _scope_bytes(self, scope: Scope) -> bytes:
         if self.scope_of is None:
-            return credentials_scope(scope["headers"])
+            value = credentials_scope(scope["headers"])
+            if not value and not self._shared_scope_warned:
+                credential = credential_header(scope["headers"])
+                if credential is not None:
+                    self._warn_shared_scope(credential)
+            return value
         value = self.scope_of(scope)
         return value.encode() if isinstance(value, str) else value
+
+    def _warn_shared_scope(self, name: bytes) -> None:
+        """Once per middleware: a keyed request with no Authorization header but a header
+        that carries a credential shares the empty default scope with every such caller."""
+        self._shared_scope_warned = True
+        logger.warning(
+            "a request with an %s carries no Authorization header but a %s header: with "
+            "the default scope (the Authorization header) every such caller shares one key "
+            "space, so a caller who sends another's key gets the other's stored response, "
+            "Set-Cookie included; pass scope= a function that returns the caller's "
+            "identity (goblin_idem.header_scope or cookie_scope; README: Choosing a scope). "
+            "Logged once.",
+            self.header_name,
+            name.decode("latin-1"),
+        )
+
+    def _warn_vary(self, headers: list[tuple[bytes, bytes]], names: KeyNames) -> None:
+        """Once per middleware: the stored response varies by request headers that the key
+        does not cover, so every duplicate gets this variant (a middleware that adapts the
+        response to each client, such as GZip or CORS, wraps this one)."""
+        varies = [value for name, value in headers if name == b"vary"]
+        if not varies:
+            return
+        fields = {
+            field.strip().lower().decode("latin-1")
+            for value in varies
+            for field in value.split(b",")
+        }
+        fields -= {h.decode("latin-1") for h in self.fingerprint_headers}
+        fields.discard("")
+        if not fields:
+            return
+        self._vary_warned = True
+        logger.warning(
+            "the response stored for key %s varies by %s (its Vary header) but the key "
+            "does not: every duplicate gets this variant, whatever its own %s. If a "
+            "middleware such as GZipMiddleware or CORSMiddleware added it, it wraps the "
+            "idempotency middleware: add IdempotencyMiddleware before it (README: Middleware "
+            "order). Logged once.",
+            names.hash,
+            ", ".join(sorted(fields)),
+            " or ".join(sorted(fields)),
+        )
 
     def _fingerprint_header_values(self, scope: Scope) -> list[bytes]:
         found = dict.fromkeys(self.fingerprint_headers, b"")
@@ -460,14 +581,7 @@ class IdempotencyMiddleware:
             )
             return
         self._count("replayed", names.hash)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": record.status,
-                "headers": [*record.headers, REPLAYED],
-            }
-        )
-        await send({"type": "http.response.body", "body": record.body, "more_body": False})
+        await _send_record(send, record)
 
     # -- the one run --
 
@@ -578,8 +692,20 @@ class IdempotencyMiddleware:
 
 class _Responder:
     """Wraps `send` for the one run: passes the response through as it streams, keeps a
-    copy, and holds back the final body message until the response is published (or the
-    claim released), so a client that saw the whole response can rely on its replay."""
+    copy, and holds back the message that ends the response until the response is
+    published (or the claim released), so a client that saw the whole response can rely on
+    its replay.
+
+    A response ends, by the ASGI spec and its extensions, with the body message whose
+    `more_body` is false, a `http.response.pathsend`, or a `http.response.zerocopysend`
+    whose `more_body` is false; if its start said `trailers: True`, with the
+    `http.response.trailers` message whose `more_trailers` is false instead. A file that
+    pathsend or zerocopysend names is read here, up to what may still be stored, and
+    sent on as a body message of the bytes read: what is stored is then what the client
+    got, even if the file changes afterwards. A file too large to store goes to the server
+    as it came, and the response is stored as not replayable; one that cannot be read goes
+    as it came too, and the key is released, as for a response that failed. Other messages
+    (`http.response.debug`, early hints) pass through and are not stored."""
 
     def __init__(
         self,
@@ -603,6 +729,7 @@ class _Responder:
         self.chunks: list[bytes] = []
         self.size = 0
         self.keep = True
+        self.trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
         self.finished = False
 
     async def send(self, message: Message) -> None:
@@ -611,6 +738,8 @@ class _Responder:
             self.status = message["status"]
             self.headers = list(message.get("headers", ()))
             self.keep = self.status < 500 or self.mw.store_server_errors
+            if message.get("trailers", False):
+                self.trailers = []
         elif kind == "http.response.body":
             chunk = message.get("body", b"")
             if self.keep:
@@ -619,10 +748,60 @@ class _Responder:
                     self.chunks.append(chunk)
                 else:
                     self.chunks.clear()
-            if not message.get("more_body", False) and not self.finished:
-                self.finished = True
+            if not message.get("more_body", False) and self.trailers is None and not self.finished:
+                self.finished = True  # inline, as the hot path: no coroutine for it
                 await self.mw._shielded(self._closing_step())
+        else:
+            message = await self._other(message)
         await self._send(message)
+
+    async def _other(self, message: Message) -> Message:
+        """The other ends of a response (trailers, pathsend, zerocopysend); any other
+        message passes as it came."""
+        kind = message["type"]
+        if kind == "http.response.trailers":
+            if self.trailers is not None:
+                self.trailers += message.get("headers", ())
+            if not message.get("more_trailers", False):
+                await self._finish()
+        elif kind == "http.response.pathsend" or kind == "http.response.zerocopysend":
+            message = await self._file_as_body(message)
+            if not message.get("more_body", False) and self.trailers is None:
+                await self._finish()
+        return message
+
+    async def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self.mw._shielded(self._closing_step())
+
+    async def _file_as_body(self, message: Message) -> Message:
+        """The body message of the bytes a pathsend or zerocopysend names, or the message
+        itself if they are not to be stored (see the class docstring)."""
+        room = self.mw.max_response_bytes - self.size
+        if not self.keep or room < 0:
+            return message
+        try:
+            data = await asyncio.to_thread(_read_file, message, room)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning(
+                "key %s: could not read the file the response sends (%s); the key is released",
+                self.names.hash,
+                _describe(exc),
+            )
+            self.keep = False
+            return message
+        if data is None:
+            self.size = self.mw.max_response_bytes + 1  # more than may be stored
+            self.chunks.clear()
+            return message
+        self.size += len(data)  # no more than the room left
+        self.chunks.append(data)
+        return {
+            "type": "http.response.body",
+            "body": data,
+            "more_body": message.get("more_body", False),
+        }
 
     def _closing_step(self) -> Callable[[], Coroutine[Any, Any, None]]:
         """Publish the response, or release the key (a 5xx not stored); counted here, once."""
@@ -635,20 +814,69 @@ class _Responder:
             record = Record(self.status, [], b"", self.fp, replayable=False)
         else:
             body = b"".join(self.chunks)
-            headers = _replay_headers(self.status, self.headers, body)
-            record = Record(self.status, headers, body, self.fp)
+            headers = _replay_headers(self.status, self.headers, body, self.trailers is not None)
+            if not mw._vary_warned:
+                mw._warn_vary(headers, names)
+            record = Record(self.status, headers, body, self.fp, trailers=self.trailers)
         return functools.partial(mw._publish, self.lease, names, self.token, record, self.ttl_ms)
 
 
 def _replay_headers(
-    status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    status: int, headers: list[tuple[bytes, bytes]], body: bytes, trailers: bool
 ) -> list[tuple[bytes, bytes]]:
     """The headers to replay: in order, repeated ones kept, hop-by-hop ones dropped, and a
-    Content-Length that matches the body (a streamed response had none)."""
+    Content-Length that matches the body (a streamed response had none). A response with
+    trailers keeps its Trailer header and gets no Content-Length: the server must frame
+    the replay as it framed the original (HTTP/1.1 sends trailers only after a chunked
+    body)."""
+    if trailers:
+        return [(n.lower(), v) for n, v in headers if n.lower() not in HOP_BY_HOP_BUT_TRAILER]
     kept = [(n.lower(), v) for n, v in headers if n.lower() not in HOP_BY_HOP]
     if status >= 200 and status not in (204, 304) and all(n != b"content-length" for n, _ in kept):
         kept.append((b"content-length", str(len(body)).encode()))
     return kept
+
+
+def _read_file(message: Message, limit: int) -> bytes | None:
+    """The bytes a pathsend (`path`) or zerocopysend (`file`, `offset`, `count`) message
+    sends, or None if there are more than `limit`. A zerocopysend without `offset` reads
+    from the file's position and moves it past what it read, as sendfile would."""
+    if message["type"] == "http.response.pathsend":
+        with open(message["path"], "rb") as f:
+            data = f.read(limit + 1)
+        return data if len(data) <= limit else None
+    file = message["file"]
+    fd = file if isinstance(file, int) else file.fileno()
+    offset = message.get("offset")
+    start = os.lseek(fd, 0, os.SEEK_CUR) if offset is None else offset
+    end = os.fstat(fd).st_size
+    count = message.get("count")
+    if count is not None:
+        end = min(end, start + count)
+    if end - start > limit:
+        return None
+    data = os.pread(fd, max(end - start, 0), start)
+    if offset is None:
+        os.lseek(fd, start + len(data), os.SEEK_SET)
+    return data
+
+
+async def _send_record(send: Send, record: Record) -> None:
+    """The stored response, as the app sent it: with trailers if it declared them (the
+    server then frames and delivers them as it did the first time)."""
+    start = {
+        "type": "http.response.start",
+        "status": record.status,
+        "headers": [*record.headers, REPLAYED],
+    }
+    if record.trailers is not None:
+        start["trailers"] = True
+    await send(start)
+    await send({"type": "http.response.body", "body": record.body, "more_body": False})
+    if record.trailers is not None:
+        await send(
+            {"type": "http.response.trailers", "headers": record.trailers, "more_trailers": False}
+        )
 
 
 def _replay_receive(body: bytes, receive: Receive) -> Receive:
@@ -666,23 +894,41 @@ def _replay_receive(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _any_marked(routes: Iterable[Any]) -> bool:
-    return any(
-        hasattr(getattr(route, "endpoint", None), _POLICY_ATTR)
-        or _any_marked(getattr(route, "routes", None) or ())
-        for route in routes
-    )
+class _EndpointHidden(Exception):
+    """A route matched but named no endpoint, and no public way lists what it routes to."""
 
 
-def _route_policy(routes: Iterable[Any], scope: Scope) -> RoutePolicy | None:
-    """The policy of the endpoint the router will pick for this request (through Mounts)."""
+def _route_policy(
+    routes: Iterable[Any], scope: Scope, listed_from: Any = None
+) -> RoutePolicy | None:
+    """The policy of the endpoint the router will pick for this request, found the way the
+    router finds it: each route's `matches(scope)`, in order, and the endpoint that the
+    first full match's child scope names. A Mount (or Host) names the mounted app, whose
+    routes are asked in turn with the child scope merged in, as the router hands it on.
+    An included router of FastAPI >= 0.137 matches for its routes but keeps their child
+    scope to itself; FastAPI's public `iter_route_contexts` lists those routes with the
+    include prefixes applied, each answering `matches` the same way."""
     for route in routes:
         match, child = route.matches(scope)
         if match is not Match.FULL:
             continue
-        policy: RoutePolicy | None = getattr(getattr(route, "endpoint", None), _POLICY_ATTR, None)
+        if "endpoint" not in child:
+            if listed_from is not None:  # its listing names no endpoint either
+                raise _EndpointHidden(type(listed_from).__name__)
+            return _route_policy(_included_routes(route), scope, route)
+        endpoint = child["endpoint"]
+        policy: RoutePolicy | None = getattr(endpoint, _POLICY_ATTR, None)
         if policy is not None:
             return policy
-        inner = getattr(route, "routes", None)
+        inner = getattr(endpoint, "routes", None)
         return _route_policy(inner, {**scope, **child}) if inner else None
     return None
+
+
+def _included_routes(route: Any) -> Iterable[Any]:
+    # A route object of FastAPI's is there only if FastAPI is imported: no import here.
+    expand = getattr(sys.modules.get("fastapi.routing"), "iter_route_contexts", None)
+    if expand is None:
+        raise _EndpointHidden(type(route).__name__)
+    contexts: Iterable[Any] = expand([route])
+    return contexts

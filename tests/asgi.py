@@ -19,6 +19,7 @@ class Reply:
     status: int = 0
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     chunks: list[bytes] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)  # every message, as sent
 
     @property
     def body(self) -> bytes:
@@ -67,14 +68,18 @@ async def request(
     headers: Sequence[tuple[str, str]] = (),
     query: bytes = b"",
     disconnect: asyncio.Event | None = None,
+    extensions: dict[str, Any] | None = None,
 ) -> Reply:
     """Send one request; `body` as a list is sent in that many chunks. Setting
-    `disconnect` makes the client's next receive() answer http.disconnect."""
+    `disconnect` makes the client's next receive() answer http.disconnect; `extensions`
+    are the ASGI extensions the server offers."""
     all_headers = list(headers)
     if key is not None:
         all_headers.append(("Idempotency-Key", key))
     chunks = [body] if isinstance(body, bytes) else list(body)
     scope = http_scope(method, path, all_headers, query)
+    if extensions is not None:
+        scope["extensions"] = extensions
     pending: list[Message] = [
         {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
         for i, c in enumerate(chunks)
@@ -89,6 +94,7 @@ async def request(
         return {"type": "http.disconnect"}
 
     async def send(message: Message) -> None:
+        reply.messages.append(message)
         if message["type"] == "http.response.start":
             reply.status = message["status"]
             reply.headers = list(message.get("headers", []))

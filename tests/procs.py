@@ -1,6 +1,6 @@
-"""Child processes for the crash, cross-process and client tests: uvicorn serving a test app
-or the example app over a real store, and a Lock holder. Each is started by PID and stopped
-by PID."""
+"""Child processes for the crash, cross-process and client tests: uvicorn or granian serving
+a test app or the example app over a real store, and a Lock holder. Each is started by PID and
+stopped by PID."""
 
 from __future__ import annotations
 
@@ -58,18 +58,51 @@ def start_uvicorn(
         ],
         env,
     )
+    return _wait_http(proc, f"http://127.0.0.1:{port}/health", "uvicorn", timeout)
+
+
+def start_granian(
+    port: int, env: dict[str, str], target: str, timeout: float = 15.0
+) -> subprocess.Popen[bytes]:
+    """Granian, one worker, serving `target` (module:app, which answers GET /health).
+    Granian offers the http.response.pathsend extension that uvicorn does not."""
+    proc = spawn(
+        [
+            "-m",
+            "granian",
+            "--interface",
+            "asgi",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--no-ws",
+            "--log-level",
+            "warning",
+            target,
+        ],
+        env,
+    )
+    return _wait_http(proc, f"http://127.0.0.1:{port}/health", "granian", timeout)
+
+
+def _wait_http(
+    proc: subprocess.Popen[bytes], url: str, name: str, timeout: float
+) -> subprocess.Popen[bytes]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             err = proc.stderr.read().decode() if proc.stderr else ""
-            raise RuntimeError(f"uvicorn exited: {err}")
+            raise RuntimeError(f"{name} exited: {err}")
         try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+            httpx.get(url, timeout=0.5)
             return proc
         except httpx.HTTPError:
             time.sleep(0.05)
     stop(proc, signal.SIGKILL)
-    raise RuntimeError("uvicorn did not answer")
+    raise RuntimeError(f"{name} did not answer")
 
 
 def start_example_app(port: int, log: Path, **env: str) -> subprocess.Popen[bytes]:

@@ -125,9 +125,11 @@ async def test_two_namespaces_on_one_store_do_not_share() -> None:
     assert bodies[0] != bodies[1] and all(a.runs[(b"Bearer t", b"k")] == 1 for a in apps)
 
 
+# A key part that starts with a double quote is read as an RFC 8941 String, whose content
+# is the key (test_keys.py): the raw byte split would no longer be what the test compares.
 splits = st.binary(min_size=2, max_size=40).flatmap(
     lambda s: st.tuples(st.just(s), st.integers(0, len(s) - 1), st.integers(0, len(s) - 1)).filter(
-        lambda t: t[1] != t[2]
+        lambda t: t[1] != t[2] and s[t[1] : t[1] + 1] != b'"' and s[t[2] : t[2] + 1] != b'"'
     )
 )
 

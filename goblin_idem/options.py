@@ -1,0 +1,150 @@
+"""Checks of configuration values, made once at construction.
+
+A value that cannot work fails here, with an error that names the option, says what is
+allowed and what to pass instead, rather than on every request later (or never, and then
+quietly wrong). ``bool`` is refused where a number is meant: ``True`` is an ``int`` to
+Python, and ``lease_seconds=True`` is a mistake, not a one-second lease.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .memory import MemoryStore
+from .store import Store
+
+__all__ = [
+    "callable_or_none",
+    "flag",
+    "http_tokens",
+    "key_pattern",
+    "namespace",
+    "patterns",
+    "store",
+    "whole_number",
+]
+
+# RFC 9110 token: the characters a header name or a method may consist of.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def _kind(value: object) -> str:
+    """``an int``, ``a str``: the type of a refused value, for the message."""
+    name = type(value).__name__
+    return ("an " if name[:1] in "aeiou" else "a ") + name
+
+
+def whole_number(name: str, value: object, *, minimum: int) -> int:
+    """An ``int`` (not a bool) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number (int) >= {minimum}, not {_kind(value)}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {_kind(value)}")
+    return value
+
+
+def callable_or_none(name: str, value: object, what: str) -> Any:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be None or {what}, not {_kind(value)}")
+    return value
+
+
+def _strings(name: str, value: object, what: str) -> list[object]:
+    """The items of a list option; a bare string is refused, since iterating it would give
+    one item per character."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{name} must be a list of {what}s, like [{value!r}], not {_kind(value)}"
+            if isinstance(value, str)
+            else f"{name} must be a list of {what}s (str), not {_kind(value)}"
+        )
+    return list(value)
+
+
+def patterns(name: str, value: object) -> tuple[str, ...]:
+    """A list of fnmatch path patterns."""
+    found = []
+    for item in _strings(name, value, "path pattern"):
+        if not isinstance(item, str):
+            raise TypeError(f"{name} must hold path patterns (str), not {_kind(item)}")
+        found.append(item)
+    return tuple(found)
+
+
+def http_tokens(name: str, value: object, what: str, *, allow_empty: bool = True) -> list[str]:
+    """A list of header names or methods: each an RFC 9110 token (no spaces, colons or
+    control characters), as a server would accept it on the wire."""
+    items = _strings(name, value, what)
+    if not items and not allow_empty:
+        raise ValueError(f"{name} must name at least one {what}")
+    tokens = []
+    for item in items:
+        if not isinstance(item, str) or _TOKEN.fullmatch(item) is None:
+            raise ValueError(
+                f"{name}: {item!r} is not a valid {what}; use letters, digits and "
+                "!#$%&'*+-.^_`|~ only (no spaces, colons or control characters)"
+            )
+        tokens.append(item)
+    return tokens
+
+
+def store(value: object) -> Store:
+    """The store; a URL string (the usual mistake) gets a message that never repeats it,
+    since a URL may carry a password."""
+    if value is None:
+        return MemoryStore()
+    if isinstance(value, Store):
+        return value
+    if isinstance(value, (str, bytes)):
+        raise TypeError(
+            "store must be a Store, not a URL string: pass store=RedisStore.from_url(url) "
+            "(or MemoryStore() for one process)"
+        )
+    if hasattr(value, "execute_command"):
+        raise TypeError(
+            f"store must be a Store, not {_kind(value)} client: wrap it, "
+            "store=RedisStore(client), or build one with RedisStore.from_url(url)"
+        )
+    raise TypeError(
+        "store must be a Store (RedisStore.from_url(url), RedisStore(client) or MemoryStore()), "
+        f"not {_kind(value)}"
+    )
+
+
+def key_pattern(value: object) -> re.Pattern[bytes] | Callable[[bytes], bool]:
+    if isinstance(value, re.Pattern):
+        if not isinstance(value.pattern, bytes):
+            raise TypeError(
+                "key_pattern must match bytes: compile it from a bytes pattern, "
+                f"re.compile(rb{value.pattern!r})"
+            )
+        return value
+    if isinstance(value, str) or not callable(value):
+        raise TypeError(
+            "key_pattern must be a compiled bytes pattern, re.compile(rb'...'), or a function "
+            f"of the key bytes returning True for a valid key, not {_kind(value)}"
+        )
+    return value
+
+
+def namespace(value: object) -> bytes:
+    if not isinstance(value, str):
+        raise TypeError(f"namespace must be a str, not {_kind(value)}")
+    if not value:
+        raise ValueError(
+            "namespace must not be empty: it prefixes every store key (default 'idem')"
+        )
+    if "{" in value or "}" in value:
+        raise ValueError(
+            f"namespace {value!r} must not contain {{ or }}: the key names carry a Redis "
+            "Cluster hash tag in braces, which a brace in the prefix would displace"
+        )
+    return value.encode()
