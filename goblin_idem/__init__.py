@@ -1,6 +1,12 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
 
-from .errors import GoblinError, LockError, LockNotOwnedError, NotReplicatedError
+from .errors import (
+    GoblinError,
+    LockError,
+    LockNotOwnedError,
+    NotReplicatedError,
+    StorePermissionError,
+)
 from .lease import Lease, Lock, Watchdog
 from .memory import MemoryStore
 from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
@@ -23,6 +29,7 @@ __all__ = [
     "RedisStore",
     "RoutePolicy",
     "Store",
+    "StorePermissionError",
     "Watchdog",
     "idempotent",
 ]
