@@ -1,9 +1,10 @@
 """IdempotencyMiddleware: exactly-once POST/PATCH with byte-exact replay.
 
-One request, in store round trips: a request with a key costs one GOBLIN.CLAIM; the one
-that wins it runs the app and publishes the response in one more (result + claim TTL in a
-MULTI/EXEC) before the last body chunk reaches the client; every duplicate is answered
-from the claim's reply alone. A request without a key costs nothing.
+One request, in store round trips: a request with a key costs one claim step (GOBLIN.CLAIM
+and a PTTL of the result, pipelined: a stored result wins over a claim that was lost); the
+one that wins it runs the app and publishes the response in one more (result + claim TTL in
+a MULTI/EXEC) before the last body chunk reaches the client; every duplicate is answered
+from the claim step's reply alone. A request without a key costs nothing.
 """
 
 from __future__ import annotations
