@@ -220,6 +220,9 @@ async def test_wait_replicas_on_a_primary_with_a_replica() -> None:
         assert first.status == 201
         with replica.sync_client() as r:  # WAITed: on the replica once answered
             assert r.get(names.claim) is not None and r.get(names.result) is not None
+        await store.client.delete(names.claim)  # lost: the result wins, nothing runs
+        lost = await send_once(mw, "w-1")
+        assert lost.status == 201 and lost.replayed and len(handler.runs["w-1"]) == 1
 
         # Asking for more replicas than acknowledge: a clear error, 503, nothing run.
         with pytest.raises(NotReplicatedError, match=r"[01] of 2") as info:

@@ -214,12 +214,17 @@ async def test_cluster(request: pytest.FixtureRequest, kind: str, mode: str) -> 
                 assert await store.claim(ck, rk, "u", 30) == b"done"
                 assert await store.caexpire_many([(ck, "t", 60_000)]) == [1]
                 owners.add(client.get_node_from_key(ck).name)
+                # the claim step on the key's primary: a lost claim, its result kept
+                assert await store.claim_unless_done(ck, rk, "u", 30) == b"done"
+                await client.delete(ck)
+                assert await store.claim_unless_done(ck, rk, "v", 30) == b"done"
+                assert await client.get(ck) == b"v"
             assert len(owners) == 3
             if mode == "script":
                 # a node that forgot its scripts reloads them on the NOSCRIPT it answers
                 node = client.get_node_from_key("{job0}:claim")
                 await client.execute_command("SCRIPT FLUSH", target_nodes=node)
-            assert await store.cad("{job0}:claim", "t") == 1
+            assert await store.cad("{job0}:claim", "v") == 1  # retaken by "v" above
             # claim and result in different slots: refused before anything is sent
             with pytest.raises(RedisClusterException, match="same key slot"):
                 await store.claim("a:claim", "b:result", "t", 30)
