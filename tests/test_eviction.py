@@ -70,24 +70,32 @@ async def test_a_full_server_still_answers_duplicates_of_completed_keys(
         await store.aclose()
 
 
+async def detection_lines(
+    kind: str, args: list[str], caplog: pytest.LogCaptureFixture
+) -> tuple[list[str], Server]:
+    """What detection logs at WARNING on a server of its own started with `args`."""
+    server = start_server(kind, args=args)
+    store = RedisStore.from_url(server.url)
+    try:
+        with caplog.at_level(logging.WARNING, logger="goblin_idem.store"):
+            await store.detect()
+        return store_lines(caplog), server
+    finally:
+        await store.aclose()
+        server.stop()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl", "allkeys-random"])
 async def test_detection_warns_of_a_policy_that_evicts(
     kind: str, policy: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server = start_server(kind, args=["--maxmemory", "64mb", "--maxmemory-policy", policy])
-    store = RedisStore.from_url(server.url)
-    try:
-        with caplog.at_level(logging.WARNING, logger="goblin_idem.store"):
-            await store.detect()
-        (line,) = store_lines(caplog)
-        assert f"127.0.0.1:{server.port} evicts keys when memory is full" in line
-        assert f"(maxmemory-policy {policy}, maxmemory {64 * 1024 * 1024})" in line
-        assert "runs the work again" in line and "Set maxmemory-policy noeviction" in line
-        assert ("every goblin-idem key has one" in line) == policy.startswith("volatile-")
-    finally:
-        await store.aclose()
-        server.stop()
+    args = ["--maxmemory", "64mb", "--maxmemory-policy", policy]
+    (line,), server = await detection_lines(kind, args, caplog)
+    assert f"127.0.0.1:{server.port} evicts keys when memory is full" in line
+    assert f"(maxmemory-policy {policy}, maxmemory {64 * 1024 * 1024})" in line
+    assert "runs the work again" in line and "Set maxmemory-policy noeviction" in line
+    assert ("every goblin-idem key has one" in line) == policy.startswith("volatile-")
 
 
 async def test_the_first_request_checks_the_policy(
@@ -113,15 +121,8 @@ async def test_the_first_request_checks_the_policy(
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_noeviction_is_not_warned_of(kind: str, caplog: pytest.LogCaptureFixture) -> None:
-    server = start_server(kind, args=["--maxmemory", "64mb", "--maxmemory-policy", "noeviction"])
-    store = RedisStore.from_url(server.url)
-    try:
-        with caplog.at_level(logging.WARNING, logger="goblin_idem.store"):
-            await store.detect()
-        assert store_lines(caplog) == []
-    finally:
-        await store.aclose()
-        server.stop()
+    args = ["--maxmemory", "64mb", "--maxmemory-policy", "noeviction"]
+    assert (await detection_lines(kind, args, caplog))[0] == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -130,16 +131,8 @@ async def test_without_config_the_policy_is_read_from_info(
 ) -> None:
     """Managed services rename CONFIG away; INFO memory still tells the policy."""
     args = ["--rename-command", "CONFIG", "", "--maxmemory-policy", "allkeys-lfu"]
-    server = start_server(kind, args=args)
-    store = RedisStore.from_url(server.url)
-    try:
-        with caplog.at_level(logging.WARNING, logger="goblin_idem.store"):
-            await store.detect()
-        (line,) = store_lines(caplog)
-        assert "evicts keys when memory is full (maxmemory-policy allkeys-lfu, maxmemory 0)" in line
-    finally:
-        await store.aclose()
-        server.stop()
+    (line,), _ = await detection_lines(kind, args, caplog)
+    assert "evicts keys when memory is full (maxmemory-policy allkeys-lfu, maxmemory 0)" in line
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -148,6 +148,22 @@ async def test_killed_holder_frees_after_its_lease(redis_server: Server) -> None
 # -- a release cut short can be repeated (a real server, paused to hold a call in flight) ---
 
 
+async def cancel_release_on_a_paused_server(server: Server, lock: Lock, paused: float) -> None:
+    """Pause the server, start a release `paused` seconds later, and cancel it while it
+    waits on the server (for a renewal that went out during the pause, or for its delete)."""
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(paused)
+        release = asyncio.create_task(lock.release())
+        await asyncio.sleep(0.1)
+        assert not release.done()  # it waits on the server
+        release.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await release
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])
 async def test_a_release_cancelled_while_a_renewal_is_in_flight_can_be_repeated(
     own_redis: Server, autopipeline: bool
@@ -156,17 +172,7 @@ async def test_a_release_cancelled_while_a_renewal_is_in_flight_can_be_repeated(
     lock = Lock(store, "job", lease_ms=600)  # renewed every 200 ms
     try:
         assert await lock.acquire()
-        os.kill(own_redis.pid, signal.SIGSTOP)
-        try:
-            await asyncio.sleep(0.3)  # a renewal has gone out and waits on the server
-            release = asyncio.create_task(lock.release())
-            await asyncio.sleep(0.05)
-            assert not release.done()  # it waits for that renewal before deleting
-            release.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await release
-        finally:
-            os.kill(own_redis.pid, signal.SIGCONT)
+        await cancel_release_on_a_paused_server(own_redis, lock, paused=0.3)
         assert lock.held  # nothing was deleted: the lock is still this object's
         await lock.release()  # the repeat completes it
         assert await store.get("job") is None and not lock.held
@@ -185,15 +191,7 @@ async def test_a_release_cancelled_while_its_delete_is_in_flight_can_be_repeated
     try:
         assert await lock.acquire()
         await store.get("warm-up")  # the direct store's connection is open before the pause
-        os.kill(own_redis.pid, signal.SIGSTOP)
-        try:
-            release = asyncio.create_task(lock.release())
-            await asyncio.sleep(0.1)  # the delete is on the wire, unanswered
-            release.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await release
-        finally:
-            os.kill(own_redis.pid, signal.SIGCONT)
+        await cancel_release_on_a_paused_server(own_redis, lock, paused=0)
         renewals = lock.watchdog.renewals
         await lock.release()  # whether the first delete ran or not, the repeat completes
         assert await store.get("job") is None and not lock.held
@@ -203,26 +201,18 @@ async def test_a_release_cancelled_while_its_delete_is_in_flight_can_be_repeated
 
 
 async def test_a_cancelled_release_stops_the_renewals(own_redis: Server) -> None:
-    """Never repeated, a cancelled release still leaves nothing renewing the lock: it
-    expires a lease later instead of being kept alive by this process."""
+    """Never repeated, a release cancelled before its delete still leaves nothing renewing
+    the lock: only the renewal already in flight lands, and the lock expires a lease later
+    instead of being kept alive by this process."""
     store = RedisStore.from_url(own_redis.url)
     lock = Lock(store, "job", lease_ms=600)
     try:
         assert await lock.acquire()
-        os.kill(own_redis.pid, signal.SIGSTOP)
-        try:
-            release = asyncio.create_task(lock.release())
-            await asyncio.sleep(0.1)
-            release.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await release
-        finally:
-            os.kill(own_redis.pid, signal.SIGCONT)
+        await cancel_release_on_a_paused_server(own_redis, lock, paused=0.3)
+        assert await store.get("job") == lock.token  # not deleted
         renewals = lock.watchdog.renewals
         await asyncio.sleep(1.0)  # more than a lease: renewals would have run by now
         assert lock.watchdog.renewals == renewals
-        assert await store.get("job") in (None, lock.token)
-        await asyncio.sleep(0.3)
-        assert await store.get("job") is None
+        assert await store.get("job") is None  # expired
     finally:
         await store.aclose()
