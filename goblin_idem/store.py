@@ -769,21 +769,19 @@ class RedisStore:
             node = self.client.get_node_from_key(key)  # type: ignore[arg-type]
         await self._load_scripts(node)
 
-    async def _pipelined(self, commands: list[tuple[Any, ...]], key: bytes) -> list[Any]:
-        """`commands` on the shared connection, a GOBLIN command first; their replies, errors
-        in place. After NOSCRIPT (the script ran nothing, and what follows it only reads)
-        the scripts are loaded and everything is sent again."""
+    async def _resend(self, commands: list[tuple[Any, ...]], key: bytes) -> list[Any]:
+        """After NOSCRIPT on the shared connection (the script ran nothing, and what follows
+        it only reads): load the scripts, send `commands` again; their replies."""
         assert self._pipeline is not None
-        replies = await self._pipeline.execute(commands)
-        if isinstance(replies[0], NoScriptError):
-            await self._reload_scripts(key)
-            replies = await self._pipeline.execute(commands)
-        return replies
+        await self._reload_scripts(key)
+        return await self._pipeline.execute(commands)
 
     async def _call(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
         command = self._command(await self._ready(), script, keys, args)
         if self._pipeline is not None:
-            (reply,) = await self._pipelined([command], keys[0])
+            (reply,) = await self._pipeline.execute([command])
+            if isinstance(reply, NoScriptError):
+                (reply,) = await self._resend([command], keys[0])
             return _unwrap(reply, self._acl_user)
         try:
             try:
@@ -815,13 +813,16 @@ class RedisStore:
         ck, rk = as_bytes(claim_key), as_bytes(result_key)
         tok = check_size(as_bytes(token, "token"), self.max_value_bytes)
         lease = claim_seconds(seconds)
-        claim = self._command(await self._ready(), scripts.CLAIM, (ck, rk), (tok, lease))
+        commands = [self._command(await self._ready(), scripts.CLAIM, (ck, rk), (tok, lease))]
+        commands.append(("PTTL", rk))
         acked = None
         if self._pipeline is not None:
-            reply, result_ttl = await self._pipelined([claim, ("PTTL", rk)], ck)
+            reply, result_ttl = await self._pipeline.execute(commands)
+            if isinstance(reply, NoScriptError):
+                reply, result_ttl = await self._resend(commands, ck)
         else:
             (reply, result_ttl), acked = await self._then_wait(
-                ck, [claim, ("PTTL", rk)], wait=bool(self.wait_replicas)
+                ck, commands, wait=bool(self.wait_replicas)
             )
         if isinstance(reply, OutOfMemoryError):
             return await self._read_when_full(ck, rk, reply)

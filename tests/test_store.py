@@ -122,6 +122,10 @@ async def test_noscript_is_reloaded_and_retried(server: Server) -> None:
         assert await store.cas("{n}:r", "v", "w") is True
         await store.client.script_flush()
         assert await store.cad("{n}:c", "t") == 1
+        await store.client.script_flush()
+        assert await store.claim_unless_done("{n}:c", "{n}:r", "t", 30) == b"w"
+        await store.client.script_flush()
+        assert await store.claim_unless_done("{n2}:c", "{n2}:r", "t", 30) is CLAIMED
     finally:
         await store.aclose()
 
