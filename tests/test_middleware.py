@@ -859,7 +859,7 @@ async def test_round_trips_per_request_native(
     server: Server = request_.getfixturevalue(f"{kind}_native_server")
     store = RedisStore.from_url(server.url)
     assert await store.detect() == "native"
-    mw = IdempotencyMiddleware(Handler(), store=store)
+    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
     client = store.client
     trips = RoundTrips(store, monkeypatch)
     try:
@@ -877,6 +877,19 @@ async def test_round_trips_per_request_native(
         replay = await commands_during(client, lambda: request(mw, key="new"))
         assert replay == {"goblin.claim": 1, "pttl": 1}
         trips.during(1)
+        assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
+        trips.during(0)
+
+        first = asyncio.create_task(request(mw, key="slow"))
+        await asyncio.sleep(0.1)
+        trips.during(1)
+
+        async def duplicate() -> None:
+            assert (await request(mw, key="slow")).status == 409
+
+        assert await commands_during(client, duplicate) == {"goblin.claim": 1, "pttl": 1}
+        trips.during(1)
+        await first
     finally:
         await store.aclose()
 
