@@ -244,26 +244,26 @@ _DENIED_COMMAND: Final = re.compile(r"no permissions to run the '([^']+)' comman
 _DENIED_IN_SCRIPT: Final = "can't run this command or subcommand"
 _DENIED_KEY: Final = re.compile(r"no permissions to access (a|one of the) key", re.IGNORECASE)
 #: What goblin-idem's Lua scripts call, besides the commands the store sends itself.
-SCRIPT_CALLS: Final = ("set", "get", "pexpire", "del")
+_SCRIPT_CALLS: Final = ("set", "get", "pexpire", "del")
 
 
-def acl_rule(commands: Sequence[str]) -> str:
+def _acl_rule(commands: Sequence[str]) -> str:
     """The ACL SETUSER arguments that allow `commands` ("+set +config|get")."""
     return " ".join(f"+{c}" for c in commands)
 
 
-def permission_error(exc: Exception, user: str = "<user>") -> StorePermissionError | None:
+def _permission_error(exc: Exception, user: str = "<user>") -> StorePermissionError | None:
     """`exc` as a StorePermissionError that names the fix, if an ACL refused something."""
     if isinstance(exc, StorePermissionError):
         return exc
     text = str(exc)
     named = _DENIED_COMMAND.search(text)
     if named is not None or _DENIED_IN_SCRIPT in text:
-        denied = (named.group(1).lower(),) if named is not None else SCRIPT_CALLS
+        denied = (named.group(1).lower(),) if named is not None else _SCRIPT_CALLS
         what = f"'{denied[0]}'" if named is not None else "a command its Lua scripts call"
         return StorePermissionError(
             f"the store's ACL user may not run {what}, which goblin-idem needs ({text}); "
-            f"allow it: ACL SETUSER {user} {acl_rule(denied)} (RedisStore.detect() names "
+            f"allow it: ACL SETUSER {user} {_acl_rule(denied)} (RedisStore.detect() names "
             "every command it sends that the server refuses)",
             denied=denied,
         )
@@ -283,7 +283,7 @@ def _normalize(exc: ResponseError, user: str = "<user>") -> ResponseError:
     Validation makes this a safety net: only WRONGTYPE can normally come out of a script,
     and Redis 7 appends ``script: <sha>, on @user_script:N.`` to it.
     """
-    denied = permission_error(exc, user)
+    denied = _permission_error(exc, user)
     if denied is not None:
         return denied
     if type(exc) is not ResponseError:
@@ -535,7 +535,7 @@ class RedisStore:
                 native = await self._has_native_commands()
             except NoPermissionError as exc:
                 raise self._refused(
-                    ("command|list",), "to detect the mode; or give mode='native' or 'script'"
+                    ("command|list",), "to detect the mode (or give mode='native' or 'script')"
                 ) from exc
             self._mode = "native" if native else "script"
         refused = await self._probe()
@@ -557,7 +557,7 @@ class RedisStore:
         return StorePermissionError(
             f"the store's ACL user {user!r} may not run {', '.join(commands)}, which "
             f"goblin-idem sends {context}: allow them with ACL SETUSER {user} "
-            f"{acl_rule(commands)} (the README's Permissions section lists every command)",
+            f"{_acl_rule(commands)} (the README's Permissions section lists every command)",
             denied=commands,
         )
 
@@ -589,19 +589,19 @@ class RedisStore:
                 try:
                     await step()
                 except (ResponseError, NotReplicatedError) as exc:  # OOM, WAIT: allowed
-                    denied = permission_error(exc, self._acl_user)
+                    denied = _permission_error(exc, self._acl_user)
                     if denied is None:
                         continue
                     if denied.keys:
                         keys_refused = denied
-                    elif denied.denied == SCRIPT_CALLS:
+                    elif denied.denied == _SCRIPT_CALLS:
                         in_script = True
                     else:
                         refused.update(denied.denied)
         finally:
             _PROBING.reset(token)
-        if in_script and not refused & set(SCRIPT_CALLS):
-            refused.update(SCRIPT_CALLS)
+        if in_script and not refused & set(_SCRIPT_CALLS):
+            refused.update(_SCRIPT_CALLS)
         if keys_refused is not None:
             logger.info(
                 "goblin-idem store: the ACL refused the probe key %r (%s); the middleware's "
@@ -747,8 +747,7 @@ class RedisStore:
 
     async def _ready(self) -> Mode:
         """The mode, once detection has run, on connections of this process and loop."""
-        if self._loop is not asyncio.get_running_loop() or self._forks != _forks:
-            self._adopt_loop()
+        self._here()
         if self._detected or _PROBING.get():
             return self._mode
         return await self.detect()
