@@ -182,3 +182,23 @@ async def test_a_wrong_password_is_logged_once_per_store(
         assert len(errors) == 1 and "AuthenticationError" in errors[0], errors
     finally:
         await store.aclose()
+
+
+async def test_mode_detection_refused_says_how_to_do_without_it(
+    acl_user: tuple[str, Server],
+) -> None:
+    """COMMAND refused: auto mode cannot tell native from script; an explicit mode needs
+    no COMMAND at all."""
+    name, server = acl_user
+    set_user(server, name, "~*", "+@all", "-command")
+    auto = store_for(server, name)
+    explicit = store_for(server, name, mode=mode_of(server))
+    try:
+        with pytest.raises(StorePermissionError) as info:
+            await auto.detect()
+        assert info.value.denied == ("command|list",)
+        assert "(or give mode='native' or 'script')" in str(info.value)
+        assert await explicit.detect() == mode_of(server)
+    finally:
+        await auto.aclose()
+        await explicit.aclose()
