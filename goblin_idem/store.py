@@ -687,9 +687,11 @@ class RedisStore:
         if isinstance(client, RedisCluster):
             nodes = {id(n): n for n in (*client.get_nodes(), *_startup_nodes(client))}
             for node in nodes.values():  # redis-py has no public way to reset a node's pool
-                dropped += node._connections
-                node._connections = []
-                node._free.clear()
+                connections = getattr(node, "_connections", None)
+                if isinstance(connections, list):
+                    dropped += connections
+                    node._connections = []
+                    node._free.clear()
         else:
             pool = client.connection_pool
             dropped += getattr(pool, "_available_connections", ())
