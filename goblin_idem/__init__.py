@@ -1,6 +1,12 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
 
-from .errors import GoblinError, LockError, LockNotOwnedError, NotReplicatedError
+from .errors import (
+    GoblinError,
+    LockError,
+    LockNotOwnedError,
+    NotReplicatedError,
+    StorePermissionError,
+)
 from .keys import cookie_scope, header_scope
 from .lease import Lease, Lock, Watchdog
 from .memory import MemoryStore
@@ -24,6 +30,7 @@ __all__ = [
     "RedisStore",
     "RoutePolicy",
     "Store",
+    "StorePermissionError",
     "Watchdog",
     "cookie_scope",
     "header_scope",

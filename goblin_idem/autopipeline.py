@@ -356,6 +356,14 @@ class AutoPipeline:
             self._draining.append(old)
         return conn
 
+    def forget(self) -> list[object]:
+        """Drop the connections without closing them, for a fork's child (they are the
+        parent's sockets) or after their event loop closed; the next call opens a new one.
+        The dropped connections are returned, for the caller to keep from the collector."""
+        dropped: list[object] = [c for c in (self._conn, *self._draining) if c is not None]
+        self._conn, self._connecting, self._draining = None, None, []
+        return dropped
+
     async def aclose(self) -> None:
         """Close the connection; calls still in flight fail, a later call opens a new one."""
         conn, self._conn = self._conn, None

@@ -7,7 +7,7 @@ Goblin server replies (redis-py strips the leading ``ERR `` as it does for any s
 
 from __future__ import annotations
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 __all__ = [
     "NOT_INTEGER",
@@ -18,6 +18,7 @@ __all__ = [
     "LockNotOwnedError",
     "NotReplicatedError",
     "ResponseError",
+    "StorePermissionError",
     "invalid_expire",
 ]
 
@@ -52,4 +53,22 @@ class NotReplicatedError(GoblinError, RedisError):
     """
 
     def __repr__(self) -> str:  # redis-py's RedisError.__repr__ drops the message
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+class StorePermissionError(GoblinError, NoPermissionError):
+    """The store's user may not run a command, or use a key, that goblin-idem needs.
+
+    A configuration error, not an outage: `RedisStore.detect()` raises it naming every
+    command the server refused and the ACL rule that allows them; a command refused later
+    raises it for that one command. A NoPermissionError (so a RedisError), so the middleware
+    treats it as any store failure (503, nothing run), and logs it once per store.
+    """
+
+    def __init__(self, message: str, *, denied: tuple[str, ...] = (), keys: bool = False) -> None:
+        super().__init__(message)
+        self.denied = denied  # the refused commands, as the server names them ("set", "config|get")
+        self.keys = keys  # a key was refused (the user's ~pattern), not a command
+
+    def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self)!r})"

@@ -37,6 +37,8 @@ __all__ = [
     "FREE",
     "IN_FLIGHT",
     "NOT_REPLAYABLE",
+    "SCOPE_ENV",
+    "SCOPE_HINT",
     "UNREADABLE",
     "KeyState",
     "add_subcommand",
@@ -53,6 +55,15 @@ NOT_REPLAYABLE: Final = "completed, not replayable"
 UNREADABLE: Final = "completed, unreadable"
 
 _HASH = re.compile(r"[0-9a-f]{32}")
+#: Where the command line reads a scope from when --scope is not given.
+SCOPE_ENV: Final = "GOBLIN_SCOPE"
+SCOPE_HINT: Final = (
+    "nothing is stored for this key in the empty scope (callers without an Authorization "
+    "header). A request sent with one was keyed by that header's value (or by what the "
+    "middleware's scope= returned): inspect it in that scope (python -m goblin_idem inspect "
+    f"reads it from ${SCOPE_ENV}, or from stdin with --scope -), or by the key hash a log "
+    "line shows (--hash)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +142,10 @@ async def inspect_key(
         if data is not None:
             note = (
                 "a result is stored but its claim is gone: the next request with this key "
-                "claims it and runs the handler again"
+                "is answered from the result, and takes the claim back"
             )
+        elif key is not None and not scope:
+            note = SCOPE_HINT
         return KeyState(
             names,
             FREE,
@@ -255,10 +268,12 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--scope",
-        default="",
+        default=None,
         help=(
             "the scope the middleware keyed the request by: by default the request's "
-            "Authorization header value (empty for anonymous callers)"
+            "Authorization header value (empty for anonymous callers). A secret given "
+            "here shows in the process list and the shell history: give - to read it "
+            f"from stdin, or set ${SCOPE_ENV} (the default when --scope is not given)"
         ),
     )
     parser.add_argument("--namespace", default="idem", help="key prefix (default: idem)")
@@ -267,12 +282,33 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-async def _inspect_url(args: argparse.Namespace) -> KeyState:
-    store = RedisStore.from_url(args.url, max_connections=2)
+def _reason(exc: BaseException) -> str:
+    """`TypeName: message`, and the system's words for an OS error behind it (redis-py
+    says "Error 111 connecting to ...", not "Connection refused")."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno:
+            words = os.strerror(cause.errno)
+            return text if words in text else f"{text} ({words})"
+        cause = cause.__cause__ or cause.__context__
+    return text
+
+
+def _scope(given: str | None) -> str:
+    """--scope's value; ``-`` reads one line from stdin; absent, $GOBLIN_SCOPE or empty."""
+    if given == "-":
+        return sys.stdin.readline().removesuffix("\n").removesuffix("\r")
+    if given is not None:
+        return given
+    return os.environ.get(SCOPE_ENV, "")
+
+
+async def _inspect_url(store: RedisStore, args: argparse.Namespace, scope: str) -> KeyState:
+    names = names_for_hash(args.key_hash, namespace=args.namespace) if args.key_hash else None
     try:
-        names = names_for_hash(args.key_hash, namespace=args.namespace) if args.key_hash else None
         return await inspect_key(
-            store, args.key, scope=args.scope, namespace=args.namespace, names=names
+            store, args.key, scope=scope, namespace=args.namespace, names=names
         )
     finally:
         await store.aclose()
@@ -286,12 +322,20 @@ def run(args: argparse.Namespace) -> int:
         print("error: give either KEY or --hash HASH", file=sys.stderr)
         return 2
     try:
-        state = asyncio.run(_inspect_url(args))
+        store = RedisStore.from_url(args.url, max_connections=2)
+    except ValueError as exc:  # a malformed URL
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        state = asyncio.run(_inspect_url(store, args, _scope(args.scope)))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # the store is unreachable or answered an error
-        print(f"error: could not read the store: {exc!r}", file=sys.stderr)
+        print(
+            f"error: could not read the store at {store.address}: {_reason(exc)}",
+            file=sys.stderr,
+        )
         return 1
     print(json.dumps(state.as_dict(), indent=2) if args.json else format_state(state))
     return 0

@@ -192,6 +192,7 @@ class Lock:
         self.token = secrets.token_hex(16).encode()
         self._watchdog = watchdog
         self._lease: Lease | None = None
+        self._delete_sent = False  # a release's delete may have run, unanswered
 
     @property
     def watchdog(self) -> Watchdog:
@@ -216,6 +217,7 @@ class Lock:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if await self.store.set(self.name, self.token, px=self.lease_ms, nx=True):
+                self._delete_sent = False
                 self._lease = self.watchdog.hold(
                     self.name, self.token, self.lease_ms, label=f"lock {self.name!r}"
                 )
@@ -234,11 +236,26 @@ class Lock:
         return self._lease is not None and await self.store.get(self.name) == self.token
 
     async def release(self) -> None:
-        lease, self._lease = self._lease, None
+        """Stop renewing, then delete the lock if it still holds this object's token.
+
+        Repeatable until it completes: the lease is forgotten only once the store answered
+        the delete, so a release that was cancelled or failed (store down) can be called
+        again, as redis-py's asyncio lock allows. Renewal stops at the first call (no later
+        renewal extends a lock being released: if the delete never comes, the lock expires
+        a lease later). A repeated delete that finds nothing, after an earlier attempt may
+        have deleted the lock, is taken as done unless the lease had been lost.
+        """
+        lease = self._lease
         if lease is None:
             raise LockError("cannot release a lock that is not held")
         await self.watchdog.release(lease)
-        if await self.store.cad(self.name, self.token) != 1:
+        try:
+            deleted = await self.store.cad(self.name, self.token)
+        except BaseException:  # cancelled or failed: whether the delete ran is unknown
+            self._delete_sent = True
+            raise
+        self._lease = None
+        if deleted != 1 and (lease.lost or not self._delete_sent):
             raise LockNotOwnedError(
                 f"lock {self.name!r} was not held at release: its lease expired or was taken"
             )

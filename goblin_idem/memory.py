@@ -139,6 +139,24 @@ class MemoryStore:
         # Same reply mapping as the wire: a stored b"CLAIMED" reads as the sentinel.
         return claim_reply(self._string(rk))
 
+    async def claim_unless_done(
+        self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
+    ) -> ClaimReply:
+        """CLAIM where a stored result wins over a free claim, as one step (see Store)."""
+        reply = await self.claim(claim_key, result_key, token, seconds)  # awaits nothing
+        if reply is not CLAIMED:
+            return reply
+        ck, rk = as_bytes(claim_key), as_bytes(result_key)
+        result = self._live(rk)
+        if result is None:
+            return CLAIMED
+        value = self._string(rk)  # WRONGTYPE for a non-string, as GET on a server
+        lease_end = time.monotonic() + claim_seconds(seconds)
+        kept = _deadline(result)
+        keep = lease_end if kept is None else max(kept, lease_end)
+        self._store(ck, as_bytes(token, "token"), keep)
+        return value
+
     async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
         k, e = as_bytes(key), as_bytes(expected, "expected")
         ttl = caexpire_ms(ms)

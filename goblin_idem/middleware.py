@@ -1,9 +1,10 @@
 """IdempotencyMiddleware: exactly-once POST/PATCH with byte-exact replay.
 
-One request, in store round trips: a request with a key costs one GOBLIN.CLAIM; the one
-that wins it runs the app and publishes the response in one more (result + claim TTL in a
-MULTI/EXEC) before the last body chunk reaches the client; every duplicate is answered
-from the claim's reply alone. A request without a key costs nothing.
+One request, in store round trips: a request with a key costs one claim step (GOBLIN.CLAIM
+and a PTTL of the result, pipelined: a stored result wins over a claim that was lost); the
+one that wins it runs the app and publishes the response in one more (result + claim TTL in
+a MULTI/EXEC) before the last body chunk reaches the client; every duplicate is answered
+from the claim step's reply alone. A request without a key costs nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import os
 import re
 import secrets
 import sys
+import weakref
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar, overload
 
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -47,6 +49,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # What a store that is down or misbehaving raises; all of it ends in 503 (fail closed).
 STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError, RecordError)
+# Errors that no retry fixes, only a change of configuration: logged once per store.
+CONFIGURATION_ERRORS = (NoPermissionError, AuthenticationError)
+_misconfigured: weakref.WeakSet[Any] = weakref.WeakSet()  # stores whose error was logged
 # Publishing is retried after these pauses: long enough to ride out a failover's promotion
 # or a reconnect, short enough that the held-back last chunk is not held for long.
 PUBLISH_RETRY_DELAYS = (0.05, 0.25)
@@ -304,6 +309,18 @@ class IdempotencyMiddleware:
             except Exception:  # a metrics hook must never fail a request
                 logger.exception("on_event hook failed")
 
+    def _log_store_error(self, level: int, exc: BaseException, message: str, key: str) -> None:
+        """`message` and the error, each time; a configuration error (a permission the
+        store's user lacks, a wrong password) only once per store, since every request
+        would repeat it until the configuration changes, and its text names the fix."""
+        if isinstance(exc, CONFIGURATION_ERRORS):
+            if self.store in _misconfigured:
+                logger.debug("%s: %s", message % key, _describe(exc))
+                return
+            _misconfigured.add(self.store)
+            message += " (a configuration error, logged once for this store)"
+        logger.log(level, "%s: %s", message % key, _describe(exc))
+
     # -- which requests are covered, and how --
 
     def _settings_for_path(self, path: str) -> _Settings | None:
@@ -398,17 +415,16 @@ class IdempotencyMiddleware:
             self._fingerprint_header_values(scope) if self.fingerprint_headers else (),
         )
         token = _claim_token()
+        claim = self.store.claim_unless_done
         try:
-            reply = await self.store.claim(names.claim, names.result, token, settings.lease_seconds)
+            reply = await claim(names.claim, names.result, token, settings.lease_seconds)
             if reply is None and self.wait_ms > 0:
-                # Poll with CLAIM itself: it replays once published, and takes the work
-                # over if the first run died and its lease ran out meanwhile.
+                # Poll with the claim step itself: it replays once published, and takes the
+                # work over if the first run died and its lease ran out meanwhile.
                 deadline = asyncio.get_running_loop().time() + self.wait_ms / 1000
                 while reply is None and asyncio.get_running_loop().time() < deadline:
                     await asyncio.sleep(self.poll_interval)
-                    reply = await self.store.claim(
-                        names.claim, names.result, token, settings.lease_seconds
-                    )
+                    reply = await claim(names.claim, names.result, token, settings.lease_seconds)
             record = None if reply is None or reply is CLAIMED else decode(reply)
         except Exception as exc:
             # Anything out of the store step, even a client library's own bug, means the
@@ -545,13 +561,15 @@ class IdempotencyMiddleware:
     ) -> None:
         self._count("store_errors", names.hash)
         if self.fail_open:
-            logger.warning(
-                "store error for key %s, running unprotected: %s", names.hash, _describe(exc)
+            self._log_store_error(
+                logging.WARNING, exc, "store error for key %s, running unprotected", names.hash
             )
             self._count("unprotected", names.hash)
             await self.app(scope, receive, send)
             return
-        logger.error("store error for key %s, answering 503: %s", names.hash, _describe(exc))
+        self._log_store_error(
+            logging.ERROR, exc, "store error for key %s, answering 503", names.hash
+        )
         await problems.send_problem(
             send,
             problems.STORE_UNAVAILABLE,
@@ -657,11 +675,12 @@ class IdempotencyMiddleware:
                     await asyncio.sleep(delay)
                     continue
                 self._count("publish_errors", names.hash)
-                logger.error(
+                self._log_store_error(
+                    logging.ERROR,
+                    exc,
                     "could not publish the response for key %s; a retry after the lease "
-                    "may run the work again: %s",
+                    "may run the work again",
                     names.hash,
-                    _describe(exc),
                 )
                 return
             if renewed != 1:
@@ -670,24 +689,55 @@ class IdempotencyMiddleware:
 
     async def _retake(self, lease: Lease, names: KeyNames, token: bytes, ttl_ms: int) -> None:
         """The claim lapsed before the result was published (the run outlived a lease the
-        watchdog could not renew). The result is stored; if the claim is free, take it back
-        for the result's TTL, or the next duplicate would win a fresh claim and run again.
-        If another run holds it already, a second run is under way and nothing can stop it."""
+        watchdog could not renew, or a restart lost it). The result is stored; take the
+        claim back for the result's TTL if it is free, so that duplicates are answered by
+        CLAIM alone (without it, the next duplicate's claim step finds the result, replays
+        it and takes the claim back). If another run holds it, a second run is under way and
+        nothing can stop it. Retried as publishing is: what lost the claim (a restart) also
+        breaks pooled connections; a holder is read back to say which of these happened."""
         if not lease.lost:
             lease.lost = True  # counted once, should this step be repeated
             self._count("lease_lost", names.hash)
-        try:
-            retaken = await self.store.set(names.claim, token, px=ttl_ms, nx=True)
-        except Exception as exc:
-            retaken = False
-            logger.error(
-                "key %s: could not retake the lapsed claim: %s", names.hash, _describe(exc)
+        holder: bytes | None = None
+        for delay in (*PUBLISH_RETRY_DELAYS, None):
+            try:
+                if await self.store.set(names.claim, token, px=ttl_ms, nx=True):
+                    holder = token
+                    break
+                holder = await self.store.get(names.claim)  # an earlier try's, or another run's
+                if holder is not None:
+                    break
+            except Exception as exc:
+                if delay is None:
+                    logger.error(
+                        "key %s: the claim lapsed before the response was published and "
+                        "could not be retaken (%s); the next duplicate's claim finds the "
+                        "stored response, replays it and takes the claim back",
+                        names.hash,
+                        _describe(exc),
+                    )
+                    return
+                await asyncio.sleep(delay)
+        if holder == token:
+            logger.warning(
+                "key %s: the claim lapsed before the response was published; retaken for "
+                "the result's TTL",
+                names.hash,
             )
-        logger.warning(
-            "key %s: the claim lapsed before the response was published; %s",
-            names.hash,
-            "retaken for the result's TTL" if retaken else "another run holds it now",
-        )
+        elif holder is not None:
+            logger.error(
+                "key %s: the claim lapsed before the response was published, and another "
+                "run (token %s) holds it now: the work is running a second time",
+                names.hash,
+                holder.decode("latin-1"),
+            )
+        else:
+            logger.warning(
+                "key %s: the claim lapsed before the response was published and was freed "
+                "again each time it was retaken; the next duplicate's claim finds the stored "
+                "response and replays it",
+                names.hash,
+            )
 
 
 class _Responder:

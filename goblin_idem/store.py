@@ -9,10 +9,14 @@ goblin module loaded) or as the spec's Lua scripts via EVALSHA.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import logging
+import os
+import re
+import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
 
 import redis.asyncio
@@ -22,7 +26,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import (
     AskError,
     MovedError,
+    NoPermissionError,
     NoScriptError,
+    OutOfMemoryError,
     ResponseError,
 )
 from redis.exceptions import (
@@ -34,7 +40,14 @@ from redis.exceptions import (
 
 from . import scripts
 from .autopipeline import HIREDIS, AutoPipeline
-from .errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE, NotReplicatedError, invalid_expire
+from .errors import (
+    NOT_INTEGER,
+    VALUE_TOO_LARGE,
+    WRONGTYPE,
+    NotReplicatedError,
+    StorePermissionError,
+    invalid_expire,
+)
 
 __all__ = [
     "CLAIMED",
@@ -44,6 +57,7 @@ __all__ = [
     "NotReplicatedError",
     "RedisStore",
     "Store",
+    "StorePermissionError",
 ]
 
 logger = logging.getLogger("goblin_idem.store")
@@ -84,6 +98,25 @@ class Store(Protocol):
         self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
     ) -> ClaimReply:
         """CLAIMED: do the work; bytes: it is done, use it; None: in flight, retry."""
+        ...
+
+    async def claim_unless_done(
+        self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
+    ) -> ClaimReply:
+        """CLAIM, where a stored result wins over a free claim: the middleware's opening step.
+
+        The replies mean what CLAIM's do, and CLAIMED is returned only if no result was
+        stored when the claim was won. A claim can vanish while its result stays (evicted,
+        lost in a restart or failover, or lapsed and not retaken): CLAIM alone would then
+        let the work run again. Here the result is returned instead, and the claim is kept
+        for the result's remaining TTL (a lease at least), so later duplicates are answered
+        by CLAIM alone again. One round trip (CLAIM and a PTTL of the result, together); the
+        rare lost-claim case costs one more.
+
+        When the server refuses the claim for memory (OOM: maxmemory reached under
+        noeviction, and CLAIM writes), the result and the claim are read instead: a stored
+        result is returned, a held claim gives None, and only a free key raises the OOM error.
+        """
         ...
 
     async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
@@ -204,12 +237,55 @@ def claim_reply(reply: object) -> ClaimReply:
     return as_bytes(reply, "reply")
 
 
-def _normalize(exc: ResponseError) -> ResponseError:
-    """Give a script-mode error the text the native command replies with.
+# How servers word an ACL refusal: Redis 7 and Valkey name the command ("... no permissions to
+# run the 'set' command", inside a Lua script too on Valkey); inside a script Redis 7.0 does
+# not; a refused key is "no permissions to access a key" / "... one of the keys ...".
+_DENIED_COMMAND: Final = re.compile(r"no permissions to run the '([^']+)' command")
+_DENIED_IN_SCRIPT: Final = "can't run this command or subcommand"
+_DENIED_KEY: Final = re.compile(r"no permissions to access (a|one of the) key", re.IGNORECASE)
+#: What goblin-idem's Lua scripts call, besides the commands the store sends itself.
+_SCRIPT_CALLS: Final = ("set", "get", "pexpire", "del")
+
+
+def _acl_rule(commands: Sequence[str]) -> str:
+    """The ACL SETUSER arguments that allow `commands` ("+set +config|get")."""
+    return " ".join(f"+{c}" for c in commands)
+
+
+def _permission_error(exc: Exception, user: str = "<user>") -> StorePermissionError | None:
+    """`exc` as a StorePermissionError that names the fix, if an ACL refused something."""
+    if isinstance(exc, StorePermissionError):
+        return exc
+    text = str(exc)
+    named = _DENIED_COMMAND.search(text)
+    if named is not None or _DENIED_IN_SCRIPT in text:
+        denied = (named.group(1).lower(),) if named is not None else _SCRIPT_CALLS
+        what = f"'{denied[0]}'" if named is not None else "a command its Lua scripts call"
+        return StorePermissionError(
+            f"the store's ACL user may not run {what}, which goblin-idem needs ({text}); "
+            f"allow it: ACL SETUSER {user} {_acl_rule(denied)} (RedisStore.detect() names "
+            "every command it sends that the server refuses)",
+            denied=denied,
+        )
+    if isinstance(exc, NoPermissionError) or _DENIED_KEY.search(text):
+        return StorePermissionError(
+            f"the store's ACL user may not use a key goblin-idem needs ({text}); allow the "
+            f"middleware's namespace, e.g. ACL SETUSER {user} ~idem:*",
+            keys=True,
+        )
+    return None
+
+
+def _normalize(exc: ResponseError, user: str = "<user>") -> ResponseError:
+    """Give a script-mode error the text the native command replies with, and an ACL refusal
+    the form that says what to allow.
 
     Validation makes this a safety net: only WRONGTYPE can normally come out of a script,
     and Redis 7 appends ``script: <sha>, on @user_script:N.`` to it.
     """
+    denied = _permission_error(exc, user)
+    if denied is not None:
+        return denied
     if type(exc) is not ResponseError:
         return exc
     text = str(exc)
@@ -223,6 +299,39 @@ def _normalize(exc: ResponseError) -> ResponseError:
     return exc
 
 
+def _unwrap(reply: Any, user: str = "<user>") -> Any:
+    """A pipelined reply, or the error in its place raised (in the form `_normalize` gives)."""
+    if isinstance(reply, ResponseError):
+        raise _normalize(reply, user)
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+# -- processes and event loops ------------------------------------------------------------
+
+_forks = 0  # how many forks made this process (a child counts one more than its parent)
+# Connections a fork's child inherited: never closed or used there, only kept from the
+# garbage collector, whose cleanup would unregister their sockets from the epoll instance
+# the child shares with its parent (and so stall the parent's own reads).
+_inherited: list[object] = []
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+# Set while detection runs its probe, so that the probe's own store calls do not wait for
+# the detection they are part of.
+_PROBING: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar(
+    "goblin_idem_probing", default=False
+)
+
+
 # -- RedisStore ---------------------------------------------------------------------------
 
 AnyRedis: TypeAlias = redis.asyncio.Redis | RedisCluster
@@ -233,8 +342,8 @@ class RedisStore:
 
     ``mode="native"`` sends GOBLIN.* as is; ``mode="script"`` runs the spec's Lua with
     EVALSHA (reloading on NOSCRIPT, in a cluster on the node that answered);
-    ``mode="auto"`` asks the server once, before the first command, whether it knows
-    GOBLIN.CLAIM, and `mode` then reads ``"native"`` or ``"script"``. Both modes give the
+    ``mode="auto"`` asks the server once, at detection, whether it knows GOBLIN.CLAIM,
+    and `mode` then reads ``"native"`` or ``"script"``. Both modes give the
     same replies and the same error texts; keys given to one call must share a hash slot
     in a cluster (use a ``{tag}``).
 
@@ -265,6 +374,15 @@ class RedisStore:
     through redis-py) for a cluster, TLS, a credential provider, a custom connection
     class, or without hiredis. Plain commands, mode detection and script loading always
     use the client.
+
+    Detection (`detect`, or the first command): the mode, the ACL user's permission for
+    every command the store sends (`StorePermissionError` names what is refused), and the
+    server's eviction policy (a WARNING when it can evict goblin-idem's keys).
+
+    Processes and loops: connections belong to the process and event loop that opened
+    them. A store used before a fork, or in a loop that has since closed, drops those
+    connections (without writing to or closing the parent's sockets) and opens new ones
+    on its first command in the child or the new loop.
     """
 
     def __init__(
@@ -297,6 +415,10 @@ class RedisStore:
         self._mode: Mode = mode
         self._owns_client = False
         self._detecting: asyncio.Lock | None = None
+        self._detected = False  # mode resolved, server checked (see `detect`)
+        self._acl_user = str(client.get_connection_kwargs().get("username") or "default")
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the connections were made
+        self._forks = _forks
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self._primaries: dict[tuple[str, int], redis.asyncio.Redis] = {}
@@ -361,11 +483,20 @@ class RedisStore:
         return store
 
     @property
+    def address(self) -> str:
+        """Where the store is: ``host:port`` or a socket path (a cluster's startup nodes)."""
+        client = self.client
+        if isinstance(client, RedisCluster):
+            return ", ".join(n.name for n in _startup_nodes(client))
+        return self._where(None)
+
+    @property
     def mode(self) -> Mode:
         """``"native"`` or ``"script"``; ``"auto"`` until the first command has detected it."""
         return self._mode
 
     async def aclose(self) -> None:
+        self._here()  # a fork's child must not close the sockets it shares with its parent
         if self._pipeline is not None:
             await self._pipeline.aclose()
         primaries, self._primaries = list(self._primaries.values()), {}
@@ -374,28 +505,203 @@ class RedisStore:
         if self._owns_client:
             await self.client.aclose()
 
-    # -- mode detection --
+    # -- detection: the mode, the user's permissions, the eviction policy --
 
     async def detect(self) -> Mode:
-        """Resolve ``mode="auto"`` now (it otherwise happens on the first command)."""
-        if self._mode != "auto":
+        """Check the server once, before the first command (which otherwise does it).
+
+        Resolves ``mode="auto"``; runs every command the store sends once, on probe keys of
+        its own, and raises `StorePermissionError` naming each one the server's ACL refuses
+        and the rule that allows them (the store still works as far as it is allowed: a
+        refused command raises the same error when it is sent); and reads
+        ``maxmemory-policy`` on every primary, with a WARNING for a policy that can evict
+        goblin-idem's keys, or when it cannot be read. A server that cannot be reached
+        decides nothing: the next call checks again.
+        """
+        self._here()
+        if self._detected:
             return self._mode
         if self._detecting is None:
             self._detecting = asyncio.Lock()
         async with self._detecting:
-            if self._mode == "auto":
-                native = await self._has_native_commands()
-                if not native:
-                    await self._load_scripts()
-                self._mode = "native" if native else "script"
-                logger.info(
-                    "goblin-idem store mode: %s (%s)",
-                    self._mode,
-                    "GOBLIN.CLAIM found on the server"
-                    if native
-                    else "server lacks GOBLIN.CLAIM; running the Lua scripts with EVALSHA",
-                )
+            if not self._detected:
+                await self._detect_once()
         return self._mode
+
+    async def _detect_once(self) -> None:
+        auto = self._mode == "auto"
+        if auto:
+            try:
+                native = await self._has_native_commands()
+            except NoPermissionError as exc:
+                raise self._refused(
+                    ("command|list",), "to detect the mode (or give mode='native' or 'script')"
+                ) from exc
+            self._mode = "native" if native else "script"
+        refused = await self._probe()
+        await self._check_eviction()
+        self._detected = True
+        if auto:
+            logger.info(
+                "goblin-idem store mode: %s (%s)",
+                self._mode,
+                "GOBLIN.CLAIM found on the server"
+                if self._mode == "native"
+                else "server lacks GOBLIN.CLAIM; running the Lua scripts with EVALSHA",
+            )
+        if refused:
+            raise self._refused(tuple(sorted(refused)), f"in {self._mode} mode")
+
+    def _refused(self, commands: tuple[str, ...], context: str) -> StorePermissionError:
+        user = self._acl_user
+        return StorePermissionError(
+            f"the store's ACL user {user!r} may not run {', '.join(commands)}, which "
+            f"goblin-idem sends {context}: allow them with ACL SETUSER {user} "
+            f"{_acl_rule(commands)} (the README's Permissions section lists every command)",
+            denied=commands,
+        )
+
+    async def _probe(self) -> set[str]:
+        """Send each command the store uses once, on probe keys that expire in seconds; the
+        commands an ACL refused. A refused key says the command itself was allowed (servers
+        check the command first); it is logged, since the middleware's namespace is not
+        known here."""
+        tag = b"goblin-idem:probe:{%d-%s}:" % (os.getpid(), secrets.token_hex(4).encode())
+        ck, rk, tok = tag + b"c", tag + b"r", b"probe"
+        steps: list[Callable[[], Awaitable[object]]] = [
+            lambda: self.claim_unless_done(ck, rk, tok, 5),  # CLAIM, PTTL (WAIT)
+            lambda: self.publish(rk, b"probe", 5000, ck, tok),  # MULTI, SET, CAEXPIRE, EXEC
+            lambda: self.cas(rk, b"probe", b"probe"),
+            lambda: self.set(ck, tok, px=5000, nx=True),
+            lambda: self.get(rk),
+            lambda: self.pttl(rk),
+            lambda: self.cad(ck, tok),
+            lambda: self.delete(ck, rk),
+        ]
+        if self._mode == "script":  # what the scripts call, named (Redis 7.0 does not)
+            steps[:0] = [self._load_scripts, lambda: self.client.pexpire(ck, 5000)]
+        refused: set[str] = set()
+        in_script = False  # a command inside a script, unnamed (Redis 7.0)
+        keys_refused: StorePermissionError | None = None
+        token = _PROBING.set(True)
+        try:
+            for step in steps:
+                try:
+                    await step()
+                except (ResponseError, NotReplicatedError) as exc:  # OOM, WAIT: allowed
+                    denied = _permission_error(exc, self._acl_user)
+                    if denied is None:
+                        continue
+                    if denied.keys:
+                        keys_refused = denied
+                    elif denied.denied == _SCRIPT_CALLS:
+                        in_script = True
+                    else:
+                        refused.update(denied.denied)
+        finally:
+            _PROBING.reset(token)
+        if in_script and not refused & set(_SCRIPT_CALLS):
+            refused.update(_SCRIPT_CALLS)
+        if keys_refused is not None:
+            logger.info(
+                "goblin-idem store: the ACL refused the probe key %r (%s); the middleware's "
+                "keys must be allowed (its namespace, ~idem:* by default)",
+                ck.decode(),
+                keys_refused,
+            )
+        return refused
+
+    async def _check_eviction(self) -> None:
+        """Warn when a server may evict goblin-idem's keys, or its policy cannot be read."""
+        for node in self._nodes():
+            where = self._where(node)
+            try:
+                policy, limit = await self._memory_settings(node)
+            except ResponseError as exc:
+                logger.warning(_UNCHECKED, where, exc)
+                continue
+            if policy != "noeviction":
+                logger.warning(
+                    _EVICTS,
+                    where,
+                    policy,
+                    limit,
+                    " (volatile-* evicts keys that have a TTL: every goblin-idem key has one)"
+                    if policy.startswith("volatile-")
+                    else "",
+                    " Its maxmemory is 0 (no limit), so nothing is evicted until one is set."
+                    if limit == "0"
+                    else "",
+                )
+
+    async def _memory_settings(self, node: Any) -> tuple[str, str]:
+        """maxmemory-policy and maxmemory, from CONFIG GET or else INFO memory (managed
+        services rename CONFIG, and an ACL may refuse it, since it also reads secrets)."""
+        try:
+            config = _pairs(await self._node_command(node, "CONFIG GET", "maxmemory*"))
+            return config["maxmemory-policy"], config.get("maxmemory", "?")
+        except (ResponseError, KeyError) as exc:
+            refused = f"CONFIG GET: {exc}"
+        try:
+            info = await self._node_command(node, "INFO", "memory")
+            return str(info["maxmemory_policy"]), str(info.get("maxmemory", "?"))
+        except (ResponseError, KeyError) as exc:
+            raise ResponseError(f"{refused}; INFO memory: {exc}") from None
+
+    def _where(self, node: Any) -> str:
+        if node is not None:
+            return str(node.name)
+        kwargs = self.client.get_connection_kwargs()
+        if kwargs.get("path"):
+            return str(kwargs["path"])
+        return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+    # -- connections belong to a process and an event loop --
+
+    def _here(self) -> None:
+        """Before any command: drop connections this process or loop cannot use."""
+        if self._loop is not asyncio.get_running_loop() or self._forks != _forks:
+            self._adopt_loop()
+
+    def _adopt_loop(self) -> None:
+        """Connections belong to the process and event loop that opened them. In a fork's
+        child (``gunicorn --preload``: the app imported, and the store used, before the fork)
+        they are the parent's sockets; after ``asyncio.run()`` returned, their loop is
+        closed. Either way they are dropped, never written to or closed, and new ones open
+        on first use, as redis-py's synchronous pool does after a fork. A loop that is
+        merely another one (a second thread's) keeps its connections."""
+        forked = self._forks != _forks
+        previous = self._loop
+        if forked or (previous is not None and previous.is_closed()):
+            self._drop_connections(keep=forked)
+        self._loop, self._forks = asyncio.get_running_loop(), _forks
+
+    def _drop_connections(self, *, keep: bool) -> None:
+        dropped: list[object] = []
+        if self._pipeline is not None:
+            dropped += self._pipeline.forget()
+        dropped += self._primaries.values()
+        self._primaries = {}
+        self._detecting = None
+        client = self.client
+        if isinstance(client, RedisCluster):
+            nodes = {id(n): n for n in (*client.get_nodes(), *_startup_nodes(client))}
+            for node in nodes.values():  # redis-py has no public way to reset a node's pool
+                connections = getattr(node, "_connections", None)
+                if isinstance(connections, list):
+                    dropped += connections
+                    node._connections = []
+                    node._free.clear()
+        else:
+            pool = client.connection_pool
+            dropped += getattr(pool, "_available_connections", ())
+            dropped += getattr(pool, "_in_use_connections", ())
+            pool.reset()  # type: ignore[no-untyped-call]
+            if getattr(client, "connection", None) is not None:  # single_connection_client
+                dropped.append(client.connection)
+                client.connection = None
+        if keep:
+            _inherited.extend(dropped)
 
     def _nodes(self) -> list[Any]:
         if isinstance(self.client, RedisCluster):
@@ -441,8 +747,12 @@ class RedisStore:
             for script in scripts.ALL:
                 await self._node_command(n, "SCRIPT LOAD", script.body)
 
-    async def _resolved_mode(self) -> Mode:
-        return self._mode if self._mode != "auto" else await self.detect()
+    async def _ready(self) -> Mode:
+        """The mode, once detection has run, on connections of this process and loop."""
+        self._here()
+        if self._detected or _PROBING.get():
+            return self._mode
+        return await self.detect()
 
     @staticmethod
     def _command(
@@ -460,18 +770,20 @@ class RedisStore:
             node = self.client.get_node_from_key(key)  # type: ignore[arg-type]
         await self._load_scripts(node)
 
+    async def _resend(self, commands: list[tuple[Any, ...]], key: bytes) -> list[Any]:
+        """After NOSCRIPT on the shared connection (the script ran nothing, and what follows
+        it only reads): load the scripts, send `commands` again; their replies."""
+        assert self._pipeline is not None
+        await self._reload_scripts(key)
+        return await self._pipeline.execute(commands)
+
     async def _call(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
-        command = self._command(await self._resolved_mode(), script, keys, args)
+        command = self._command(await self._ready(), script, keys, args)
         if self._pipeline is not None:
             (reply,) = await self._pipeline.execute([command])
-            if isinstance(reply, NoScriptError):  # it ran nothing: load the scripts, resend
-                await self._reload_scripts(keys[0])
-                (reply,) = await self._pipeline.execute([command])
-            if isinstance(reply, ResponseError):
-                raise _normalize(reply)
-            if isinstance(reply, Exception):
-                raise reply
-            return reply
+            if isinstance(reply, NoScriptError):
+                (reply,) = await self._resend([command], keys[0])
+            return _unwrap(reply, self._acl_user)
         try:
             try:
                 return await self.client.execute_command(*command)
@@ -479,7 +791,7 @@ class RedisStore:
                 await self._reload_scripts(keys[0])
                 return await self.client.execute_command(*command)
         except ResponseError as exc:
-            raise _normalize(exc) from None
+            raise _normalize(exc, self._acl_user) from None
 
     # -- the four GOBLIN commands --
 
@@ -492,6 +804,70 @@ class RedisStore:
         if self.wait_replicas:
             return await self._claim_replicated(keys, tok, claim_seconds(seconds))
         return claim_reply(await self._call(scripts.CLAIM, keys, tok, claim_seconds(seconds)))
+
+    async def claim_unless_done(
+        self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
+    ) -> ClaimReply:
+        """CLAIM, then PTTL of the result, in one round trip (pipelined, on one connection,
+        in that order: a result published between the two is seen). See
+        `Store.claim_unless_done` for what the replies promise."""
+        ck, rk = as_bytes(claim_key), as_bytes(result_key)
+        tok = check_size(as_bytes(token, "token"), self.max_value_bytes)
+        lease = claim_seconds(seconds)
+        commands = [self._command(await self._ready(), scripts.CLAIM, (ck, rk), (tok, lease))]
+        commands.append(("PTTL", rk))
+        acked = None
+        if self._pipeline is not None:
+            reply, result_ttl = await self._pipeline.execute(commands)
+            if isinstance(reply, NoScriptError):
+                reply, result_ttl = await self._resend(commands, ck)
+        else:
+            (reply, result_ttl), acked = await self._then_wait(
+                ck, commands, wait=bool(self.wait_replicas)
+            )
+        if isinstance(reply, OutOfMemoryError):
+            return await self._read_when_full(ck, rk, reply)
+        claimed = claim_reply(_unwrap(reply, self._acl_user))
+        if claimed is not CLAIMED:
+            return claimed
+        ttl = int(_unwrap(result_ttl, self._acl_user))
+        if ttl != -2:
+            survived = await self._result_survived(ck, rk, tok, lease, ttl)
+            if survived is not CLAIMED:
+                return survived
+        if self.wait_replicas:
+            self._check_acked(acked, "the claim (it stays until its lease expires)")
+        return CLAIMED
+
+    async def _result_survived(
+        self, ck: bytes, rk: bytes, token: bytes, lease: int, result_ttl: int
+    ) -> ClaimReply:
+        """The claim was won, yet a result is stored: the claim had been lost. Read the
+        result and keep the claim as long as the result (a lease at least, so that it never
+        expires under a run should the result have expired meanwhile): one round trip."""
+        keep = max(result_ttl, lease * 1000)
+        renew = self._command(self._mode, scripts.CAEXPIRE, (ck,), (token, keep))
+        (value, _), _ = await self._then_wait(ck, [("GET", rk), renew], wait=False)
+        if _unwrap(value, self._acl_user) is None:  # expired meanwhile: the claim is the
+            return CLAIMED  # caller's to run
+        logger.warning(
+            "goblin-idem store: the claim %s was gone while its result was stored (evicted, "
+            "or lost in a restart or failover): answered from the result instead of running "
+            "again, and the claim is retaken for the result's TTL",
+            ck.decode("latin-1"),
+        )
+        return as_bytes(value, "reply")
+
+    async def _read_when_full(self, ck: bytes, rk: bytes, refused: OutOfMemoryError) -> ClaimReply:
+        """CLAIM was refused for memory (it writes): answer from reads, which a full server
+        still serves. A stored result is the answer; a held claim is in flight; only a free
+        key has nothing to go by, and gets the refusal."""
+        (value, claim_ttl), _ = await self._then_wait(ck, [("GET", rk), ("PTTL", ck)], wait=False)
+        if _unwrap(value, self._acl_user) is not None:
+            return as_bytes(value, "reply")
+        if int(_unwrap(claim_ttl, self._acl_user)) != -2:
+            return None
+        raise refused
 
     async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
         """Atomically: if GET key == expected, PEXPIRE key ms (ms <= 0 deletes)."""
@@ -522,7 +898,7 @@ class RedisStore:
         ttl = caexpire_ms(ttl_ms)
         if ttl <= 0:
             raise ResponseError(invalid_expire("set"))
-        renew = self._command(await self._resolved_mode(), scripts.CAEXPIRE, (ck,), (tok, ttl))
+        renew = self._command(await self._ready(), scripts.CAEXPIRE, (ck,), (tok, ttl))
         if (
             self._pipeline is not None
             or self.wait_replicas
@@ -545,7 +921,7 @@ class RedisStore:
                     raise
                 await self._reload_scripts(ck)  # repeating SET and CAEXPIRE is harmless
             except ResponseError as exc:
-                raise _normalize(exc) from None
+                raise _normalize(exc, self._acl_user) from None
         raise AssertionError("unreachable")
 
     async def caexpire_many(
@@ -554,7 +930,7 @@ class RedisStore:
         """Pipelined CAEXPIREs (not a transaction: each renewal stands alone)."""
         if not renewals:
             return []
-        mode = await self._resolved_mode()
+        mode = await self._ready()
         commands = [
             self._command(
                 mode, scripts.CAEXPIRE, (as_bytes(key),), (as_bytes(expected), caexpire_ms(ms))
@@ -572,20 +948,16 @@ class RedisStore:
         if mode == "script" and any(isinstance(r, NoScriptError) for r in replies):
             await self._load_scripts()
             return await self.caexpire_many(renewals)
-        return [_renewal_reply(r) for r in replies]
+        return [_renewal_reply(r, self._acl_user) for r in replies]
 
     # -- durability: a write and WAIT on one connection (wait_replicas > 0) --
 
     async def _claim_replicated(
         self, keys: tuple[bytes, bytes], token: bytes, seconds: int
     ) -> ClaimReply:
-        command = self._command(await self._resolved_mode(), scripts.CLAIM, keys, (token, seconds))
+        command = self._command(await self._ready(), scripts.CLAIM, keys, (token, seconds))
         (reply,), acked = await self._then_wait(keys[0], [command])
-        if isinstance(reply, ResponseError):
-            raise _normalize(reply)
-        if isinstance(reply, Exception):
-            raise reply
-        claimed = claim_reply(reply)
+        claimed = claim_reply(_unwrap(reply, self._acl_user))
         if claimed is CLAIMED:
             self._check_acked(acked, "the claim (it stays until its lease expires)")
         return claimed
@@ -596,15 +968,10 @@ class RedisStore:
         replies, acked = await self._then_wait(
             claim_key, [("MULTI",), set_result, renew, ("EXEC",)], wait=bool(self.wait_replicas)
         )
-        executed = replies[-1]
-        for reply in (*replies[:-1], executed):
-            if isinstance(reply, ResponseError):
-                raise _normalize(reply)
-            if isinstance(reply, Exception):
-                raise reply
-        _, renewed = executed
-        if isinstance(renewed, ResponseError):
-            raise _normalize(renewed)
+        for reply in replies:
+            _unwrap(reply, self._acl_user)
+        _, renewed = replies[-1]
+        _unwrap(renewed, self._acl_user)
         if self.wait_replicas:
             self._check_acked(acked, "the published response")
         return int(renewed)
@@ -725,11 +1092,16 @@ class RedisStore:
 
     # -- plain commands --
 
-    async def get(self, key: KeyT) -> bytes | None:
+    async def _plain(self, command: Awaitable[Any]) -> Any:
+        """A redis-py call (not yet started), on connections of this process and loop."""
+        self._here()
         try:
-            reply = await self.client.get(as_bytes(key))
+            return await command
         except ResponseError as exc:
-            raise _normalize(exc) from None
+            raise _normalize(exc, self._acl_user) from None
+
+    async def get(self, key: KeyT) -> bytes | None:
+        reply = await self._plain(self.client.get(as_bytes(key)))
         return None if reply is None else as_bytes(reply, "reply")
 
     async def set(
@@ -742,15 +1114,15 @@ class RedisStore:
         nx: bool = False,
     ) -> bool:
         v = check_size(as_bytes(value, "value"), self.max_value_bytes)
-        return bool(await self.client.set(as_bytes(key), v, ex=ex, px=px, nx=nx))
+        return bool(await self._plain(self.client.set(as_bytes(key), v, ex=ex, px=px, nx=nx)))
 
     async def pttl(self, key: KeyT) -> int:
-        return int(await self.client.pttl(as_bytes(key)))
+        return int(await self._plain(self.client.pttl(as_bytes(key))))
 
     async def delete(self, *keys: KeyT) -> int:
         if not keys:
             return 0
-        return int(await self.client.delete(*(as_bytes(k) for k in keys)))
+        return int(await self._plain(self.client.delete(*(as_bytes(k) for k in keys))))
 
 
 # The connection settings a per-primary client of a cluster store takes from the cluster client.
@@ -778,9 +1150,34 @@ _PLAIN_KWARGS: Final = frozenset(
 )
 
 
-def _renewal_reply(reply: Any) -> int | Exception:
+_UNCHECKED: Final = (
+    "goblin-idem store: could not read the eviction policy of %s (%s): make sure its "
+    "maxmemory-policy is noeviction, or that it never reaches maxmemory (README: Failover, "
+    "restarts and eviction)"
+)
+_EVICTS: Final = (
+    "goblin-idem store: %s evicts keys when memory is full (maxmemory-policy %s, maxmemory "
+    "%s)%s. It can evict a completed key's result (a duplicate then runs the work again, or "
+    "gets 409 in-flight until the claim's TTL ends if the claim stayed) or a running "
+    "request's claim (a duplicate then runs while the first run still does). Set "
+    "maxmemory-policy noeviction (a full server then refuses new keys with 503 and still "
+    "replays completed ones), or give it memory enough never to evict.%s"
+)
+
+
+def _pairs(reply: Any) -> dict[str, str]:
+    """CONFIG GET's reply (a dict from redis-py's callback, or a flat list) as text."""
+    items = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+    return {as_bytes(k).decode(): as_bytes(v).decode() for k, v in items}
+
+
+def _startup_nodes(client: RedisCluster) -> list[Any]:
+    return list(client.nodes_manager.startup_nodes.values())
+
+
+def _renewal_reply(reply: Any, user: str) -> int | Exception:
     if isinstance(reply, ResponseError):
-        return _normalize(reply)
+        return _normalize(reply, user)
     return reply if isinstance(reply, Exception) else int(reply)
 
 

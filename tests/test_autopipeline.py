@@ -295,10 +295,23 @@ async def test_closing_the_store_while_it_connects_leaves_no_connection(server: 
         assert len(await observer.client_list()) == 1  # the observer alone
 
 
+async def shared_connection_alone(store: RedisStore, proxy: Proxy) -> None:
+    """Detection sends its plain commands on a pooled redis-py connection: close it, so that
+    the proxy carries the shared connection alone."""
+    await store.detect()
+    await store.client.connection_pool.disconnect()
+    for _ in range(200):
+        if proxy.open_connections() == 1:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{proxy.open_connections()} connections through the proxy")
+
+
 async def test_a_stalled_connection_fails_only_what_was_waiting_on_it(server: Server) -> None:
     with Proxy(server.port) as proxy:
         store = RedisStore.from_url(proxy.url, mode="script", socket_timeout=1.0)
         try:
+            await shared_connection_alone(store, proxy)
             assert await store.cad("warm-up", "x") == 0
             assert proxy.stall(1.5) == 1  # the shared connection stops forwarding
             stuck = asyncio.ensure_future(store.claim("c-stuck", "r-stuck", "t", 30))
@@ -373,6 +386,7 @@ async def test_the_clients_retry_policy_applies_to_the_shared_connection(
             proxy.url, mode="script", socket_timeout=2.0, retry=Retry(NoBackoff(), retries)
         )
         try:
+            await shared_connection_alone(store, proxy)
             assert await store.cad("warm-up", "x") == 0
             proxy.stall(1.0)  # hold the call on the wire, then cut the connection
             call = asyncio.ensure_future(store.claim("c", "r", "t", 30))

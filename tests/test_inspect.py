@@ -25,6 +25,7 @@ from goblin_idem.inspect import (
     FREE,
     IN_FLIGHT,
     NOT_REPLAYABLE,
+    SCOPE_HINT,
     UNREADABLE,
     format_state,
     inspect_key,
@@ -61,7 +62,7 @@ async def post(
 async def test_free() -> None:
     state = await inspect_key(MemoryStore(), "k-free")
     assert state.state == FREE
-    assert state.token is None and state.record is None and state.note is None
+    assert state.token is None and state.record is None and state.note == SCOPE_HINT
     names = key_names(b"idem", b"", b"k-free")
     assert state.names == names
     text = format_state(state)
@@ -181,7 +182,7 @@ async def test_by_hash_unreadable_and_orphaned_results() -> None:
     await store.delete(names.claim)
     state = await inspect_key(store, "k-odd")
     assert state.state == FREE and state.result_bytes == len(b"garbage")
-    assert "runs the handler again" in format_state(state)
+    assert "answered from the result" in format_state(state)
 
 
 # -- the command, on a real redis-server -------------------------------------------------------
@@ -196,12 +197,16 @@ async def redis_store(redis_server: Server) -> AsyncIterator[RedisStore]:
     await store.aclose()
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str] | None = None, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "goblin_idem", "inspect", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
+        input=stdin,
+        env={k: v for k, v in os.environ.items() if k != "GOBLIN_SCOPE"} | (env or {}),
         timeout=30,
     )
 
@@ -244,3 +249,39 @@ async def test_cli_states_on_redis(redis_server: Server, redis_store: RedisStore
     assert cli("--url", url).returncode == 2  # neither KEY nor --hash
     down = cli("--url", f"redis://127.0.0.1:{free_port()}/0", "k")
     assert down.returncode == 1 and "could not read the store" in down.stderr
+
+
+async def test_cli_scope_hint_and_secret_free_ways_to_give_it(
+    redis_server: Server, redis_store: RedisStore
+) -> None:
+    """A key sent with Authorization is keyed by it: the unscoped lookup says so, and the
+    scope can be given without putting the secret on the command line."""
+    url = redis_server.url
+    app = protected(redis_store)
+    assert (await post(app, "k-auth", Authorization="Bearer sk_live_1")).status_code == 201
+
+    unscoped = cli("--url", url, "k-auth")
+    assert unscoped.returncode == 0, unscoped.stderr
+    assert "state       free" in unscoped.stdout
+    assert "Authorization" in unscoped.stdout and "$GOBLIN_SCOPE" in unscoped.stdout
+    assert "--scope -" in unscoped.stdout and "--hash" in unscoped.stdout
+
+    from_env = cli("--url", url, "k-auth", env={"GOBLIN_SCOPE": "Bearer sk_live_1"})
+    assert from_env.returncode == 0, from_env.stderr
+    assert "state        completed\n" in from_env.stdout and "note" not in from_env.stdout
+
+    from_stdin = cli("--url", url, "k-auth", "--scope", "-", stdin="Bearer sk_live_1\n")
+    assert from_stdin.returncode == 0, from_stdin.stderr
+    assert "state        completed\n" in from_stdin.stdout
+    assert "sk_live_1" not in from_stdin.stdout + from_env.stdout  # never echoed
+
+    done = cli("--url", url, "k-done-elsewhere", "--scope", "Bearer someone")
+    assert "state       free" in done.stdout and "note" not in done.stdout  # scope given
+
+
+def test_cli_names_the_store_it_could_not_reach() -> None:
+    port = free_port()
+    down = cli("--url", f"redis://127.0.0.1:{port}/0", "k")
+    assert down.returncode == 1
+    assert f"could not read the store at 127.0.0.1:{port}: ConnectionError: " in down.stderr
+    assert "Connection refused" in down.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -142,3 +143,76 @@ async def test_killed_holder_frees_after_its_lease(redis_server: Server) -> None
     finally:
         stop(proc)
         await client.aclose()
+
+
+# -- a release cut short can be repeated (a real server, paused to hold a call in flight) ---
+
+
+async def cancel_release_on_a_paused_server(server: Server, lock: Lock, paused: float) -> None:
+    """Pause the server, start a release `paused` seconds later, and cancel it while it
+    waits on the server (for a renewal that went out during the pause, or for its delete)."""
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(paused)
+        release = asyncio.create_task(lock.release())
+        await asyncio.sleep(0.1)
+        assert not release.done()  # it waits on the server
+        release.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await release
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])
+async def test_a_release_cancelled_while_a_renewal_is_in_flight_can_be_repeated(
+    own_redis: Server, autopipeline: bool
+) -> None:
+    store = RedisStore.from_url(own_redis.url, autopipeline=autopipeline)
+    lock = Lock(store, "job", lease_ms=600)  # renewed every 200 ms
+    try:
+        assert await lock.acquire()
+        await cancel_release_on_a_paused_server(own_redis, lock, paused=0.3)
+        assert lock.held  # nothing was deleted: the lock is still this object's
+        await lock.release()  # the repeat completes it
+        assert await store.get("job") is None and not lock.held
+        with pytest.raises(LockError, match="not held"):
+            await lock.release()  # once it completed, a release is a misuse again
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])
+async def test_a_release_cancelled_while_its_delete_is_in_flight_can_be_repeated(
+    own_redis: Server, autopipeline: bool
+) -> None:
+    store = RedisStore.from_url(own_redis.url, autopipeline=autopipeline)
+    lock = Lock(store, "job", lease_ms=5000)
+    try:
+        assert await lock.acquire()
+        await store.get("warm-up")  # the direct store's connection is open before the pause
+        await cancel_release_on_a_paused_server(own_redis, lock, paused=0)
+        renewals = lock.watchdog.renewals
+        await lock.release()  # whether the first delete ran or not, the repeat completes
+        assert await store.get("job") is None and not lock.held
+        assert lock.watchdog.renewals == renewals
+    finally:
+        await store.aclose()
+
+
+async def test_a_cancelled_release_stops_the_renewals(own_redis: Server) -> None:
+    """Never repeated, a release cancelled before its delete still leaves nothing renewing
+    the lock: only the renewal already in flight lands, and the lock expires a lease later
+    instead of being kept alive by this process."""
+    store = RedisStore.from_url(own_redis.url)
+    lock = Lock(store, "job", lease_ms=600)
+    try:
+        assert await lock.acquire()
+        await cancel_release_on_a_paused_server(own_redis, lock, paused=0.3)
+        assert await store.get("job") == lock.token  # not deleted
+        renewals = lock.watchdog.renewals
+        await asyncio.sleep(1.0)  # more than a lease: renewals would have run by now
+        assert lock.watchdog.renewals == renewals
+        assert await store.get("job") is None  # expired
+    finally:
+        await store.aclose()

@@ -842,72 +842,122 @@ async def commands_during(client: Any, action: Callable[[], Any]) -> dict[str, i
     return calls
 
 
+class RoundTrips:
+    """Counts the writes-then-waits of a store's shared connection: its round trips."""
+
+    def __init__(self, store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        pipeline = store._pipeline
+        assert pipeline is not None
+        self.count = 0
+        execute = pipeline.execute
+
+        def counted(commands: Any) -> Any:
+            self.count += 1
+            return execute(commands)
+
+        monkeypatch.setattr(pipeline, "execute", counted)
+
+    def during(self, n: int) -> None:
+        assert self.count == n, f"{self.count} round trips, expected {n}"
+        self.count = 0
+
+
 @pytest.fixture
 def request_(request: pytest.FixtureRequest) -> pytest.FixtureRequest:
     return request
 
 
 @pytest.mark.parametrize("kind", ["redis", "valkey"])
-async def test_round_trips_per_request(request_: Any, kind: str) -> None:
+async def test_round_trips_per_request(
+    request_: Any, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server: Server = request_.getfixturevalue(f"{kind}_server")
     store = RedisStore.from_url(server.url)
     assert await store.detect() == "script"  # detection loads the scripts: no NOSCRIPT below
     mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
     client = store.client
+    trips = RoundTrips(store, monkeypatch)
     try:
         await client.flushall()
         # commandstats also counts the calls a script makes (set/get/pexpire inside EVALSHA).
-        # New key, 2 round trips: CLAIM (EVALSHA: set NX), then the publish, one pipelined
-        # MULTI / SET / EVALSHA (get, pexpire) / EXEC.
+        # New key, 2 round trips: the claim step (EVALSHA: set NX; and PTTL of the result,
+        # pipelined), then the publish, one pipelined MULTI / SET / EVALSHA (get, pexpire)
+        # / EXEC.
         assert await commands_during(client, lambda: request(mw, key="new")) == {
             "evalsha": 2,
+            "pttl": 1,
             "multi": 1,
             "set": 2,
             "get": 1,
             "pexpire": 1,
             "exec": 1,
         }
-        # Replay, 1 round trip: CLAIM (EVALSHA: set NX fails, get result).
+        trips.during(2)
+        # Replay, 1 round trip: the claim step (EVALSHA: set NX fails, get result; PTTL).
         replay = await commands_during(client, lambda: request(mw, key="new"))
-        assert replay == {"evalsha": 1, "set": 1, "get": 1}
+        assert replay == {"evalsha": 1, "set": 1, "get": 1, "pttl": 1}
+        trips.during(1)
         assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
+        trips.during(0)
 
         first = asyncio.create_task(request(mw, key="slow"))
         await asyncio.sleep(0.1)
+        trips.during(1)
 
         async def duplicate() -> None:
             assert (await request(mw, key="slow")).status == 409
 
-        # In flight, 1 round trip: the same CLAIM as a replay.
-        assert await commands_during(client, duplicate) == {"evalsha": 1, "set": 1, "get": 1}
+        # In flight, 1 round trip: the same claim step as a replay.
+        in_flight = await commands_during(client, duplicate)
+        assert in_flight == {"evalsha": 1, "set": 1, "get": 1, "pttl": 1}
+        trips.during(1)
         await first
     finally:
         await store.aclose()
 
 
 @pytest.mark.parametrize("kind", ["redis", "valkey"])
-async def test_round_trips_per_request_native(request_: Any, kind: str) -> None:
+async def test_round_trips_per_request_native(
+    request_: Any, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server: Server = request_.getfixturevalue(f"{kind}_native_server")
     store = RedisStore.from_url(server.url)
     assert await store.detect() == "native"
-    mw = IdempotencyMiddleware(Handler(), store=store)
+    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
     client = store.client
+    trips = RoundTrips(store, monkeypatch)
     try:
         await client.flushall()
-        # CLAIM, then MULTI / SET / GOBLIN.CAEXPIRE / EXEC pipelined: 2 round trips.
+        # CLAIM and PTTL, then MULTI / SET / GOBLIN.CAEXPIRE / EXEC pipelined: 2 round trips.
         # commandstats also counts the GET the module runs inside a command to read a short
         # value without changing how it is stored (the token CAEXPIRE compares).
         assert await commands_during(client, lambda: request(mw, key="new")) == {
             "goblin.claim": 1,
+            "pttl": 1,
             "multi": 1,
             "set": 1,
             "goblin.caexpire": 1,
             "get": 1,
             "exec": 1,
         }
-        # a replay: the CLAIM, which reads the (short) stored result the same way
+        trips.during(2)
         replay = await commands_during(client, lambda: request(mw, key="new"))
-        assert replay == {"goblin.claim": 1, "get": 1}
+        # a replay: the CLAIM reads the (short) stored result the same way
+        assert replay == {"goblin.claim": 1, "get": 1, "pttl": 1}
+        trips.during(1)
+        assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
+        trips.during(0)
+
+        first = asyncio.create_task(request(mw, key="slow"))
+        await asyncio.sleep(0.1)
+        trips.during(1)
+
+        async def duplicate() -> None:
+            assert (await request(mw, key="slow")).status == 409
+
+        assert await commands_during(client, duplicate) == {"goblin.claim": 1, "pttl": 1}
+        trips.during(1)
+        await first
     finally:
         await store.aclose()
 

@@ -226,6 +226,9 @@ async def test_wait_replicas_on_a_primary_with_a_replica() -> None:
             stored = r.get(names.result)
             assert stored is not None and decode(stored).body == first.body
             assert r.get(names.claim) is not None and r.pttl(names.claim) > 2000  # published
+        await store.client.delete(names.claim)  # lost: the result wins, nothing runs
+        lost = await send_once(mw, "w-1")
+        assert lost.status == 201 and lost.replayed and len(handler.runs["w-1"]) == 1
 
         # Asking for more replicas than acknowledge: a clear error, 503, nothing run.
         with pytest.raises(NotReplicatedError, match=r"[01] of 2") as info:

@@ -1,5 +1,5 @@
-"""Memory: what a completed key costs in Redis, and that MemoryStore does not grow without
-bound.
+"""Memory: what a completed key costs in Redis, that MemoryStore does not grow without
+bound, and what an evicting maxmemory-policy does to completed keys.
 
 Redis: N keys completed through the middleware (a 100-byte JSON body and two headers each);
 the figures are the ``used_memory`` delta per key and ``MEMORY USAGE`` samples of the claim
@@ -26,6 +26,7 @@ from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
 from goblin_idem.keys import key_names
 
 REDIS_KEYS = pick(3_000, 100_000)
+EVICTION_KEYS = pick(300, 3_000)
 WAVE = pick(2_000, 10_000)
 WAVES = pick(3, 10)
 BODY_BYTES = 100
@@ -162,3 +163,78 @@ async def test_memory_store_reclaims_expired_entries() -> None:
     )
     assert all(n <= 2 * WAVE + 64 for n in held), held
     assert traced[-1] <= 1.5 * traced[1], traced
+
+
+async def test_eviction_under_allkeys_lru(own_redis: Server) -> None:
+    store = RedisStore.from_url(own_redis.url, mode="script")
+    client = store.client
+    handler = FixedApp()
+    runs: list[str] = []
+
+    async def counting(scope: Scope, receive: Receive, send: Send) -> None:
+        runs.append(scope["path"].rsplit("/", 1)[-1])
+        await handler(scope, receive, send)
+
+    mw = IdempotencyMiddleware(counting, store=store)
+    keys = [f"ev-{i:05d}" for i in range(EVICTION_KEYS)]
+    try:
+        await store.detect()
+        await complete(mw, keys)
+        runs.clear()
+        used = (await client.info("memory"))["used_memory"]
+        await client.config_set("maxmemory-policy", "allkeys-lru")
+        await client.config_set("maxmemory", used + 256 * 1024)
+        filler = b"f" * 1024
+        written = 0
+        while (await client.info("stats"))["evicted_keys"] < EVICTION_KEYS and written < 50_000:
+            pipe = client.pipeline(transaction=False)
+            for i in range(written, written + 200):
+                pipe.set(f"filler-{i}", filler)
+            await pipe.execute()
+            written += 200
+        evicted = (await client.info("stats"))["evicted_keys"]
+        await client.config_set("maxmemory", 0)  # the answers below evict nothing more
+        survived = {}
+        for k in keys:
+            names = key_names(b"idem", b"", k.encode())
+            survived[k] = (await client.exists(names.claim), await client.exists(names.result))
+        answers = {}
+        for k in keys:
+            reply = await request(mw, "POST", f"/orders/{k}", key=k, body=b"{}")
+            replayed = reply.header("idempotent-replayed") == b"true"
+            answers[k] = "replay" if replayed else ("run" if reply.status == 201 else "409")
+    finally:
+        await store.aclose()
+
+    expected = {
+        k: "replay" if result else ("409" if claim else "run")
+        for k, (claim, result) in survived.items()
+    }
+    pairs = list(survived.values())
+    record(
+        "memory-eviction",
+        "Memory: completed keys under maxmemory-policy allkeys-lru",
+        {
+            "keys": EVICTION_KEYS,
+            "filler_keys_written": written,
+            "evicted_keys": evicted,
+            "claim_and_result_kept": pairs.count((1, 1)),
+            "result_kept_claim_evicted": pairs.count((0, 1)),
+            "claim_kept_result_evicted": pairs.count((1, 0)),
+            "both_evicted": pairs.count((0, 0)),
+            "replayed": list(answers.values()).count("replay"),
+            "ran_again": len(runs),
+            "in_flight_409": list(answers.values()).count("409"),
+        },
+        checks=[
+            "every key whose result survived is replayed, its claim evicted or not",
+            "a key whose claim survived without its result answers 409 (until the claim's "
+            "TTL ends); a key that lost both runs again",
+        ],
+        notes=[
+            f"{EVICTION_KEYS} keys completed, then maxmemory set 256 KiB above the memory in "
+            "use and 1 KiB filler values written until the server had evicted as many keys",
+        ],
+    )
+    assert answers == expected
+    assert sorted(runs) == sorted(k for k, a in expected.items() if a == "run")

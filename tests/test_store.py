@@ -138,7 +138,9 @@ async def test_concurrent_first_calls_detect_once(server: Server) -> None:
         await asyncio.gather(*(store.cad(f"k{i}", "t") for i in range(50)))
         stats = await store.client.info("commandstats")
         assert stats["cmdstat_command|list"]["calls"] == 1
-        assert stats["cmdstat_evalsha"]["calls"] == 50
+        assert stats["cmdstat_config|get"]["calls"] == 1
+        # the detection's probe runs each script once, then the 50 CADs
+        assert stats["cmdstat_evalsha"]["calls"] == len(ALL_SCRIPTS) + 50
     finally:
         await store.aclose()
 
@@ -156,6 +158,10 @@ async def test_noscript_is_reloaded_and_retried(server: Server) -> None:
         assert await store.cas("{n}:r", "v", "w") is True
         await store.client.script_flush()
         assert await store.cad("{n}:c", "t") == 1
+        await store.client.script_flush()
+        assert await store.claim_unless_done("{n}:c", "{n}:r", "t", 30) == b"w"
+        await store.client.script_flush()
+        assert await store.claim_unless_done("{n2}:c", "{n2}:r", "t", 30) is CLAIMED
     finally:
         await store.aclose()
 
@@ -248,12 +254,17 @@ async def test_cluster(request: pytest.FixtureRequest, kind: str, mode: str) -> 
                 assert await store.claim(ck, rk, "u", 30) == b"done"
                 assert await store.caexpire_many([(ck, "t", 60_000)]) == [1]
                 owners.add(client.get_node_from_key(ck).name)
+                # the claim step on the key's primary: a lost claim, its result kept
+                assert await store.claim_unless_done(ck, rk, "u", 30) == b"done"
+                await client.delete(ck)
+                assert await store.claim_unless_done(ck, rk, "v", 30) == b"done"
+                assert await client.get(ck) == b"v"
             assert len(owners) == 3
             if mode == "script":
                 # a node that forgot its scripts reloads them on the NOSCRIPT it answers
                 node = client.get_node_from_key("{job0}:claim")
                 await client.execute_command("SCRIPT FLUSH", target_nodes=node)
-            assert await store.cad("{job0}:claim", "t") == 1
+            assert await store.cad("{job0}:claim", "v") == 1  # retaken by "v" above
             # claim and result in different slots: refused before anything is sent
             with pytest.raises(RedisClusterException, match="same key slot"):
                 await store.claim("a:claim", "b:result", "t", 30)

@@ -1,0 +1,189 @@
+"""A RedisStore used before a fork (``gunicorn --preload`` imports the app, and whatever it
+runs at import, in the parent) works in every child on connections of its own, and leaves
+the parent's connections alone; a store first used in a loop that has since closed
+(``asyncio.run`` at import) works in the next loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import select
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from procs import spawn, stop
+from servers import Server, free_port, start_cluster
+
+from goblin_idem import CLAIMED, RedisStore
+
+
+async def exercise(store: RedisStore, tag: str) -> list[str]:
+    """Every kind of call the store makes, on keys of this `tag`; what each one answered."""
+
+    tag += f"-{os.getpid()}-{secrets.token_hex(4)}"  # fresh keys, whoever ran before
+
+    async def steps() -> list[str]:
+        c, r = f"{{{tag}}}:c", f"{{{tag}}}:r"
+        await store.detect()
+        seen = [repr(await store.claim_unless_done(c, r, "t", 30))]
+        seen.append(repr(await store.publish(r, b"done", 30_000, c, "t")))
+        seen.append(repr(await store.claim_unless_done(c, r, "u", 30)))
+        seen.append(repr(await store.caexpire_many([(c, "t", 30_000)])))
+        seen.append(repr(await store.set(f"{{{tag}}}:plain", "v")))
+        seen.append(repr(await store.get(f"{{{tag}}}:plain")))
+        return seen
+
+    return await asyncio.wait_for(steps(), 5)
+
+
+EXPECTED = [repr(CLAIMED), "1", "b'done'", "[1]", "True", "b'v'"]
+
+
+def in_child(work: Callable[[], Any], timeout: float = 15) -> Any:
+    """Run `work` in a forked child; what it returned, or the error it raised, as text."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once, running nothing of the parent's
+        os.close(read)
+        try:
+            outcome: Any = work()
+        except BaseException as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        with os.fdopen(write, "w") as out:
+            json.dump(outcome, out)
+        os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], timeout)
+        if not ready:
+            raise AssertionError("the child did not answer")
+        with os.fdopen(read) as got:
+            return json.load(got)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])
+def test_a_store_used_before_a_fork_works_in_the_child_and_the_parent(
+    redis_server: Server, autopipeline: bool
+) -> None:
+    """The parent's loop stays open across the fork: the child must neither use nor close
+    the parent's sockets, or the parent's next replies go astray."""
+    store = RedisStore.from_url(redis_server.url, autopipeline=autopipeline)
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(exercise(store, "parent-1")) == EXPECTED
+        child = in_child(lambda: asyncio.run(exercise(store, "child")))
+        assert child == EXPECTED
+        assert loop.run_until_complete(exercise(store, "parent-2")) == EXPECTED
+    finally:
+        loop.run_until_complete(store.aclose())
+        loop.close()
+
+
+@pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])
+def test_a_store_used_in_a_closed_loop_works_in_children_and_the_next_loop(
+    redis_server: Server, autopipeline: bool
+) -> None:
+    """What ``gunicorn --preload`` does with an app that detects at import: asyncio.run in
+    the parent, then a fork per worker, each with a loop of its own."""
+    store = RedisStore.from_url(redis_server.url, autopipeline=autopipeline)
+    assert asyncio.run(exercise(store, "import")) == EXPECTED
+    children = [in_child(lambda i=i: asyncio.run(exercise(store, f"w{i}"))) for i in range(2)]
+    assert children == [EXPECTED, EXPECTED]
+    assert asyncio.run(exercise(store, "again")) == EXPECTED  # the parent's next loop
+    asyncio.run(store.aclose())
+
+
+def test_a_cluster_store_used_before_a_fork_works_in_the_child() -> None:
+    cluster = start_cluster("redis", masters=3)
+    try:
+        url = f"redis://127.0.0.1:{cluster.servers[0].port}/0"
+        store = RedisStore.from_url(url, cluster=True, wait_replicas=0)
+        waiting = RedisStore.from_url(url, cluster=True, wait_replicas=1, wait_timeout_ms=50)
+        assert asyncio.run(exercise(store, "import")) == EXPECTED
+        # The per-primary clients too (no replica here: WAIT answers 0, a clean refusal).
+        assert "NotReplicatedError" in asyncio.run(_claim_error(waiting, "import-wait"))
+        assert in_child(lambda: asyncio.run(exercise(store, "child"))) == EXPECTED
+        assert "NotReplicatedError" in in_child(lambda: asyncio.run(_claim_error(waiting, "c")))
+        asyncio.run(store.aclose())
+        asyncio.run(waiting.aclose())
+    finally:
+        cluster.stop()
+
+
+async def _claim_error(store: RedisStore, tag: str) -> str:
+    try:
+        await asyncio.wait_for(store.claim_unless_done(f"{{{tag}}}:c", f"{{{tag}}}:r", "t", 5), 5)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("autopipeline", ["1", "0"], ids=["shared", "direct"])
+def test_gunicorn_preload_workers_answer_their_first_keyed_requests(
+    redis_server: Server, autopipeline: str
+) -> None:
+    """The app detects its store at import; gunicorn imports it once and forks two uvicorn
+    workers. Each worker's first keyed request must run, not fail on the parent's socket."""
+    with redis_server.sync_client() as r:
+        r.flushall()
+    port = free_port()
+    proc = spawn(
+        [
+            "-m",
+            "gunicorn",
+            "--preload",
+            "--workers",
+            "2",
+            "--worker-class",
+            "uvicorn.workers.UvicornWorker",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--log-level",
+            "warning",
+            "preload_app:app",
+        ],
+        {"REDIS_URL": redis_server.url, "AUTOPIPELINE": autopipeline},
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+                assert time.monotonic() < deadline, "gunicorn did not answer"
+                time.sleep(0.1)
+
+        async def post(i: int) -> httpx.Response:
+            await asyncio.sleep(i * 0.03)  # staggered: a worker busy with one leaves the next
+            async with httpx.AsyncClient(timeout=10) as http:  # a connection each
+                return await http.post(
+                    f"http://127.0.0.1:{port}/work", headers={"Idempotency-Key": f"k{i}"}
+                )
+
+        async def post_all(first: int) -> list[httpx.Response]:
+            return await asyncio.gather(*(post(i) for i in range(first, first + 12)))
+
+        pids: set[int] = set()
+        for batch in range(3):  # until both workers have answered
+            replies = asyncio.run(post_all(batch * 12))
+            assert [r.status_code for r in replies] == [201] * 12, [r.text for r in replies]
+            pids |= {r.json()["pid"] for r in replies}
+            if len(pids) == 2:
+                break
+        assert len(pids) == 2  # both workers answered, every first keyed request ran
+    finally:
+        stop(proc)
