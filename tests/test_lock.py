@@ -28,11 +28,13 @@ async def test_only_one_holder_at_a_time(store: Store) -> None:
 
 
 async def test_renewal_keeps_a_long_holder(store: Store) -> None:
-    lock = Lock(store, "long", lease_ms=300)
-    other = Lock(store, "long", lease_ms=300)
+    # Renewed every 300 ms; a lease lapses only if a renewal is 600 ms late, which a loaded
+    # machine's scheduling does not cause (a 300 ms lease did, once, under CI).
+    lock = Lock(store, "long", lease_ms=900)
+    other = Lock(store, "long", lease_ms=900)
     async with lock:
-        for _ in range(6):  # 1.2 s: four leases' worth
-            await asyncio.sleep(0.2)
+        for _ in range(8):  # 2.4 s: over two and a half leases' worth
+            await asyncio.sleep(0.3)
             assert not await other.acquire(blocking=False)
             assert await lock.owned()
         lock.check()
@@ -44,7 +46,10 @@ async def test_lost_lock_raises_lock_not_owned(store: Store) -> None:
     lock = Lock(store, "stolen", lease_ms=300)
     await lock.acquire()
     await store.set("stolen", "thief", px=10_000)
-    await asyncio.sleep(0.3)  # the next renewal finds the thief's token
+    for _ in range(50):  # the next renewal (due within 100 ms) finds the thief's token
+        if lock.lost:
+            break
+        await asyncio.sleep(0.05)
     assert lock.lost and not lock.held
     with pytest.raises(LockNotOwnedError):
         lock.check()
