@@ -38,6 +38,23 @@ if TYPE_CHECKING:
 __all__ = ["TimedStore", "instrument"]
 
 T = TypeVar("T")
+_SECONDS = [
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+]
 _OPERATIONS = {
     "claim_unless_done": "claim",
     "publish": "publish",
@@ -59,6 +76,9 @@ def instrument(mw: IdempotencyMiddleware) -> None:
         "goblin_idem.store.duration",
         unit="s",
         description="Round-trip time of the idempotency middleware's store calls",
+        # round trips take from tens of microseconds to seconds, not the SDK's default
+        # buckets (0 to 10000, meant for milliseconds)
+        explicit_bucket_boundaries_advisory=_SECONDS,
     )
     watchdog = mw.watchdog
 

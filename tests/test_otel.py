@@ -141,6 +141,7 @@ async def test_outcomes_durations_leases_and_span_attributes(
     assert by_operation["claim"].count >= 6  # one per keyed request
     assert by_operation["publish"].count >= 2 and by_operation["release"].count >= 1
     assert 0 < by_operation["claim"].sum / by_operation["claim"].count < 1.0  # seconds
+    assert by_operation["claim"].explicit_bounds[:2] == (0.0001, 0.00025)  # buckets in seconds
 
     finished = [s for s in spans.get_finished_spans() if s.name == "POST /pay"]
     seen: dict[str, list[str]] = {}
