@@ -2,9 +2,9 @@
 
 Three instruments on the ``goblin_idem`` meter, and attributes on the current span:
 
-- ``goblin_idem.requests`` (counter), by ``goblin_idem.outcome``: each event the middleware
-  counts, named as the fields of `Counters` (a claimed run that failed counts ``claimed``,
-  then ``released``);
+- ``goblin_idem.requests`` (counter, observed when metrics are collected), by
+  ``goblin_idem.outcome``: the middleware's `Counters`, by field (a claimed run that failed
+  counts ``claimed``, then ``released``);
 - ``goblin_idem.store.duration`` (histogram, seconds), by ``goblin_idem.operation``
   (``claim``, ``publish``, ``release``, ``retake``, ``read``): the middleware's store
   round trips, failed ones included;
@@ -20,7 +20,9 @@ costs what it costs without OpenTelemetry installed.
 
 from __future__ import annotations
 
+import collections
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -65,39 +67,12 @@ _OPERATIONS = {
 
 
 def instrument(mw: IdempotencyMiddleware) -> None:
-    """Count `mw`'s events, time its store calls and observe its leases."""
-    meter = metrics.get_meter("goblin_idem", __version__)
-    requests = meter.create_counter(
-        "goblin_idem.requests",
-        unit="{event}",
-        description="What the idempotency middleware did, by outcome",
-    )
-    duration = meter.create_histogram(
-        "goblin_idem.store.duration",
-        unit="s",
-        description="Round-trip time of the idempotency middleware's store calls",
-        # round trips take from tens of microseconds to seconds, not the SDK's default
-        # buckets (0 to 10000, meant for milliseconds)
-        explicit_bucket_boundaries_advisory=_SECONDS,
-    )
-    watchdog = mw.watchdog
-
-    def leases(options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        return [metrics.Observation(len(watchdog))]
-
-    meter.create_observable_up_down_counter(
-        "goblin_idem.leases",
-        callbacks=[leases],
-        unit="{lease}",
-        description="Leases the store's watchdog holds and renews",
-    )
-    outcomes: dict[str, dict[str, str]] = {}  # one attribute mapping per outcome, made once
+    """Observe `mw`'s counters and leases, time its store calls, and set its outcome on
+    the current span."""
+    duration = _instruments()
+    _instrumented.add(mw)
 
     def on_event(event: str, key_hash: str) -> None:
-        attributes = outcomes.get(event)
-        if attributes is None:
-            attributes = outcomes[event] = {"goblin_idem.outcome": event}
-        requests.add(1, attributes)
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attribute("goblin_idem.outcome", event)
@@ -115,6 +90,57 @@ def instrument(mw: IdempotencyMiddleware) -> None:
 
         mw.on_event = both
     mw.store = cast(Store, TimedStore(mw.store, duration.record))
+
+
+# Every instrumented middleware of the process; the counters and leases are read from them
+# when metrics are collected, not counted again on each request (the SDK's add() costs
+# about 10 us a call, which a counter the middleware keeps anyway need not pay).
+_instrumented: weakref.WeakSet[IdempotencyMiddleware] = weakref.WeakSet()
+_duration: list[metrics.Histogram] = []  # the one histogram, made with the first middleware
+
+
+def _instruments() -> metrics.Histogram:
+    if _duration:
+        return _duration[0]
+    meter = metrics.get_meter("goblin_idem", __version__)
+    meter.create_observable_counter(
+        "goblin_idem.requests",
+        callbacks=[_outcomes],
+        unit="{event}",
+        description="What the idempotency middleware did, by outcome",
+    )
+    meter.create_observable_up_down_counter(
+        "goblin_idem.leases",
+        callbacks=[_leases],
+        unit="{lease}",
+        description="Leases the idempotency stores' watchdogs hold and renew",
+    )
+    _duration.append(
+        meter.create_histogram(
+            "goblin_idem.store.duration",
+            unit="s",
+            description="Round-trip time of the idempotency middleware's store calls",
+            # round trips take from tens of microseconds to seconds, not the SDK's default
+            # buckets (0 to 10000, meant for milliseconds)
+            explicit_bucket_boundaries_advisory=_SECONDS,
+        )
+    )
+    return _duration[0]
+
+
+def _outcomes(options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+    totals: collections.Counter[str] = collections.Counter()
+    for mw in list(_instrumented):
+        totals.update(mw.counters.as_dict())
+    return [
+        metrics.Observation(count, {"goblin_idem.outcome": outcome})
+        for outcome, count in totals.items()
+    ]
+
+
+def _leases(options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+    watchdogs = {id(mw.watchdog): mw.watchdog for mw in list(_instrumented)}
+    return [metrics.Observation(sum(len(w) for w in watchdogs.values()))]
 
 
 class TimedStore:
