@@ -1,6 +1,8 @@
 """The middleware's own cost per request, in process: no HTTP server, no load generator.
 
     python3 bench/overhead.py [--requests 20000] [--stores memory,native,script,native-direct]
+    python3 bench/overhead.py --otel   # otel=False and otel=True side by side
+
 
 A trivial ASGI app (one body read, a 201 JSON response) is called directly, bare and
 behind IdempotencyMiddleware, by 50 concurrent tasks on uvloop; each line is the time per
@@ -89,14 +91,11 @@ async def drive(target: Asgi, scenario: str, n: int, tag: str) -> float:
 
 async def measure(store: Any, args: argparse.Namespace) -> list[str]:
     from goblin_idem import IdempotencyMiddleware
-    from goblin_idem.keys import key_names
 
     mw = IdempotencyMiddleware(app, store=store)
-    names = key_names(b"idem", b"", serve.INFLIGHT_KEY.encode())
-    await store.claim(names.claim, names.result, b"holder", 3600)
-    for i in range(100):
-        await mw(scope(f"replay-{i}".encode()), receive, send)
-    await drive(mw, "new", 2000, "warm")
+    if args.otel:
+        return await measure_otel(mw, IdempotencyMiddleware(app, store=store, otel=True), args)
+    await warm(mw)
     lines = []
     for scenario in args.scenarios:
         extra, collections = [], []
@@ -114,6 +113,48 @@ async def measure(store: Any, args: argparse.Namespace) -> list[str]:
     return lines
 
 
+async def measure_otel(off: Any, on: Any, args: argparse.Namespace) -> list[str]:
+    """otel=False and otel=True, alternating within each repetition, over the same bare
+    app; with the OpenTelemetry SDK recording (when installed), as an application has it."""
+    await warm(off)
+    await warm(on)
+    lines = []
+    for scenario in args.scenarios:
+        extra: dict[str, list[float]] = {"off": [], "on": []}
+        for rep in range(args.reps):
+            for name, mw in (("off", off), ("on", on)):
+                bare = await drive(app, scenario, args.requests, "")
+                mine = await drive(mw, scenario, args.requests, f"{name}{rep}")
+                extra[name].append((mine - bare) * 1e6)
+        lines.append(
+            f"{scenario:9} otel=False {statistics.median(extra['off']):7.1f} us/request over "
+            f"bare   otel=True {statistics.median(extra['on']):7.1f} us/request over bare"
+        )
+    return lines
+
+
+async def warm(mw: Any) -> None:
+    from goblin_idem.keys import key_names
+
+    names = key_names(b"idem", b"", serve.INFLIGHT_KEY.encode())
+    await mw.store.claim(names.claim, names.result, b"holder", 3600)
+    for i in range(100):
+        await mw(scope(f"replay-{i}".encode()), receive, send)
+    await drive(mw, "new", 2000, f"warm{id(mw)}")
+
+
+def recording_sdk() -> str:
+    """Install the SDK's meter provider, if the SDK is there; what records the figures."""
+    try:
+        from opentelemetry import metrics
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    except ImportError:
+        return "the OpenTelemetry API alone (no SDK installed: instruments do nothing)"
+    metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
+    return "the OpenTelemetry SDK, recording into an in-memory reader"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=20_000)
@@ -121,8 +162,11 @@ def main() -> None:
     p.add_argument("--stores", default="memory,native,script,native-direct")
     p.add_argument("--scenarios", default=",".join(http_bench.SCENARIOS))
     p.add_argument("--no-hiredis", action="store_true", help="redis-py's pure-Python parser")
+    p.add_argument("--otel", action="store_true", help="otel=False and otel=True side by side")
     args = p.parse_args()
     args.scenarios = args.scenarios.split(",")
+    if args.otel:
+        print(f"otel=True measured with {recording_sdk()}", flush=True)
 
     import uvloop
 

@@ -138,13 +138,8 @@ def describe_store(store: Store) -> dict[str, str]:
 
 
 def find_middleware(app: FastAPI) -> IdempotencyMiddleware:
-    """The IdempotencyMiddleware instance in the app's built middleware stack."""
-    node: Any = app.middleware_stack
-    while node is not None:
-        if isinstance(node, IdempotencyMiddleware):
-            return node
-        node = getattr(node, "app", None)
-    raise RuntimeError("IdempotencyMiddleware is not in the middleware stack")
+    """The IdempotencyMiddleware serving the app (see `IdempotencyMiddleware.of`)."""
+    return IdempotencyMiddleware.of(app)
 
 
 # -- the app -----------------------------------------------------------------------------
@@ -161,7 +156,8 @@ def create_app(
 ) -> FastAPI:
     """A fresh app on `store` (default: a MemoryStore, or a RedisStore for `redis_url`).
 
-    A store the app creates itself is closed at shutdown; one passed in is left open.
+    A store the app creates itself is checked at startup and closed at shutdown by the
+    middleware; one passed in is left open.
     """
     owns_store = store is None
     if store is None:
@@ -171,8 +167,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if isinstance(the_store, RedisStore):
-            await the_store.detect()  # fails startup now if the server is unreachable
+        # The middleware's startup has run: the store is checked and its mode known.
         info = describe_store(the_store)
         logger.info(
             "example_app: store=%s%s mode=%s lease=%ds ttl=%ds",
@@ -182,11 +177,7 @@ def create_app(
             lease_seconds,
             ttl_seconds,
         )
-        try:
-            yield
-        finally:
-            if owns_store:
-                await the_store.aclose()
+        yield
 
     app = FastAPI(title="goblin-idem example", lifespan=lifespan)
     app.add_middleware(
@@ -194,6 +185,7 @@ def create_app(
         store=the_store,
         lease_seconds=lease_seconds,
         ttl_seconds=ttl_seconds,
+        close_store=owns_store,
     )
     app.state.store = the_store
 

@@ -38,6 +38,8 @@ from .keys import (
     valid_key,
 )
 from .lease import Lease, Watchdog
+from .lifespan import run_lifespan
+from .openapi import document_openapi
 from .record import Record, RecordError, decode, encode, fingerprint
 from .store import CLAIMED, Store
 
@@ -52,6 +54,7 @@ STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError, RecordError)
 # Errors that no retry fixes, only a change of configuration: logged once per store.
 CONFIGURATION_ERRORS = (NoPermissionError, AuthenticationError)
 _misconfigured: weakref.WeakSet[Any] = weakref.WeakSet()  # stores whose error was logged
+_serving: weakref.WeakKeyDictionary[Any, IdempotencyMiddleware] = weakref.WeakKeyDictionary()
 # Publishing is retried after these pauses: long enough to ride out a failover's promotion
 # or a reconnect, short enough that the held-back last chunk is not held for long.
 PUBLISH_RETRY_DELAYS = (0.05, 0.25)
@@ -241,6 +244,9 @@ class IdempotencyMiddleware:
         fail_open: bool = False,
         namespace: str = "idem",
         on_event: Callable[[str, str], None] | None = None,
+        check_store: bool = True,
+        close_store: bool = True,
+        otel: bool = False,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI application, not a {type(app).__name__}")
@@ -298,6 +304,38 @@ class IdempotencyMiddleware:
         # Can a request without a key be refused (400) by the options? Route marks are
         # looked up for each request while any endpoint is marked (_marked_endpoints).
         self._may_require = required or bool(self.required_paths)
+        self.check_store = options.flag("check_store", check_store)
+        self.close_store = options.flag("close_store", close_store)
+        self._app: Any = None  # the application whose scopes this middleware serves
+        if options.flag("otel", otel):
+            from .otel import instrument  # imported only when asked for
+
+            instrument(self)
+
+    @classmethod
+    def of(cls, app: Any) -> IdempotencyMiddleware:
+        """The middleware serving `app` (a Starlette or FastAPI application, or the
+        middleware itself when it wraps the app), for its counters and settings. It exists
+        once the server has started the app (lifespan) or sent it a first request."""
+        if isinstance(app, cls):
+            return app
+        try:
+            return _serving[app]
+        except (KeyError, TypeError):
+            raise LookupError(
+                f"no IdempotencyMiddleware serves this {type(app).__name__} yet: an app builds "
+                "its middleware when the server starts it (lifespan) or sends it a first "
+                "request; ask from a request handler, or after startup"
+            ) from None
+
+    def _adopt(self, app: Any) -> None:
+        """The first scope of `app`: register for `of`, document the app's OpenAPI."""
+        self._app = app
+        try:
+            _serving[app] = self
+        except TypeError:  # None, or an app that cannot be weakly referenced: no `of`
+            return
+        document_openapi(app, self)
 
     # -- bookkeeping --
 
@@ -367,7 +405,12 @@ class IdempotencyMiddleware:
     # -- the request --
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("app") is not self._app:
+            self._adopt(scope.get("app"))
         if scope["type"] != "http" or scope["method"] not in self.methods:
+            if scope["type"] == "lifespan":
+                await run_lifespan(self, scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
         key = None

@@ -330,6 +330,19 @@ if hasattr(os, "register_at_fork"):
 _PROBING: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar(
     "goblin_idem_probing", default=False
 )
+# Detection's log lines, gathered here instead of logged while set: the middleware's startup
+# logs them as one line (`RedisStore.detection_notes`).
+_NOTES: Final[contextvars.ContextVar[list[tuple[int, str]] | None]] = contextvars.ContextVar(
+    "goblin_idem_detection_notes", default=None
+)
+
+
+def _note(level: int, message: str, *args: object) -> None:
+    notes = _NOTES.get()
+    if notes is None:
+        logger.log(level, message, *args)
+    else:
+        notes.append((level, message % args))
 
 
 # -- RedisStore ---------------------------------------------------------------------------
@@ -503,7 +516,10 @@ class RedisStore:
         for primary in primaries:
             await primary.aclose()
         if self._owns_client:
-            await self.client.aclose()
+            if isinstance(self.client, RedisCluster):
+                await self.client.aclose()
+            else:  # a pool passed to Redis() is not closed with it unless asked
+                await self.client.aclose(close_connection_pool=True)
 
     # -- detection: the mode, the user's permissions, the eviction policy --
 
@@ -528,6 +544,21 @@ class RedisStore:
                 await self._detect_once()
         return self._mode
 
+    async def detection_notes(self) -> list[tuple[int, str]]:
+        """`detect`, with the lines it would log returned as ``(level, text)`` instead; none
+        if detection had already run. Raises as `detect` does."""
+        notes: list[tuple[int, str]] = []
+        token = _NOTES.set(notes)
+        try:
+            await self.detect()
+        except BaseException:
+            for level, text in notes:  # what was found before the failure still counts
+                logger.log(level, "%s", text)
+            raise
+        finally:
+            _NOTES.reset(token)
+        return notes
+
     async def _detect_once(self) -> None:
         auto = self._mode == "auto"
         if auto:
@@ -542,7 +573,8 @@ class RedisStore:
         await self._check_eviction()
         self._detected = True
         if auto:
-            logger.info(
+            _note(
+                logging.INFO,
                 "goblin-idem store mode: %s (%s)",
                 self._mode,
                 "GOBLIN.CLAIM found on the server"
@@ -603,7 +635,8 @@ class RedisStore:
         if in_script and not refused & set(_SCRIPT_CALLS):
             refused.update(_SCRIPT_CALLS)
         if keys_refused is not None:
-            logger.info(
+            _note(
+                logging.INFO,
                 "goblin-idem store: the ACL refused the probe key %r (%s); the middleware's "
                 "keys must be allowed (its namespace, ~idem:* by default)",
                 ck.decode(),
@@ -618,10 +651,11 @@ class RedisStore:
             try:
                 policy, limit = await self._memory_settings(node)
             except ResponseError as exc:
-                logger.warning(_UNCHECKED, where, exc)
+                _note(logging.WARNING, _UNCHECKED, where, exc)
                 continue
             if policy != "noeviction":
-                logger.warning(
+                _note(
+                    logging.WARNING,
                     _EVICTS,
                     where,
                     policy,

@@ -131,7 +131,9 @@ def build_module(out_dir: str | os.PathLike[str] | None = None, *, cc: str | Non
         if proc.returncode != 0:
             raise RuntimeError(
                 f"compiling {src.name} with {' '.join(compiler)} failed "
-                f"(exit {proc.returncode}):\n{proc.stderr.strip() or proc.stdout.strip()}"
+                f"(exit {proc.returncode}); another compiler is named with "
+                f"`build-module --cc COMPILER` (`cc=` from Python) or $CC:\n"
+                f"{proc.stderr.strip() or proc.stdout.strip()}"
             )
         # --loadmodule refuses a module file without the execute bit.
         tmp.chmod(0o755)

@@ -1,0 +1,146 @@
+"""The middleware's part in the ASGI lifespan: check the store at startup, close it at shutdown.
+
+Startup runs before the app's own (which may need the store) and logs one line saying what
+the store is and whether anything about it is risky; a store that cannot be reached, or
+that refuses a command goblin-idem sends, fails startup with a message that names the fix,
+unless ``check_store=False``. Shutdown runs after the app's own (which may still use the
+store). An app that does not take part in the lifespan (Django's ASGI handler raises for
+it) is answered by the middleware alone, as uvicorn's ``--lifespan auto`` would. A server
+that offers no lifespan gets none of this: the store is then checked on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from starlette.types import Message, Receive, Scope, Send
+
+from .errors import StorePermissionError
+from .memory import MemoryStore
+from .store import RedisStore
+
+if TYPE_CHECKING:
+    from .middleware import IdempotencyMiddleware
+
+__all__ = ["run_lifespan", "startup_logger"]
+
+logger = logging.getLogger("goblin_idem.lifespan")
+# What the app sends once it will not use the store again: the store is closed first.
+_CLOSING = frozenset(
+    {"lifespan.startup.failed", "lifespan.shutdown.complete", "lifespan.shutdown.failed"}
+)
+
+
+def startup_logger() -> logging.Logger:
+    """Where the startup line goes: goblin-idem's logger once the application configured
+    logging for it; else the server's own log if it has one (uvicorn's default logging
+    shows INFO there, and nothing of a library's INFO lines)."""
+    if _own_handlers(logger) or logging.getLogger().handlers:
+        return logger
+    server = logging.getLogger("uvicorn.error")
+    return server if server.hasHandlers() else logger
+
+
+def _own_handlers(log: logging.Logger) -> bool:
+    current: logging.Logger | None = log
+    while current is not None and current.name != "root":
+        if current.handlers:
+            return True
+        current = current.parent if current.propagate else None
+    return False
+
+
+async def run_lifespan(
+    mw: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send
+) -> None:
+    message = await receive()
+    if message.get("type") != "lifespan.startup":  # not the protocol; the app decides
+        await mw.app(scope, _first(message, receive), send)
+        return
+    try:
+        await _startup(mw)
+    except Exception as exc:
+        await send({"type": "lifespan.startup.failed", "message": str(exc)})
+        return
+    answered = False  # the app said startup.complete or startup.failed
+
+    async def app_send(message: Message) -> None:
+        nonlocal answered
+        kind = message["type"]
+        if kind in ("lifespan.startup.complete", "lifespan.startup.failed"):
+            answered = True
+        if kind in _CLOSING:
+            await _shutdown(mw)
+        await send(message)
+
+    try:
+        await mw.app(scope, _first(message, receive), app_send)
+    except Exception as exc:
+        if answered:
+            raise
+        logger.debug("the app does not take part in the lifespan (%r); answered alone", exc)
+    if answered:
+        return
+    # The app ignored the lifespan: the middleware completes it on its own.
+    await send({"type": "lifespan.startup.complete"})
+    while (await receive())["type"] != "lifespan.shutdown":
+        pass
+    await _shutdown(mw)
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+def _first(message: Message, receive: Receive) -> Receive:
+    """`message` (already read), then the server's own receive."""
+    pending: list[Message] = [message]
+
+    async def first() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return first
+
+
+async def _startup(mw: IdempotencyMiddleware) -> None:
+    store = getattr(mw.store, "wrapped", mw.store)  # the store behind otel's timing
+    log = startup_logger()
+    if isinstance(store, MemoryStore):
+        log.info(
+            "goblin-idem store: memory, in this process only (every worker process has its "
+            "own: use RedisStore when more than one serves the app)"
+        )
+        return
+    if not isinstance(store, RedisStore):
+        log.info("goblin-idem store: %s", type(store).__name__)
+        return
+    try:
+        notes = await store.detection_notes()
+    except Exception as exc:
+        problem = _unusable(store, exc)
+        if mw.check_store:
+            raise RuntimeError(problem + "; or pass check_store=False to start anyway") from exc
+        log.warning("%s; starting anyway (check_store=False): those requests get 503", problem)
+        return
+    texts = [text.removeprefix("goblin-idem store").lstrip(": ") for _, text in notes]
+    modes = [text for text in texts if text.startswith("mode")] or [f"mode: {store.mode}"]
+    others = [text for text in texts if not text.startswith("mode")]
+    parts = [f"redis at {store.address}", *modes, "every command it sends is allowed", *others]
+    level = max((level for level, _ in notes), default=logging.INFO)
+    log.log(level, "goblin-idem store: %s", "; ".join(parts))
+
+
+def _unusable(store: RedisStore, exc: Exception) -> str:
+    if isinstance(exc, StorePermissionError):
+        return f"goblin-idem store at {store.address} refuses commands: {exc}"
+    return (
+        f"goblin-idem store: cannot use the Redis at {store.address} "
+        f"({type(exc).__name__}: {exc}); start it, or fix the URL the store is built from"
+    )
+
+
+async def _shutdown(mw: IdempotencyMiddleware) -> None:
+    if not mw.close_store:
+        return
+    try:
+        await mw.store.aclose()
+    except Exception as exc:  # shutting down goes on
+        logger.warning("could not close the goblin-idem store: %s: %s", type(exc).__name__, exc)

@@ -1,0 +1,282 @@
+"""The middleware in the ASGI lifespan: the store checked at startup (one log line that
+uvicorn's default logging shows, a failed startup for a store that cannot be used), closed
+at shutdown, around an app's own lifespan or in place of a missing one; and the public way
+from the app object to the middleware and its counters."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from procs import spawn, stop
+from servers import Server, free_port, start_server
+from starlette.types import Message, Receive, Scope, Send
+
+from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
+
+# -- the app under uvicorn, with its default logging --------------------------------------
+
+
+def serve(port: int, **env: str) -> subprocess.Popen[bytes]:
+    """`lifespan_app:app` under uvicorn at its default log level (info)."""
+    return spawn(
+        ["-m", "uvicorn", "lifespan_app:app", "--host", "127.0.0.1", "--port", str(port)], env
+    )
+
+
+def wait_health(proc: subprocess.Popen[bytes], port: int) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise AssertionError("uvicorn did not answer in 20 s")
+
+
+def output_of(proc: subprocess.Popen[bytes]) -> str:
+    """Stop `proc` (SIGTERM, a clean shutdown) and return what it wrote to stderr."""
+    assert proc.stderr is not None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=20)
+    finally:
+        stop(proc)
+    return err.decode()
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["no-app-lifespan", "app-lifespan"])
+def test_uvicorn_shows_the_store_line_and_counters_are_public(
+    redis_server: Server, own: bool
+) -> None:
+    port = free_port()
+    proc = serve(port, REDIS_URL=redis_server.url, OWN_LIFESPAN="1" if own else "0")
+    try:
+        wait_health(proc, port)
+        key = {"Idempotency-Key": f"lifespan-{secrets.token_hex(4)}"}
+        first = httpx.post(f"http://127.0.0.1:{port}/pay", headers=key, timeout=10)
+        again = httpx.post(f"http://127.0.0.1:{port}/pay", headers=key, timeout=10)
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.content == first.content
+        counters = httpx.get(f"http://127.0.0.1:{port}/counters", timeout=10).json()
+        assert (counters["claimed"], counters["replayed"]) == (1, 1)
+    finally:
+        err = output_of(proc)
+    lines = err.splitlines()
+    assert "INFO:     Application shutdown complete." in lines, err
+    store_lines = [line for line in lines if "goblin-idem store" in line]
+    assert store_lines == [
+        f"INFO:     goblin-idem store: redis at 127.0.0.1:{redis_server.port}; mode: script "
+        "(server lacks GOBLIN.CLAIM; running the Lua scripts with EVALSHA); every command it "
+        "sends is allowed"
+    ], err
+    started = lines.index("INFO:     Application startup complete.")
+    assert lines.index(store_lines[0]) < started
+    if own:  # the app's startup ran after the store was checked, its shutdown ran too
+        assert "app startup: store mode script" in lines[lines.index(store_lines[0]) :]
+        assert "app shutdown" in lines
+
+
+def test_an_unreachable_store_fails_startup_with_the_fix() -> None:
+    port, dead = free_port(), free_port()
+    proc = serve(port, REDIS_URL=f"redis://127.0.0.1:{dead}/0")
+    try:
+        proc.wait(timeout=30)
+    finally:
+        err = output_of(proc)
+    assert proc.returncode == 3, err  # uvicorn's exit code for a failed startup
+    assert f"goblin-idem store: cannot use the Redis at 127.0.0.1:{dead}" in err
+    assert "or pass check_store=False to start anyway" in err
+    assert "Application startup failed. Exiting." in err
+
+
+def test_check_store_false_starts_and_answers_503() -> None:
+    port, dead = free_port(), free_port()
+    proc = serve(port, REDIS_URL=f"redis://127.0.0.1:{dead}/0", CHECK_STORE="0")
+    try:
+        wait_health(proc, port)
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/pay", headers={"Idempotency-Key": "k1"}, timeout=20
+        )
+        assert reply.status_code == 503
+        assert reply.json()["type"] == "urn:goblin-idem:problem:store-unavailable"
+        unkeyed = httpx.post(f"http://127.0.0.1:{port}/pay", timeout=20)
+        assert unkeyed.status_code == 200
+    finally:
+        err = output_of(proc)
+    assert f"WARNING:  goblin-idem store: cannot use the Redis at 127.0.0.1:{dead}" in err
+    assert "starting anyway (check_store=False): those requests get 503" in err
+
+
+# -- in process: the lifespan messages themselves ------------------------------------------
+
+
+@asynccontextmanager
+async def lifespan(app: Any, expect: str = "complete") -> AsyncIterator[list[Message]]:
+    """Drive `app` through the lifespan as a server does; the messages it sent."""
+    inbox: asyncio.Queue[Message] = asyncio.Queue()
+    sent: list[Message] = []
+    changed = asyncio.Event()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+        changed.set()
+
+    async def wait_for(kind: str) -> None:
+        while not any(m["type"].startswith(kind) for m in sent):
+            changed.clear()
+            await asyncio.wait_for(changed.wait(), 20)
+
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    task = asyncio.ensure_future(app(scope, inbox.get, send))
+    await inbox.put({"type": "lifespan.startup"})
+    await wait_for("lifespan.startup.")
+    assert sent[-1]["type"] == f"lifespan.startup.{expect}", sent
+    try:
+        yield sent
+    finally:
+        if expect == "complete":
+            await inbox.put({"type": "lifespan.shutdown"})
+            await wait_for("lifespan.shutdown.")
+        await asyncio.wait_for(task, 20)
+
+
+def client_names(server: Server) -> list[str]:
+    with server.sync_client() as r:
+        return [c.get("name", "") for c in r.client_list()]
+
+
+async def gone(server: Server, name: str) -> bool:
+    """Whether the server lists no connection named `name` within 10 s (it sees a closed
+    socket only when its event loop gets to it)."""
+    deadline = time.monotonic() + 10
+    while name in client_names(server):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def test_shutdown_closes_the_store_after_the_apps_own_shutdown(
+    redis_server: Server,
+) -> None:
+    name = f"lifespan-{secrets.token_hex(4)}"
+    store = RedisStore.from_url(redis_server.url, client_name=name)
+    order: list[str] = []
+
+    @asynccontextmanager
+    async def own(app: FastAPI) -> AsyncIterator[None]:
+        order.append(f"app startup, mode {store.mode}")
+        yield
+        await store.get("still-open")  # the app may use the store in its shutdown
+        order.append("app shutdown")
+
+    app = FastAPI(lifespan=own)
+    app.add_middleware(IdempotencyMiddleware, store=store)
+
+    @app.post("/x")
+    async def x() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    async with lifespan(app):
+        assert order == ["app startup, mode script"]
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            assert (await c.post("/x", headers={"Idempotency-Key": name})).status_code == 200
+        assert name in client_names(redis_server)
+        assert IdempotencyMiddleware.of(app).counters.claimed == 1
+    assert order == ["app startup, mode script", "app shutdown"]
+    assert await gone(redis_server, name)
+
+
+async def test_close_store_false_leaves_it_open(redis_server: Server) -> None:
+    name = f"lifespan-{secrets.token_hex(4)}"
+    store = RedisStore.from_url(redis_server.url, client_name=name)
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store, close_store=False)
+    try:
+        async with lifespan(app):
+            pass
+        assert await store.get("after") is None  # the connection is still there
+        assert name in client_names(redis_server)
+    finally:
+        await store.aclose()
+
+
+async def test_a_store_that_may_evict_is_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    server = start_server("redis", args=["--maxmemory-policy", "allkeys-lru"])
+    store = RedisStore.from_url(server.url)
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    try:
+        with caplog.at_level(logging.INFO, logger="goblin_idem"):
+            async with lifespan(app):
+                pass
+    finally:
+        server.stop()
+    records = [r for r in caplog.records if r.name.startswith("goblin_idem")]
+    assert len(records) == 1, [r.getMessage() for r in records]
+    (record,) = records
+    assert (record.name, record.levelno) == ("goblin_idem.lifespan", logging.WARNING)
+    message = record.getMessage()
+    assert message.startswith(f"goblin-idem store: redis at 127.0.0.1:{server.port}; mode: ")
+    assert "evicts keys when memory is full (maxmemory-policy allkeys-lru" in message
+
+
+async def test_a_refused_command_fails_startup(redis_server: Server) -> None:
+    user = f"app-{secrets.token_hex(4)}"
+    with redis_server.sync_client() as r:
+        r.execute_command("ACL", "SETUSER", user, "reset", "on", ">pw", "~*", "+@all", "-pttl")
+    store = RedisStore.from_url(redis_server.url, username=user, password="pw")
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    try:
+        async with lifespan(app, expect="failed") as sent:
+            pass
+    finally:
+        await store.aclose()
+        with redis_server.sync_client() as r:
+            r.execute_command("ACL", "DELUSER", user)
+    message = sent[-1]["message"]
+    assert f"refuses commands: the store's ACL user {user!r} may not run pttl" in message
+    assert f"ACL SETUSER {user} +pttl" in message
+
+
+async def test_an_app_without_lifespan_is_answered_by_the_middleware() -> None:
+    """Django's ASGI handler raises for a lifespan scope; wrapped, the middleware runs the
+    lifespan alone and the store still gets its startup and shutdown."""
+    closed: list[bool] = []
+
+    class Store(MemoryStore):
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    async def django_like(scope: Scope, receive: Receive, send: Send) -> None:
+        raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
+
+    mw = IdempotencyMiddleware(django_like, store=Store())
+    async with lifespan(mw) as sent:
+        assert closed == []
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert closed == [True]
+    assert IdempotencyMiddleware.of(mw) is mw
+
+
+def test_of_an_app_that_never_started_says_when_it_will_work() -> None:
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware)
+    with pytest.raises(LookupError, match="when the server starts it"):
+        IdempotencyMiddleware.of(app)

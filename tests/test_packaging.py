@@ -1,0 +1,108 @@
+"""The package as a user installs it before it is on PyPI: `python -m build` makes an sdist
+and a wheel (built from the sdist) that carry the module's C source; the wheel installs into
+a clean venv, where the middleware replays and `build-module` compiles the packaged source
+into a module that Redis loads. And `build-module`'s errors name its own --cc flag."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+import zipfile
+from pathlib import Path
+
+from servers import start_server
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"
+)
+
+USE = textwrap.dedent(
+    """
+    import asyncio, sys
+    from goblin_idem import IdempotencyMiddleware, MemoryStore, native
+
+    runs = []
+
+    async def app(scope, receive, send):
+        runs.append(1)
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"run %d" % len(runs)})
+
+    async def call(mw):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/pay", "query_string": b"",
+                 "headers": [(b"idempotency-key", b"k1")]}
+        await mw(scope, receive, send)
+        return sent[-1]["body"], dict(sent[0]["headers"]).get(b"idempotent-replayed")
+
+    async def main():
+        mw = IdempotencyMiddleware(app, store=MemoryStore())
+        print(await call(mw), await call(mw), len(runs))
+
+    asyncio.run(main())
+    print(native.source_path())
+    """
+)
+
+
+def run(*args: str | Path, cwd: Path | None = None) -> str:
+    proc = subprocess.run(
+        [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, f"{args}: {proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_the_built_wheel_installs_and_builds_the_module_in_a_clean_venv(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=NOT_SOURCE)  # the checkout stays untouched
+    run(sys.executable, "-m", "build", "--outdir", tmp_path / "dist", source)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    assert "goblin_idem/native/goblin_module.c" in zipfile.ZipFile(wheel).namelist()
+    assert any(
+        n.endswith("goblin_idem/native/goblin_module.c") for n in tarfile.open(sdist).getnames()
+    )
+
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", venv)  # no --system-site-packages: nothing but the wheel
+    python = venv / "bin" / "python"
+    run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel)
+    out = run(python, "-c", USE, cwd=tmp_path).splitlines()
+    assert out[0] == "(b'run 1', None) (b'run 1', b'true') 1"
+    assert out[1].startswith(str(venv)) and out[1].endswith("goblin_module.c")
+
+    built = run(
+        python, "-m", "goblin_idem", "build-module", "--out", tmp_path / "mod", cwd=tmp_path
+    )
+    module = built.splitlines()[-1]
+    assert module == str(tmp_path / "mod" / "goblin.so")
+    server = start_server("redis", modules=[module])
+    try:
+        with server.sync_client() as r:
+            assert r.execute_command("GOBLIN.CLAIM", "c", "r", "tok", "10") == b"CLAIMED"
+    finally:
+        server.stop()
+
+
+def test_a_failed_compile_names_the_cc_flag(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "goblin_idem", "build-module", "--cc", "false", "--out", tmp_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "with false failed (exit 1); another compiler is named with " in proc.stderr
+    assert "`build-module --cc COMPILER`" in proc.stderr
