@@ -67,7 +67,8 @@ async def test_free() -> None:
     assert state.names == names
     text = format_state(state)
     assert text.splitlines()[0] == f"key hash    {names.hash}"
-    assert f"claim key   idem:{{{names.hash}}}:c" in text
+    raw = bytes.fromhex(names.hash).replace(b"}", b"~")
+    assert f"claim key   {repr(b'idem:{' + raw + b'}:c')[2:-1]}" in text
     assert "state       free" in text
     assert "owner" not in text
 
@@ -243,7 +244,7 @@ async def test_cli_states_on_redis(redis_server: Server, redis_store: RedisStore
     assert as_json.returncode == 0, as_json.stderr
     doc = json.loads(as_json.stdout)
     assert doc["state"] == "in flight" and doc["token"] == "777:cafe"
-    assert doc["claim_key"] == busy.claim.decode()
+    assert doc["claim_key"] == busy.claim.decode("latin-1")
     assert 0 < doc["claim_ttl_ms"] <= 30_000
 
     assert cli("--url", url).returncode == 2  # neither KEY nor --hash
