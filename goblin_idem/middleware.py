@@ -39,6 +39,7 @@ from .keys import (
 )
 from .lease import Lease, Watchdog
 from .record import Record, RecordError, decode, encode, fingerprint
+from .sealing import Sealer
 from .store import CLAIMED, Store
 
 __all__ = ["Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
@@ -48,7 +49,7 @@ logger = logging.getLogger("goblin_idem.middleware")
 F = TypeVar("F", bound=Callable[..., Any])
 
 # What a store that is down or misbehaving raises; all of it ends in 503 (fail closed).
-STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError, RecordError)
+STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 # Errors that no retry fixes, only a change of configuration: logged once per store.
 CONFIGURATION_ERRORS = (NoPermissionError, AuthenticationError)
 _misconfigured: weakref.WeakSet[Any] = weakref.WeakSet()  # stores whose error was logged
@@ -189,6 +190,7 @@ class Counters:
     not_replayable: int = 0
     publish_errors: int = 0
     unprotected: int = 0
+    unreadable: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -241,6 +243,9 @@ class IdempotencyMiddleware:
         fail_open: bool = False,
         namespace: str = "idem",
         on_event: Callable[[str, str], None] | None = None,
+        encryption_keys: Sequence[bytes] | Sealer | None = None,
+        compression: str | None = "zlib",
+        compress_above_bytes: int = 1024,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI application, not a {type(app).__name__}")
@@ -287,6 +292,11 @@ class IdempotencyMiddleware:
         self.namespace = options.namespace(namespace)
         self.on_event = options.callable_or_none(
             "on_event", on_event, "a function (event, key_hash) called on every counter increment"
+        )
+        self.sealer = options.sealer(encryption_keys)
+        self.codec = options.codec(compression)
+        self.compress_above = options.whole_number(
+            "compress_above_bytes", compress_above_bytes, minimum=0
         )
         self.counters = Counters()
         self.watchdog = Watchdog.for_store(self.store)
@@ -425,7 +435,6 @@ class IdempotencyMiddleware:
                 while reply is None and asyncio.get_running_loop().time() < deadline:
                     await asyncio.sleep(self.poll_interval)
                     reply = await claim(names.claim, names.result, token, settings.lease_seconds)
-            record = None if reply is None or reply is CLAIMED else decode(reply)
         except Exception as exc:
             # Anything out of the store step, even a client library's own bug, means the
             # claim is in doubt: answer as for a store that is down, never run unprotected
@@ -438,7 +447,7 @@ class IdempotencyMiddleware:
         if reply is CLAIMED:
             self._count("claimed", names.hash)
             await self._run(scope, receive, send, body, names, token, fp, settings)
-        elif record is None:
+        elif reply is None:
             self._count("in_flight", names.hash)
             await problems.send_problem(
                 send,
@@ -447,6 +456,11 @@ class IdempotencyMiddleware:
                 [(b"retry-after", self.retry_after)],
             )
         else:
+            try:
+                record = decode(reply, sealer=self.sealer, name=names.result)
+            except RecordError as exc:
+                await self._unreadable(exc, send, names)
+                return
             await self._answer_duplicate(record, fp, send, names)
 
     async def _refuse_key(self, send: Send, *, malformed: bool) -> None:
@@ -577,6 +591,23 @@ class IdempotencyMiddleware:
             [(b"retry-after", self.retry_after)],
         )
 
+    async def _unreadable(self, exc: RecordError, send: Send, names: KeyNames) -> None:
+        """A stored record this process cannot read: a newer release's format, a sealed
+        record no configured key opens, or damaged bytes. The work it records happened, so
+        it is never run again (whatever fail_open says); the key stays answered 503 until
+        a process that reads it answers, or the result expires."""
+        self._count("unreadable", names.hash)
+        logger.error(
+            "key %s: the stored response cannot be read, answering 503: %s", names.hash, exc
+        )
+        await problems.send_problem(
+            send,
+            problems.RECORD_UNREADABLE,
+            "The request with this key was run, but its stored response cannot be read here. "
+            "It is not run again; retry later with the same key.",
+            [(b"retry-after", self.retry_after)],
+        )
+
     async def _answer_duplicate(
         self, record: Record, fp: bytes, send: Send, names: KeyNames
     ) -> None:
@@ -666,7 +697,13 @@ class IdempotencyMiddleware:
         self, lease: Lease, names: KeyNames, token: bytes, record: Record, ttl_ms: int
     ) -> None:
         await self.watchdog.release(lease)
-        data = encode(record)
+        data = encode(
+            record,
+            sealer=self.sealer,
+            name=names.result,
+            codec=self.codec,
+            compress_above=self.compress_above,
+        )
         for delay in (*PUBLISH_RETRY_DELAYS, None):
             try:
                 renewed = await self.store.publish(names.result, data, ttl_ms, names.claim, token)
