@@ -1,13 +1,16 @@
 """The middleware's own cost per request, in process: no HTTP server, no load generator.
 
     python3 bench/overhead.py [--requests 20000] [--stores memory,native,script,native-direct]
+                              [--encryption off,on]
 
 A trivial ASGI app (one body read, a 201 JSON response) is called directly, bare and
 behind IdempotencyMiddleware, by 50 concurrent tasks on uvloop; each line is the time per
-request over the bare app's, for the four scenarios of http_bench.py, and the garbage
-collections per 1,000 requests. Much less noisy than the HTTP benchmark, so it shows a
-change of a microsecond; the Redis stores run against a throwaway redis-server (the
-native one with the goblin module loaded), pinned to core 1 while this runs on core 0.
+request over the bare app's and the ratio of the two, for the four scenarios of
+http_bench.py, and the garbage collections per 1,000 requests; with records sealed
+(``encryption_keys``) and in the clear, side by side in the same run. Much less noisy
+than the HTTP benchmark, so it shows a change of a microsecond; the Redis stores run
+against a throwaway redis-server (the native one with the goblin module loaded), pinned
+to core 1 while this runs on core 0.
 """
 
 from __future__ import annotations
@@ -91,27 +94,43 @@ async def measure(store: Any, args: argparse.Namespace) -> list[str]:
     from goblin_idem import IdempotencyMiddleware
     from goblin_idem.keys import key_names
 
-    mw = IdempotencyMiddleware(app, store=store)
     names = key_names(b"idem", b"", serve.INFLIGHT_KEY.encode())
-    await store.claim(names.claim, names.result, b"holder", 3600)
-    for i in range(100):
-        await mw(scope(f"replay-{i}".encode()), receive, send)
-    await drive(mw, "new", 2000, "warm")
+    mws = {}
+    for variant in args.encryption:
+        keys = [os.urandom(32)] if variant == "on" else []
+        # Its own namespace each, so that each replays records it sealed (or not) itself.
+        mw = IdempotencyMiddleware(app, store=store, encryption_keys=keys, namespace=variant)
+        await store.claim(*_names(mw, names), b"holder", 3600)
+        for i in range(100):
+            await mw(scope(f"replay-{i}".encode()), receive, send)
+        await drive(mw, "new", 2000, "warm")
+        mws[variant] = mw
     lines = []
     for scenario in args.scenarios:
-        extra, collections = [], []
-        for rep in range(args.reps):
-            bare = await drive(app, scenario, args.requests, "")
-            before = sum(s["collections"] for s in gc.get_stats())
-            mine = await drive(mw, scenario, args.requests, f"r{rep}")
-            after = sum(s["collections"] for s in gc.get_stats())
-            extra.append((mine - bare) * 1e6)
-            collections.append((after - before) * 1000 / args.requests)
-        lines.append(
-            f"{scenario:9} {statistics.median(extra):7.1f} us/request over bare   "
-            f"({statistics.median(collections):5.1f} GCs per 1000 requests)"
-        )
+        for variant, mw in mws.items():
+            extra, ratio, collections = [], [], []
+            for rep in range(args.reps):
+                bare = await drive(app, scenario, args.requests, "")
+                before = sum(s["collections"] for s in gc.get_stats())
+                mine = await drive(mw, scenario, args.requests, f"{variant}{rep}")
+                after = sum(s["collections"] for s in gc.get_stats())
+                extra.append((mine - bare) * 1e6)
+                ratio.append(mine / bare)
+                collections.append((after - before) * 1000 / args.requests)
+            lines.append(
+                f"{scenario:9} encryption {variant:3} {statistics.median(extra):7.1f} us/request "
+                f"over bare, {statistics.median(ratio):5.2f}x bare   "
+                f"({statistics.median(collections):5.1f} GCs per 1000 requests)"
+            )
     return lines
+
+
+def _names(mw: Any, names: Any) -> tuple[bytes, bytes]:
+    """The in-flight key's claim and result under `mw`'s namespace."""
+    from goblin_idem.keys import names_of
+
+    mine = names_of(mw.namespace, names.hash)
+    return mine.claim, mine.result
 
 
 def main() -> None:
@@ -121,8 +140,10 @@ def main() -> None:
     p.add_argument("--stores", default="memory,native,script,native-direct")
     p.add_argument("--scenarios", default=",".join(http_bench.SCENARIOS))
     p.add_argument("--no-hiredis", action="store_true", help="redis-py's pure-Python parser")
+    p.add_argument("--encryption", default="off,on", help="off, on, or both (off,on)")
     args = p.parse_args()
     args.scenarios = args.scenarios.split(",")
+    args.encryption = args.encryption.split(",")
 
     import uvloop
 
