@@ -48,6 +48,7 @@ FLAG_NOT_REPLAYABLE = 0x01
 FLAG_TRAILERS = 0x02  # version 3 payload only
 ENVELOPE_CLEAR = 0
 ENVELOPE_SEALED = 1
+_V1_V2 = frozenset({MAGIC + bytes([VERSION]), MAGIC + bytes([VERSION_TRAILERS])})
 _HEAD = struct.Struct(">2sBBH16sH")
 _ENVELOPE = struct.Struct(">2sBB")
 _PAYLOAD = struct.Struct(">BH16sBH")
@@ -163,12 +164,20 @@ def format_of(data: bytes) -> Format:
 
 def decode(data: bytes, *, sealer: Sealer | None = None, name: bytes = b"") -> Record:
     """The record in `data`, opened with `sealer` for the store key `name` if sealed."""
-    fmt = format_of(data)
     try:
-        if fmt.version != VERSION_ENVELOPE:
-            return _decode_v1_v2(data, fmt.version)
+        if data[:3] in _V1_V2:  # the replay path of most records: as earlier releases read
+            _, version, flags, status, fp, count = _HEAD.unpack_from(data, 0)
+            headers, pos = _decode_fields(data, _HEAD.size, count)
+            trailers = None
+            if version == VERSION_TRAILERS:
+                (count,) = _COUNT.unpack_from(data, pos)
+                trailers, pos = _decode_fields(data, pos + _COUNT.size, count)
+            return Record(
+                status, headers, data[pos:], fp, not flags & FLAG_NOT_REPLAYABLE, trailers
+            )
+        fmt = format_of(data)
         if not fmt.sealed:
-            return _decode_payload(memoryview(data)[_ENVELOPE.size :])
+            return _decode_payload(data[_ENVELOPE.size :])
         if sealer is None:
             raise RecordError(
                 f"sealed with key id {fmt.key_id.hex() if fmt.key_id else '?'}, and no "
@@ -179,22 +188,12 @@ def decode(data: bytes, *, sealer: Sealer | None = None, name: bytes = b"") -> R
             payload = sealer.open(data[_ENVELOPE.size :], head + name)
         except SealError as exc:
             raise RecordError(f"sealed record {exc}") from None
-        return _decode_payload(memoryview(payload))
+        return _decode_payload(payload)
     except struct.error as exc:
         raise RecordError(f"truncated record: {exc}") from None
 
 
-def _decode_v1_v2(data: bytes, version: int) -> Record:
-    _, _, flags, status, fp, count = _HEAD.unpack_from(data, 0)
-    headers, pos = _decode_fields(data, _HEAD.size, count)
-    trailers = None
-    if version == VERSION_TRAILERS:
-        (count,) = _COUNT.unpack_from(data, pos)
-        trailers, pos = _decode_fields(data, pos + _COUNT.size, count)
-    return Record(status, headers, data[pos:], fp, not flags & FLAG_NOT_REPLAYABLE, trailers)
-
-
-def _decode_payload(data: memoryview) -> Record:
+def _decode_payload(data: bytes) -> Record:
     flags, status, fp, codec_id, count = _PAYLOAD.unpack_from(data, 0)
     headers, pos = _decode_fields(data, _PAYLOAD.size, count)
     trailers = None
@@ -202,26 +201,24 @@ def _decode_payload(data: memoryview) -> Record:
         (count,) = _COUNT.unpack_from(data, pos)
         trailers, pos = _decode_fields(data, pos + _COUNT.size, count)
     if codec_id == compression.IDENTITY:
-        body = bytes(data[pos:])
+        body = data[pos:]
     else:
         (size,) = _VALUE.unpack_from(data, pos)
         try:
-            body = compression.decompress(codec_id, bytes(data[pos + _VALUE.size :]), size)
+            body = compression.decompress(codec_id, data[pos + _VALUE.size :], size)
         except ValueError as exc:
             raise RecordError(f"body does not decompress: {exc}") from None
-    return Record(status, headers, body, bytes(fp), not flags & FLAG_NOT_REPLAYABLE, trailers)
+    return Record(status, headers, body, fp, not flags & FLAG_NOT_REPLAYABLE, trailers)
 
 
-def _decode_fields(
-    data: bytes | memoryview, pos: int, count: int
-) -> tuple[list[tuple[bytes, bytes]], int]:
+def _decode_fields(data: bytes, pos: int, count: int) -> tuple[list[tuple[bytes, bytes]], int]:
     fields = []
     for _ in range(count):
         (n,) = _NAME.unpack_from(data, pos)
-        name = bytes(data[pos + 2 : pos + 2 + n])
+        name = data[pos + 2 : pos + 2 + n]
         pos += 2 + n
         (v,) = _VALUE.unpack_from(data, pos)
-        value = bytes(data[pos + 4 : pos + 4 + v])
+        value = data[pos + 4 : pos + 4 + v]
         pos += 4 + v
         if len(name) != n or len(value) != v:
             raise RecordError("truncated record")
