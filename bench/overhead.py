@@ -107,20 +107,23 @@ async def measure(store: Any, args: argparse.Namespace) -> list[str]:
         mws[variant] = mw
     lines = []
     for scenario in args.scenarios:
-        for variant, mw in mws.items():
-            extra, ratio, collections = [], [], []
-            for rep in range(args.reps):
-                bare = await drive(app, scenario, args.requests, "")
+        extra: dict[str, list[float]] = {v: [] for v in mws}
+        ratio: dict[str, list[float]] = {v: [] for v in mws}
+        collections: dict[str, list[float]] = {v: [] for v in mws}
+        for rep in range(args.reps):  # bare, off, on in turn, so drift hits each alike
+            bare = await drive(app, scenario, args.requests, "")
+            for variant, mw in mws.items():
                 before = sum(s["collections"] for s in gc.get_stats())
                 mine = await drive(mw, scenario, args.requests, f"{variant}{rep}")
                 after = sum(s["collections"] for s in gc.get_stats())
-                extra.append((mine - bare) * 1e6)
-                ratio.append(mine / bare)
-                collections.append((after - before) * 1000 / args.requests)
+                extra[variant].append((mine - bare) * 1e6)
+                ratio[variant].append(mine / bare)
+                collections[variant].append((after - before) * 1000 / args.requests)
+        for variant in mws:
             lines.append(
-                f"{scenario:9} encryption {variant:3} {statistics.median(extra):7.1f} us/request "
-                f"over bare, {statistics.median(ratio):5.2f}x bare   "
-                f"({statistics.median(collections):5.1f} GCs per 1000 requests)"
+                f"{scenario:9} encryption {variant:3} {statistics.median(extra[variant]):7.1f} "
+                f"us/request over bare, {statistics.median(ratio[variant]):5.2f}x bare   "
+                f"({statistics.median(collections[variant]):5.1f} GCs per 1000 requests)"
             )
     return lines
 

@@ -38,6 +38,7 @@ __all__ = [
     "header_scope",
     "key_names",
     "names_of",
+    "previous_names",
     "string_key",
     "valid_key",
 ]
@@ -178,11 +179,18 @@ def names_of(namespace: bytes, digest: str) -> KeyNames:
     key of Redis memory (a 48-byte allocation each becomes a 32-byte one). A ``}`` byte
     would end the cluster hash tag early (and a leading one leave it empty, splitting the
     claim and the result over two slots), so it is written as ``~``: the tag is always
-    the 16 bytes, at the cost of 0.09 of the hash's 128 bits. Releases before 0.2 named
-    them by the hex digits (README: Upgrading)."""
+    the 16 bytes, at the cost of 0.09 of the hash's 128 bits. Release 0.1.0 named them by
+    the hex digits (README: Upgrading from 0.1.0)."""
     return _names(namespace, bytes.fromhex(digest), digest)
 
 
 def _names(namespace: bytes, digest: bytes, hex_digest: str) -> KeyNames:
     base = namespace + b":{" + digest.replace(b"}", b"~") + b"}:"
     return KeyNames(base + b"c", base + b"r", hex_digest)
+
+
+def previous_names(namespace: bytes, digest: str) -> KeyNames:
+    """The names release 0.1.0 gave a key hash: its 32 hex digits in the tag. Read by the
+    middleware's `previous_key_names` transition, never written."""
+    base = namespace + b":{" + digest.encode() + b"}:"
+    return KeyNames(base + b"c", base + b"r", digest)

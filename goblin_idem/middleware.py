@@ -35,6 +35,7 @@ from .keys import (
     credential_header,
     credentials_scope,
     key_names,
+    previous_names,
     string_key,
     valid_key,
 )
@@ -250,6 +251,7 @@ class IdempotencyMiddleware:
         encryption_keys: Sequence[bytes] | Sealer | None = None,
         compression: str | None = "zlib",
         compress_above_bytes: int = 1024,
+        previous_key_names: bool = False,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI application, not a {type(app).__name__}")
@@ -302,6 +304,7 @@ class IdempotencyMiddleware:
         self.compress_above = options.whole_number(
             "compress_above_bytes", compress_above_bytes, minimum=0
         )
+        self.previous_key_names = options.flag("previous_key_names", previous_key_names)
         self.counters = Counters()
         self.watchdog = Watchdog.for_store(self.store)
         self._background: set[asyncio.Task[Any]] = set()
@@ -449,23 +452,16 @@ class IdempotencyMiddleware:
             return
 
         if reply is CLAIMED:
+            if self.previous_key_names and await self._answered_from_previous(
+                scope, _replay_receive(body, receive), send, names, token, fp
+            ):
+                return
             self._count("claimed", names.hash)
             await self._run(scope, receive, send, body, names, token, fp, settings)
         elif reply is None:
-            self._count("in_flight", names.hash)
-            await problems.send_problem(
-                send,
-                problems.IN_FLIGHT,
-                "A request with this key is in progress; retry after the Retry-After delay.",
-                [(b"retry-after", self.retry_after)],
-            )
+            await self._in_flight(send, names)
         else:
-            try:
-                record = decode(reply, sealer=self.sealer, name=names.result)
-            except RecordError as exc:
-                await self._unreadable(exc, send, names)
-                return
-            await self._answer_duplicate(record, fp, send, names)
+            await self._answer_stored(reply, fp, send, names)
 
     async def _refuse_key(self, send: Send, *, malformed: bool) -> None:
         self._count("invalid_key")
@@ -595,6 +591,73 @@ class IdempotencyMiddleware:
             [(b"retry-after", self.retry_after)],
         )
 
+    async def _in_flight(self, send: Send, names: KeyNames) -> None:
+        self._count("in_flight", names.hash)
+        await problems.send_problem(
+            send,
+            problems.IN_FLIGHT,
+            "A request with this key is in progress; retry after the Retry-After delay.",
+            [(b"retry-after", self.retry_after)],
+        )
+
+    async def _answer_stored(self, data: bytes, fp: bytes, send: Send, names: KeyNames) -> None:
+        try:
+            record = decode(data, sealer=self.sealer, name=names.result)
+        except RecordError as exc:
+            await self._unreadable(exc, send, names)
+            return
+        await self._answer_duplicate(record, fp, send, names)
+
+    async def _answered_from_previous(
+        self, scope: Scope, receive: Receive, send: Send, names: KeyNames, token: bytes, fp: bytes
+    ) -> bool:
+        """`previous_key_names`: the key just claimed under this release's names may have
+        been used under 0.1.0's (README: Upgrading from 0.1.0). A result stored there is
+        the answer, and is copied under the new names for its remaining TTL, so that later
+        duplicates are answered by the claim step alone; a claim held there (a 0.1.0
+        process running the work) is answered 409, and the new claim freed. Up to three
+        reads, on first runs only. Not atomic with the claim: a 0.1.0 process that claims
+        the old names after these reads runs the work a second time."""
+        old = previous_names(self.namespace, names.hash)
+        try:
+            data = await self.store.get(old.result)
+            ttl = await self.store.pttl(old.result) if data is not None else -2
+            held = data is None and await self.store.get(old.claim) is not None
+        except Exception as exc:
+            await self._free(names, token)
+            await self._store_failed(exc, scope, receive, send, names)
+            return True
+        if data is None and not held:
+            return False
+        if data is None:
+            await self._free(names, token)
+            await self._in_flight(send, names)
+            return True
+        try:
+            if (
+                ttl <= 0
+                or await self.store.publish(names.result, data, ttl, names.claim, token) != 1
+            ):
+                await self._free(names, token)
+        except Exception as exc:  # the answer stands; a later duplicate reads the old names
+            logger.warning(
+                "key %s: could not copy the result stored under 0.1.0's names: %s",
+                names.hash,
+                _describe(exc),
+            )
+            await self._free(names, token)
+        await self._answer_stored(data, fp, send, names)
+        return True
+
+    async def _free(self, names: KeyNames, token: bytes) -> None:
+        """Free the claim (its lease's TTL frees it if this fails)."""
+        try:
+            await self.store.cad(names.claim, token)
+        except Exception as exc:
+            logger.warning(
+                "could not release key %s (its lease will expire): %s", names.hash, _describe(exc)
+            )
+
     async def _unreadable(self, exc: RecordError, send: Send, names: KeyNames) -> None:
         """A stored record this process cannot read: a newer release's format, a sealed
         record no configured key opens, or damaged bytes. The work it records happened, so
@@ -690,12 +753,7 @@ class IdempotencyMiddleware:
 
     async def _release(self, lease: Lease, names: KeyNames, token: bytes) -> None:
         await self.watchdog.release(lease)
-        try:
-            await self.store.cad(names.claim, token)
-        except Exception as exc:
-            logger.warning(
-                "could not release key %s (its lease will expire): %s", names.hash, _describe(exc)
-            )
+        await self._free(names, token)
 
     async def _publish(
         self, lease: Lease, names: KeyNames, token: bytes, record: Record, ttl_ms: int

@@ -81,11 +81,12 @@ class Sealer:
     """seal(plaintext, associated_data) -> bytes and open(sealed, associated_data) -> bytes
     under a key ring: the first key seals, every key opens."""
 
-    __slots__ = ("_aead", "_keys", "key_ids")
+    __slots__ = ("_aead", "_invalid", "_keys", "key_ids")
 
     def __init__(self, keys: Sequence[bytes]) -> None:
         ring = _check_keys(keys)
         try:
+            from cryptography.exceptions import InvalidTag
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
         except ImportError:
             raise RuntimeError(
@@ -93,6 +94,7 @@ class Sealer:
                 "pip install 'goblin-idem[crypto]'"
             ) from None
         self._aead: Any = AESGCM
+        self._invalid: type[Exception] = InvalidTag
         self._keys = {key_id(k): k for k in ring}
         #: The ids of the ring's keys, the sealing one first.
         self.key_ids: tuple[bytes, ...] = tuple(self._keys)
@@ -125,15 +127,13 @@ class Sealer:
                 f"({', '.join(k.hex() for k in self.key_ids)})"
             )
         salt = sealed[KEY_ID_BYTES : KEY_ID_BYTES + SALT_BYTES]
-        from cryptography.exceptions import InvalidTag
-
         try:
             return bytes(
                 self._derived(key, salt).decrypt(
                     _NONCE, sealed[KEY_ID_BYTES + SALT_BYTES :], associated_data
                 )
             )
-        except InvalidTag:
+        except self._invalid:
             raise SealError(
                 f"does not open under key id {kid.hex()}: altered, or stored under another "
                 "name than the one it was sealed for"

@@ -391,3 +391,49 @@ def test_a_hash_starting_with_a_closing_brace_keeps_both_keys_in_one_slot() -> N
     names = key_names(b"idem", b"", key)
     assert b"{~" in names.claim and len(names.claim) == len(b"idem:{}:c") + 16
     assert key_slot(names.claim) == key_slot(names.result)
+
+
+# -- upgrading from 0.1.0's key names --------------------------------------------------------
+
+
+async def put_previous(store: RedisStore, key: str, result: bytes | None) -> None:
+    """What 0.1.0 left for `key`: its claim, and its result if given, under the hex names."""
+    from goblin_idem.keys import previous_names
+
+    old = previous_names(b"idem", key_names(b"idem", b"", key.encode()).hash)
+    assert old.claim == b"idem:{%s}:c" % key_names(b"idem", b"", key.encode()).hash.encode()
+    await client(store).set(old.claim, b"4242:00112233aabbccdd", px=60_000)
+    if result is not None:
+        await client(store).set(old.result, result, px=60_000)
+
+
+async def test_previous_key_names_answers_from_what_0_1_0_stored(store: RedisStore) -> None:
+    fp = fingerprint("POST", "/", b"", FP_BODY)
+    await put_previous(store, "k-up", shipped_v1(fp, b"paid once"))
+    await put_previous(store, "k-busy", None)
+    app = App()
+    plain = IdempotencyMiddleware(app, store=store)
+    mw = IdempotencyMiddleware(app, store=store, previous_key_names=True)
+
+    first = await request(mw, key="k-up", body=FP_BODY)
+    assert first.status == 201 and first.body == b"paid once" and app.runs == 0
+    new = key_names(b"idem", b"", b"k-up")
+    assert await client(store).get(new.result) == shipped_v1(fp, b"paid once")
+    assert 50_000 < await client(store).pttl(new.claim) <= 60_000  # kept as the result
+    again = await request(plain, key="k-up", body=FP_BODY)  # by the new names alone
+    assert again.body == b"paid once" and app.runs == 0
+
+    busy = await request(mw, key="k-busy", body=FP_BODY)
+    assert busy.status == 409 and app.runs == 0
+    assert await client(store).exists(key_names(b"idem", b"", b"k-busy").claim) == 0
+
+    assert (await request(mw, key="k-fresh", body=FP_BODY)).status == 201 and app.runs == 1
+
+
+async def test_without_previous_key_names_0_1_0_keys_run_again(store: RedisStore) -> None:
+    """The control: what the transition option is for."""
+    fp = fingerprint("POST", "/", b"", FP_BODY)
+    await put_previous(store, "k-up", shipped_v1(fp, b"paid once"))
+    app = App()
+    reply = await request(IdempotencyMiddleware(app, store=store), key="k-up", body=FP_BODY)
+    assert reply.status == 201 and reply.body == SECRET and app.runs == 1
