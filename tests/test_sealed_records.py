@@ -238,13 +238,13 @@ def test_compression_round_trips_byte_exactly(codec: str) -> None:
 
 
 async def test_replays_are_byte_exact_from_0_bytes_to_8_mib(store: RedisStore) -> None:
-    """Through the middleware, sealed and not: each size of compressible JSON, random bytes
-    and a gzip-encoded body replays exactly, whatever the duplicate's Accept-Encoding; a
-    compressible body above 1 KiB is stored in far fewer bytes than it has."""
+    """Through the middleware, sealed and not, zlib and zstd: each size of compressible JSON,
+    random bytes and a gzip-encoded body replays exactly, whatever the duplicate's
+    Accept-Encoding; a compressible body above 1 KiB is stored in far fewer bytes."""
     rng = random.Random(8)
-    for keys in ([], [K1]):
+    for keys, codec in (([], "zlib"), ([K1], "zlib"), ([K1], "zstd")):
         app = App()
-        mw = sealed(app, store, keys, max_response_bytes=9 * 1024 * 1024)
+        mw = sealed(app, store, keys, max_response_bytes=9 * 1024 * 1024, compression=codec)
         for size in SIZES:
             text = (b'{"id":%d,"status":"paid"},' % size * (size // 24 + 1))[:size]
             gz = zlib.compress(text)
@@ -254,7 +254,7 @@ async def test_replays_are_byte_exact_from_0_bytes_to_8_mib(store: RedisStore) -
                 ("gzip", gz, [(b"content-encoding", b"gzip")]),
             ):
                 app.body, app.headers = body, extra
-                key = f"k-{len(keys)}-{label}-{size}"
+                key = f"k-{len(keys)}-{codec}-{label}-{size}"
                 first = await request(mw, key=key)
                 dup = await request(mw, key=key, headers=[("Accept-Encoding", "identity")])
                 assert first.status == dup.status == 201 and dup.body == first.body == body
