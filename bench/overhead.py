@@ -1,15 +1,17 @@
 """The middleware's own cost per request, in process: no HTTP server, no load generator.
 
     python3 bench/overhead.py [--requests 20000] [--stores memory,native,script,native-direct]
+                              [--encryption off,on]
     python3 bench/overhead.py --otel   # otel=False and otel=True side by side
-
 
 A trivial ASGI app (one body read, a 201 JSON response) is called directly, bare and
 behind IdempotencyMiddleware, by 50 concurrent tasks on uvloop; each line is the time per
-request over the bare app's, for the four scenarios of http_bench.py, and the garbage
-collections per 1,000 requests. Much less noisy than the HTTP benchmark, so it shows a
-change of a microsecond; the Redis stores run against a throwaway redis-server (the
-native one with the goblin module loaded), pinned to core 1 while this runs on core 0.
+request over the bare app's and the ratio of the two, for the four scenarios of
+http_bench.py, and the garbage collections per 1,000 requests; with records sealed
+(``encryption_keys``) and in the clear, side by side in the same run. Much less noisy
+than the HTTP benchmark, so it shows a change of a microsecond; the Redis stores run
+against a throwaway redis-server (the native one with the goblin module loaded), pinned
+to core 1 while this runs on core 0.
 """
 
 from __future__ import annotations
@@ -89,58 +91,51 @@ async def drive(target: Asgi, scenario: str, n: int, tag: str) -> float:
     return (time.perf_counter() - started) / (n // CONCURRENCY * CONCURRENCY)
 
 
+def variants(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The middleware settings measured side by side, by label."""
+    if args.otel:
+        return {"otel=False": {"otel": False}, "otel=True ": {"otel": True}}
+    return {
+        f"encryption {v:3}": {"encryption_keys": [os.urandom(32)] if v == "on" else []}
+        for v in args.encryption
+    }
+
+
 async def measure(store: Any, args: argparse.Namespace) -> list[str]:
     from goblin_idem import IdempotencyMiddleware
-
-    mw = IdempotencyMiddleware(app, store=store)
-    if args.otel:
-        return await measure_otel(mw, IdempotencyMiddleware(app, store=store, otel=True), args)
-    await warm(mw)
-    lines = []
-    for scenario in args.scenarios:
-        extra, collections = [], []
-        for rep in range(args.reps):
-            bare = await drive(app, scenario, args.requests, "")
-            before = sum(s["collections"] for s in gc.get_stats())
-            mine = await drive(mw, scenario, args.requests, f"r{rep}")
-            after = sum(s["collections"] for s in gc.get_stats())
-            extra.append((mine - bare) * 1e6)
-            collections.append((after - before) * 1000 / args.requests)
-        lines.append(
-            f"{scenario:9} {statistics.median(extra):7.1f} us/request over bare   "
-            f"({statistics.median(collections):5.1f} GCs per 1000 requests)"
-        )
-    return lines
-
-
-async def measure_otel(off: Any, on: Any, args: argparse.Namespace) -> list[str]:
-    """otel=False and otel=True, alternating within each repetition, over the same bare
-    app; with the OpenTelemetry SDK recording (when installed), as an application has it."""
-    await warm(off)
-    await warm(on)
-    lines = []
-    for scenario in args.scenarios:
-        extra: dict[str, list[float]] = {"off": [], "on": []}
-        for rep in range(args.reps):
-            for name, mw in (("off", off), ("on", on)):
-                bare = await drive(app, scenario, args.requests, "")
-                mine = await drive(mw, scenario, args.requests, f"{name}{rep}")
-                extra[name].append((mine - bare) * 1e6)
-        lines.append(
-            f"{scenario:9} otel=False {statistics.median(extra['off']):7.1f} us/request over "
-            f"bare   otel=True {statistics.median(extra['on']):7.1f} us/request over bare"
-        )
-    return lines
-
-
-async def warm(mw: Any) -> None:
     from goblin_idem.keys import key_names
 
     names = key_names(b"idem", b"", serve.INFLIGHT_KEY.encode())
-    await mw.store.claim(names.claim, names.result, b"holder", 3600)
-    for i in range(100):
-        await mw(scope(f"replay-{i}".encode()), receive, send)
-    await drive(mw, "new", 2000, f"warm{id(mw)}")
+    mws = {}
+    for n, (label, options) in enumerate(variants(args).items()):
+        # Its own namespace each, so that each replays records it sealed (or not) itself.
+        mw = IdempotencyMiddleware(app, store=store, namespace=f"v{n}", **options)
+        await store.claim(*_names(mw, names), b"holder", 3600)
+        for i in range(100):
+            await mw(scope(f"replay-{i}".encode()), receive, send)
+        await drive(mw, "new", 2000, f"warm{n}")
+        mws[label] = mw
+    lines = []
+    for scenario in args.scenarios:
+        extra: dict[str, list[float]] = {v: [] for v in mws}
+        ratio: dict[str, list[float]] = {v: [] for v in mws}
+        collections: dict[str, list[float]] = {v: [] for v in mws}
+        for rep in range(args.reps):  # bare, then each variant in turn: drift hits each alike
+            bare = await drive(app, scenario, args.requests, "")
+            for variant, mw in mws.items():
+                before = sum(s["collections"] for s in gc.get_stats())
+                mine = await drive(mw, scenario, args.requests, f"{variant}{rep}")
+                after = sum(s["collections"] for s in gc.get_stats())
+                extra[variant].append((mine - bare) * 1e6)
+                ratio[variant].append(mine / bare)
+                collections[variant].append((after - before) * 1000 / args.requests)
+        for variant in mws:
+            lines.append(
+                f"{scenario:9} {variant} {statistics.median(extra[variant]):7.1f} "
+                f"us/request over bare, {statistics.median(ratio[variant]):5.2f}x bare   "
+                f"({statistics.median(collections[variant]):5.1f} GCs per 1000 requests)"
+            )
+    return lines
 
 
 def recording_sdk() -> str:
@@ -155,6 +150,14 @@ def recording_sdk() -> str:
     return "the OpenTelemetry SDK, recording into an in-memory reader"
 
 
+def _names(mw: Any, names: Any) -> tuple[bytes, bytes]:
+    """The in-flight key's claim and result under `mw`'s namespace."""
+    from goblin_idem.keys import names_of
+
+    mine = names_of(mw.namespace, names.hash)
+    return mine.claim, mine.result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=20_000)
@@ -162,9 +165,11 @@ def main() -> None:
     p.add_argument("--stores", default="memory,native,script,native-direct")
     p.add_argument("--scenarios", default=",".join(http_bench.SCENARIOS))
     p.add_argument("--no-hiredis", action="store_true", help="redis-py's pure-Python parser")
+    p.add_argument("--encryption", default="off,on", help="off, on, or both (off,on)")
     p.add_argument("--otel", action="store_true", help="otel=False and otel=True side by side")
     args = p.parse_args()
     args.scenarios = args.scenarios.split(",")
+    args.encryption = args.encryption.split(",")
     if args.otel:
         print(f"otel=True measured with {recording_sdk()}", flush=True)
 

@@ -11,6 +11,7 @@ from .keys import cookie_scope, header_scope
 from .lease import Lease, Lock, Watchdog
 from .memory import MemoryStore
 from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
+from .sealing import Sealer
 from .store import CLAIMED, Claimed, ClaimReply, KeyT, RedisStore, Store
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "NotReplicatedError",
     "RedisStore",
     "RoutePolicy",
+    "Sealer",
     "Store",
     "StorePermissionError",
     "Watchdog",

@@ -11,7 +11,12 @@ reads both keys and their TTLs, and says which state the key is in:
 - completed, not replayable: the run finished but its response was too large to store;
   duplicates get 409 ``not-replayable``.
 - completed, unreadable: the result key holds bytes that are not a record this version
-  reads; the middleware answers such a key with 503.
+  reads, or a sealed record that the configured keys do not open; the middleware answers
+  such a key with 503 and never runs it again.
+
+Every record shows its format version; a sealed one also the id of the key that sealed it
+and whether the configured keys (``$GOBLIN_IDEM_ENCRYPTION_KEYS``) open it. A sealed
+record's headers are shown only when asked (``--reveal``); its body never is.
 
 The reads are four plain GET/PTTL commands, not one atomic snapshot: a key that changes
 state while it is being inspected can show a mix of both states.
@@ -28,8 +33,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Final
 
+from . import options
 from .keys import KeyNames, key_names, names_of
-from .record import Record, RecordError, decode
+from .record import Format, Record, RecordError, decode, format_of
+from .sealing import Sealer
 from .store import KeyT, RedisStore, Store, as_bytes
 
 __all__ = [
@@ -79,10 +86,19 @@ class KeyState:
     record: Record | None = None
     error: str | None = None  # why the result could not be read
     note: str | None = None
+    format: Format | None = None  # the record's clear bytes: version, sealed, key id
+    revealed: bool = True  # the record's headers may be shown
+
+    @property
+    def opens(self) -> bool | None:
+        """Whether the configured keys open a sealed record (None: not sealed)."""
+        if self.format is None or not self.format.sealed:
+            return None
+        return self.record is not None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready view (bytes as latin-1 text, so nothing is lost)."""
-        rec = self.record
+        rec, fmt = self.record, self.format
         return {
             "hash": self.names.hash,
             "claim_key": self.names.claim.decode("latin-1"),
@@ -94,11 +110,15 @@ class KeyState:
             "result_bytes": self.result_bytes,
             "status": None if rec is None else rec.status,
             "headers": None
-            if rec is None
+            if rec is None or not self.revealed
             else [[n.decode("latin-1"), v.decode("latin-1")] for n, v in rec.headers],
             "body_bytes": None if rec is None else len(rec.body),
             "error": self.error,
             "note": self.note,
+            "format": None if fmt is None else fmt.version,
+            "sealed": None if fmt is None else fmt.sealed,
+            "key_id": None if fmt is None or fmt.key_id is None else fmt.key_id.hex(),
+            "opens": self.opens,
         }
 
 
@@ -121,12 +141,15 @@ async def inspect_key(
     scope: KeyT = b"",
     namespace: KeyT = b"idem",
     names: KeyNames | None = None,
+    sealer: Sealer | None = None,
+    reveal: bool = False,
 ) -> KeyState:
     """Read the state of `key` as the middleware sees it for callers in `scope`.
 
     `scope` is what the middleware scoped the key by: by default the request's
     Authorization header value (empty for anonymous callers). Give `names` instead of a
-    key to inspect a key hash taken from a log line (see `names_for_hash`).
+    key to inspect a key hash taken from a log line (see `names_for_hash`). A sealed record
+    is opened with `sealer`; its headers are shown only if `reveal`.
     """
     if names is None:
         if key is None:
@@ -159,9 +182,13 @@ async def inspect_key(
         if claim_ttl == -1:
             note = "the claim has no TTL: nothing will ever free it (delete it by hand)"
         return KeyState(names, IN_FLIGHT, token, claim_ttl, note=note)
+    fmt = _format_or_none(data)
     try:
-        record = decode(data)
+        record = decode(data, sealer=sealer, name=names.result)
     except RecordError as exc:
+        note = "the middleware answers requests with this key with 503 and never runs them"
+        if fmt is not None and fmt.sealed and sealer is None:
+            note += "; set $GOBLIN_IDEM_ENCRYPTION_KEYS to check whether your keys open it"
         return KeyState(
             names,
             UNREADABLE,
@@ -170,7 +197,8 @@ async def inspect_key(
             result_ttl,
             len(data),
             error=str(exc),
-            note="the middleware answers requests with this key with 503",
+            note=note,
+            format=fmt,
         )
     return KeyState(
         names,
@@ -180,7 +208,16 @@ async def inspect_key(
         result_ttl,
         len(data),
         record,
+        format=fmt,
+        revealed=reveal or not (fmt is not None and fmt.sealed),
     )
+
+
+def _format_or_none(data: bytes) -> Format | None:
+    try:
+        return format_of(data)
+    except RecordError:
+        return None
 
 
 def _ttl_text(ms: int | None) -> str:
@@ -216,10 +253,19 @@ def format_state(state: KeyState) -> str:
         lines.append(("owner token", _text(state.token)))
     if state.state != IN_FLIGHT and state.result_bytes is not None:
         lines.append(("result", f"{_ttl_text(state.result_ttl_ms)}, {state.result_bytes} bytes"))
+    fmt = state.format
+    if fmt is not None:
+        lines.append(("format", f"version {fmt.version}" + (", sealed" if fmt.sealed else "")))
+        if fmt.key_id is not None:
+            lines.append(("key id", fmt.key_id.hex()))
+            lines.append(("opens", "yes" if state.opens else "no, with the configured keys"))
     rec = state.record
     if rec is not None:
         lines.append(("status", str(rec.status)))
-        if rec.replayable:
+        if rec.replayable and not state.revealed:
+            lines.append(("headers", f"{len(rec.headers)} (sealed: --reveal shows them)"))
+            lines.append(("body", f"{len(rec.body)} bytes"))
+        elif rec.replayable:
             for i, (name, value) in enumerate(rec.headers):
                 lines.append(("headers" if i == 0 else "", f"{_text(name)}: {_text(value)}"))
             if not rec.headers:
@@ -278,6 +324,11 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--namespace", default="idem", help="key prefix (default: idem)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--reveal",
+        action="store_true",
+        help="show a sealed record's headers (opened with $GOBLIN_IDEM_ENCRYPTION_KEYS)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -308,7 +359,13 @@ async def _inspect_url(store: RedisStore, args: argparse.Namespace, scope: str) 
     names = names_for_hash(args.key_hash, namespace=args.namespace) if args.key_hash else None
     try:
         return await inspect_key(
-            store, args.key, scope=scope, namespace=args.namespace, names=names
+            store,
+            args.key,
+            scope=scope,
+            namespace=args.namespace,
+            names=names,
+            sealer=options.sealer(None),
+            reveal=args.reveal,
         )
     finally:
         await store.aclose()

@@ -38,6 +38,7 @@ __all__ = [
     "header_scope",
     "key_names",
     "names_of",
+    "previous_names",
     "string_key",
     "valid_key",
 ]
@@ -156,7 +157,7 @@ def cookie_scope(name: str) -> Callable[[Scope], bytes]:
 class KeyNames:
     claim: bytes
     result: bytes
-    hash: str  # what logs and operators see instead of the key
+    hash: str  # what logs and operators see instead of the key: 32 hex digits
 
 
 def key_names(namespace: bytes, scope: bytes, key: bytes) -> KeyNames:
@@ -166,10 +167,30 @@ def key_names(namespace: bytes, scope: bytes, key: bytes) -> KeyNames:
     h.update(len(scope).to_bytes(4, "big"))  # length-prefixed: (a, bc) != (ab, c)
     h.update(scope)
     h.update(key)
-    return names_of(namespace, h.hexdigest())
+    digest = h.digest()
+    return _names(namespace, digest, digest.hex())
 
 
 def names_of(namespace: bytes, digest: str) -> KeyNames:
-    """The store keys of a key hash (32 hex digits, as logs print it)."""
+    """The store keys of a key hash (32 hex digits, as logs print it).
+
+    The hash is in the names as its 16 bytes, not 32 hex digits: at 86 million completed
+    keys (1,000 a second, a 24 h TTL) the 32 bytes saved on the two names are 32 bytes per
+    key of Redis memory (a 48-byte allocation each becomes a 32-byte one). A ``}`` byte
+    would end the cluster hash tag early (and a leading one leave it empty, splitting the
+    claim and the result over two slots), so it is written as ``~``: the tag is always
+    the 16 bytes, at the cost of 0.09 of the hash's 128 bits. Release 0.1.0 named them by
+    the hex digits (README: Upgrading from 0.1.0)."""
+    return _names(namespace, bytes.fromhex(digest), digest)
+
+
+def _names(namespace: bytes, digest: bytes, hex_digest: str) -> KeyNames:
+    base = namespace + b":{" + digest.replace(b"}", b"~") + b"}:"
+    return KeyNames(base + b"c", base + b"r", hex_digest)
+
+
+def previous_names(namespace: bytes, digest: str) -> KeyNames:
+    """The names release 0.1.0 gave a key hash: its 32 hex digits in the tag. Read by the
+    middleware's `previous_key_names` transition, never written."""
     base = namespace + b":{" + digest.encode() + b"}:"
     return KeyNames(base + b"c", base + b"r", digest)

@@ -10,6 +10,7 @@ from the claim step's reply alone. A request without a key costs nothing.
 from __future__ import annotations
 
 import asyncio
+import base64
 import fnmatch
 import functools
 import itertools
@@ -34,6 +35,7 @@ from .keys import (
     credential_header,
     credentials_scope,
     key_names,
+    previous_names,
     string_key,
     valid_key,
 )
@@ -41,6 +43,7 @@ from .lease import Lease, Watchdog
 from .lifespan import run_lifespan
 from .openapi import document_openapi
 from .record import Record, RecordError, decode, encode, fingerprint
+from .sealing import Sealer
 from .store import CLAIMED, Store
 
 __all__ = ["Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
@@ -50,7 +53,7 @@ logger = logging.getLogger("goblin_idem.middleware")
 F = TypeVar("F", bound=Callable[..., Any])
 
 # What a store that is down or misbehaving raises; all of it ends in 503 (fail closed).
-STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError, RecordError)
+STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 # Errors that no retry fixes, only a change of configuration: logged once per store.
 CONFIGURATION_ERRORS = (NoPermissionError, AuthenticationError)
 _misconfigured: weakref.WeakSet[Any] = weakref.WeakSet()  # stores whose error was logged
@@ -84,20 +87,23 @@ _POLICY_ATTR = "__goblin_idem__"
 
 
 class _ClaimTokens:
-    """Claim tokens ``<pid>:<16 hex digits>``, a different one for every claim of the
-    process: a random 64-bit start plus a counter, instead of reading the system's
-    randomness on every request. A forked child takes its own pid and a new start."""
+    """Claim tokens of 12 characters (base64url of 72 bits), a different one for every
+    claim of the process: a random start plus a counter, instead of reading the system's
+    randomness on every request. A forked child takes a new start. Twelve, not the
+    ``<pid>:<16 hex digits>`` of earlier releases: a claim's value lives as long as its
+    result, and Redis 7 keeps a value of up to 12 bytes in a 32-byte allocation, one of 22
+    in a 48-byte one (16 bytes a completed key)."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.prefix = b"%d:" % os.getpid()
-        self.start = secrets.randbits(64)
+        self.start = secrets.randbits(72)
         self.count = itertools.count()
 
     def __call__(self) -> bytes:
-        return b"%s%016x" % (self.prefix, (self.start + next(self.count)) & 0xFFFF_FFFF_FFFF_FFFF)
+        n = (self.start + next(self.count)) & 0xFF_FFFF_FFFF_FFFF_FFFF
+        return base64.urlsafe_b64encode(n.to_bytes(9, "big"))
 
 
 _claim_token = _ClaimTokens()
@@ -192,6 +198,7 @@ class Counters:
     not_replayable: int = 0
     publish_errors: int = 0
     unprotected: int = 0
+    unreadable: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -247,6 +254,10 @@ class IdempotencyMiddleware:
         check_store: bool = True,
         close_store: bool = True,
         otel: bool = False,
+        encryption_keys: Sequence[bytes] | Sealer | None = None,
+        compression: str | None = "zlib",
+        compress_above_bytes: int = 1024,
+        previous_key_names: bool = False,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI application, not a {type(app).__name__}")
@@ -294,6 +305,12 @@ class IdempotencyMiddleware:
         self.on_event = options.callable_or_none(
             "on_event", on_event, "a function (event, key_hash) called on every counter increment"
         )
+        self.sealer = options.sealer(encryption_keys)
+        self.codec = options.codec(compression)
+        self.compress_above = options.whole_number(
+            "compress_above_bytes", compress_above_bytes, minimum=0
+        )
+        self.previous_key_names = options.flag("previous_key_names", previous_key_names)
         self.counters = Counters()
         self.watchdog = Watchdog.for_store(self.store)
         self._background: set[asyncio.Task[Any]] = set()
@@ -468,7 +485,6 @@ class IdempotencyMiddleware:
                 while reply is None and asyncio.get_running_loop().time() < deadline:
                     await asyncio.sleep(self.poll_interval)
                     reply = await claim(names.claim, names.result, token, settings.lease_seconds)
-            record = None if reply is None or reply is CLAIMED else decode(reply)
         except Exception as exc:
             # Anything out of the store step, even a client library's own bug, means the
             # claim is in doubt: answer as for a store that is down, never run unprotected
@@ -479,18 +495,16 @@ class IdempotencyMiddleware:
             return
 
         if reply is CLAIMED:
+            if self.previous_key_names and await self._answered_from_previous(
+                scope, _replay_receive(body, receive), send, names, token, fp
+            ):
+                return
             self._count("claimed", names.hash)
             await self._run(scope, receive, send, body, names, token, fp, settings)
-        elif record is None:
-            self._count("in_flight", names.hash)
-            await problems.send_problem(
-                send,
-                problems.IN_FLIGHT,
-                "A request with this key is in progress; retry after the Retry-After delay.",
-                [(b"retry-after", self.retry_after)],
-            )
+        elif reply is None:
+            await self._in_flight(send, names)
         else:
-            await self._answer_duplicate(record, fp, send, names)
+            await self._answer_stored(reply, fp, send, names)
 
     async def _refuse_key(self, send: Send, *, malformed: bool) -> None:
         self._count("invalid_key")
@@ -620,6 +634,90 @@ class IdempotencyMiddleware:
             [(b"retry-after", self.retry_after)],
         )
 
+    async def _in_flight(self, send: Send, names: KeyNames) -> None:
+        self._count("in_flight", names.hash)
+        await problems.send_problem(
+            send,
+            problems.IN_FLIGHT,
+            "A request with this key is in progress; retry after the Retry-After delay.",
+            [(b"retry-after", self.retry_after)],
+        )
+
+    async def _answer_stored(self, data: bytes, fp: bytes, send: Send, names: KeyNames) -> None:
+        try:
+            record = decode(data, sealer=self.sealer, name=names.result)
+        except RecordError as exc:
+            await self._unreadable(exc, send, names)
+            return
+        await self._answer_duplicate(record, fp, send, names)
+
+    async def _answered_from_previous(
+        self, scope: Scope, receive: Receive, send: Send, names: KeyNames, token: bytes, fp: bytes
+    ) -> bool:
+        """`previous_key_names`: the key just claimed under this release's names may have
+        been used under 0.1.0's (README: Upgrading from 0.1.0). A result stored there is
+        the answer, and is copied under the new names for its remaining TTL, so that later
+        duplicates are answered by the claim step alone; a claim held there (a 0.1.0
+        process running the work) is answered 409, and the new claim freed. Up to three
+        reads, on first runs only. Not atomic with the claim: a 0.1.0 process that claims
+        the old names after these reads runs the work a second time."""
+        old = previous_names(self.namespace, names.hash)
+        try:
+            data = await self.store.get(old.result)
+            ttl = await self.store.pttl(old.result) if data is not None else -2
+            held = data is None and await self.store.get(old.claim) is not None
+        except Exception as exc:
+            await self._free(names, token)
+            await self._store_failed(exc, scope, receive, send, names)
+            return True
+        if data is None and not held:
+            return False
+        if data is None:
+            await self._free(names, token)
+            await self._in_flight(send, names)
+            return True
+        try:
+            if (
+                ttl <= 0
+                or await self.store.publish(names.result, data, ttl, names.claim, token) != 1
+            ):
+                await self._free(names, token)
+        except Exception as exc:  # the answer stands; a later duplicate reads the old names
+            logger.warning(
+                "key %s: could not copy the result stored under 0.1.0's names: %s",
+                names.hash,
+                _describe(exc),
+            )
+            await self._free(names, token)
+        await self._answer_stored(data, fp, send, names)
+        return True
+
+    async def _free(self, names: KeyNames, token: bytes) -> None:
+        """Free the claim (its lease's TTL frees it if this fails)."""
+        try:
+            await self.store.cad(names.claim, token)
+        except Exception as exc:
+            logger.warning(
+                "could not release key %s (its lease will expire): %s", names.hash, _describe(exc)
+            )
+
+    async def _unreadable(self, exc: RecordError, send: Send, names: KeyNames) -> None:
+        """A stored record this process cannot read: a newer release's format, a sealed
+        record no configured key opens, or damaged bytes. The work it records happened, so
+        it is never run again (whatever fail_open says); the key stays answered 503 until
+        a process that reads it answers, or the result expires."""
+        self._count("unreadable", names.hash)
+        logger.error(
+            "key %s: the stored response cannot be read, answering 503: %s", names.hash, exc
+        )
+        await problems.send_problem(
+            send,
+            problems.RECORD_UNREADABLE,
+            "The request with this key was run, but its stored response cannot be read here. "
+            "It is not run again; retry later with the same key.",
+            [(b"retry-after", self.retry_after)],
+        )
+
     async def _answer_duplicate(
         self, record: Record, fp: bytes, send: Send, names: KeyNames
     ) -> None:
@@ -698,18 +796,19 @@ class IdempotencyMiddleware:
 
     async def _release(self, lease: Lease, names: KeyNames, token: bytes) -> None:
         await self.watchdog.release(lease)
-        try:
-            await self.store.cad(names.claim, token)
-        except Exception as exc:
-            logger.warning(
-                "could not release key %s (its lease will expire): %s", names.hash, _describe(exc)
-            )
+        await self._free(names, token)
 
     async def _publish(
         self, lease: Lease, names: KeyNames, token: bytes, record: Record, ttl_ms: int
     ) -> None:
         await self.watchdog.release(lease)
-        data = encode(record)
+        data = encode(
+            record,
+            sealer=self.sealer,
+            name=names.result,
+            codec=self.codec,
+            compress_above=self.compress_above,
+        )
         for delay in (*PUBLISH_RETRY_DELAYS, None):
             try:
                 renewed = await self.store.publish(names.result, data, ttl_ms, names.claim, token)

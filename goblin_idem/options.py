@@ -12,16 +12,20 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import compression as _compression
 from .memory import MemoryStore
+from .sealing import ENV_VAR, Sealer, keys_from_env
 from .store import Store
 
 __all__ = [
     "callable_or_none",
+    "codec",
     "flag",
     "http_tokens",
     "key_pattern",
     "namespace",
     "patterns",
+    "sealer",
     "store",
     "whole_number",
 ]
@@ -148,3 +152,33 @@ def namespace(value: object) -> bytes:
             "Cluster hash tag in braces, which a brace in the prefix would displace"
         )
     return value.encode()
+
+
+def sealer(value: object) -> Sealer | None:
+    """`encryption_keys`: a Sealer, a list of 32-byte keys (current first), or None for
+    the keys in $GOBLIN_IDEM_ENCRYPTION_KEYS (no encryption if it is unset); [] turns
+    encryption off whatever the environment says."""
+    if isinstance(value, Sealer):
+        return value
+    if value is None:
+        value = keys_from_env()
+        if value is None:
+            return None
+        where = f" (from ${ENV_VAR})"
+    else:
+        where = ""
+    if isinstance(value, (list, tuple)) and not value:
+        return None
+    try:
+        return Sealer(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"encryption_keys{where}: {exc}") from None
+
+
+def codec(value: object) -> _compression.Codec | None:
+    """`compression`: 'zlib', 'zstd' or None (bodies stored as sent)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"compression must be 'zlib', 'zstd' or None, not {_kind(value)}")
+    return _compression.codec(value)

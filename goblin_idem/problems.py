@@ -14,6 +14,7 @@ __all__ = [
     "KEY_REUSED",
     "MISSING_KEY",
     "NOT_REPLAYABLE",
+    "RECORD_UNREADABLE",
     "STORE_UNAVAILABLE",
     "TYPE_BASE",
     "Problem",
@@ -47,6 +48,11 @@ NOT_REPLAYABLE = Problem(
 )
 KEY_REUSED = Problem(
     "key-reused", 422, "This Idempotency-Key was already used for a different request"
+)
+RECORD_UNREADABLE = Problem(
+    "record-unreadable",
+    503,
+    "The request with this Idempotency-Key was run, but its stored response cannot be read",
 )
 STORE_UNAVAILABLE = Problem(
     "store-unavailable", 503, "The idempotency store is unavailable; the request was not run"

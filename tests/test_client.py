@@ -42,7 +42,7 @@ from goblin_idem.client import (
     backoff_delay,
     parse_retry_after,
 )
-from goblin_idem.keys import key_names
+from goblin_idem.keys import key_names, names_of
 
 PROBLEM = "urn:goblin-idem:problem:"
 FAST = RetryPolicy(base_delay=0.02, max_delay=0.2, budget=None)  # quick retries, no budget
@@ -355,7 +355,7 @@ def test_the_key_hash_is_the_one_the_server_stores(
     digest = key_names(b"idem", b"Bearer tok", key.encode()).hash
     assert caller.events[0].key_hash == digest
     with example_app.store.sync_client() as redis:
-        assert redis.exists(f"idem:{{{digest}}}:r") == 1
+        assert redis.exists(names_of(b"idem", digest).result) == 1
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "goblin_idem.client"]
     assert len(lines) == 1
     assert digest in lines[0] and "attempt 1" in lines[0] and key not in lines[0]

@@ -67,7 +67,8 @@ async def test_free() -> None:
     assert state.names == names
     text = format_state(state)
     assert text.splitlines()[0] == f"key hash    {names.hash}"
-    assert f"claim key   idem:{{{names.hash}}}:c" in text
+    raw = bytes.fromhex(names.hash).replace(b"}", b"~")
+    assert f"claim key   {repr(b'idem:{' + raw + b'}:c')[2:-1]}" in text
     assert "state       free" in text
     assert "owner" not in text
 
@@ -87,7 +88,8 @@ async def test_in_flight() -> None:
 
 
 async def test_in_flight_while_the_middleware_runs() -> None:
-    """A real request in progress: the claim holds the middleware's token, pid first."""
+    """A real request in progress: the claim holds the middleware's token (12 characters,
+    base64url)."""
     store = MemoryStore()
     entered, leave = asyncio.Event(), asyncio.Event()
 
@@ -107,7 +109,7 @@ async def test_in_flight_while_the_middleware_runs() -> None:
         leave.set()
         assert (await task).status_code == 201
     assert state.state == IN_FLIGHT
-    assert state.token is not None and state.token.startswith(f"{os.getpid()}:".encode())
+    assert state.token is not None and re.fullmatch(rb"[A-Za-z0-9_-]{12}", state.token)
     assert state.claim_ttl_ms is not None and 4_000 < state.claim_ttl_ms <= 5_000
     assert (await inspect_key(store, "k-run")).state == COMPLETED
 
@@ -243,7 +245,7 @@ async def test_cli_states_on_redis(redis_server: Server, redis_store: RedisStore
     assert as_json.returncode == 0, as_json.stderr
     doc = json.loads(as_json.stdout)
     assert doc["state"] == "in flight" and doc["token"] == "777:cafe"
-    assert doc["claim_key"] == busy.claim.decode()
+    assert doc["claim_key"] == busy.claim.decode("latin-1")
     assert 0 < doc["claim_ttl_ms"] <= 30_000
 
     assert cli("--url", url).returncode == 2  # neither KEY nor --hash

@@ -16,10 +16,12 @@ import json
 import random
 import time
 import tracemalloc
+from typing import Literal
 
+import pytest
 from asgi import request
 from rel_common import mean, pick, record
-from servers import Server
+from servers import Server, start_server
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
@@ -58,8 +60,23 @@ async def complete(mw: IdempotencyMiddleware, keys: list[str]) -> None:
     await asyncio.gather(*(one(k) for k in keys))
 
 
-async def test_redis_bytes_per_completed_key(own_redis: Server) -> None:
-    store = RedisStore.from_url(own_redis.url, mode="script")
+@pytest.mark.parametrize(
+    "server", ["redis-script", "redis-native", "valkey-script", "valkey-native"]
+)
+async def test_redis_bytes_per_completed_key(request: pytest.FixtureRequest, server: str) -> None:
+    kind, mode = server.split("-")
+    modules = [str(request.getfixturevalue("native_module"))] if mode == "native" else []
+    srv = start_server(kind, modules=modules)
+    try:
+        await _bytes_per_completed_key(srv, kind, mode)  # type: ignore[arg-type]
+    finally:
+        srv.stop()
+
+
+async def _bytes_per_completed_key(
+    srv: Server, kind: str, mode: Literal["script", "native"]
+) -> None:
+    store = RedisStore.from_url(srv.url, mode=mode)
     client = store.client
     mw = IdempotencyMiddleware(FixedApp(), store=store)
     keys = [f"mem-{i:07d}-{random.getrandbits(24):06x}" for i in range(REDIS_KEYS)]
@@ -79,17 +96,18 @@ async def test_redis_bytes_per_completed_key(own_redis: Server) -> None:
             usage_claim.append(await client.memory_usage(names.claim, samples=0))
             usage_result.append(await client.memory_usage(names.result, samples=0))
             record_len.append(await client.strlen(names.result))
-        version = (await client.info("server"))["redis_version"]
+        info = await client.info("server")
+        version = info.get("valkey_version") or info["redis_version"]
     finally:
         await store.aclose()
 
     per_key = (after - before) / REDIS_KEYS
     usage_pair = mean(usage_claim) + mean(usage_result)
     record(
-        "memory-redis",
-        "Memory: Redis bytes per completed key",
+        f"memory-{kind}-{mode}",
+        f"Memory: {kind} ({mode} mode) bytes per completed key",
         {
-            "server": f"redis {version}",
+            "server": f"{kind} {version}",
             "keys": REDIS_KEYS,
             "body_bytes": BODY_BYTES,
             "used_memory_delta_bytes": after - before,
@@ -100,6 +118,7 @@ async def test_redis_bytes_per_completed_key(own_redis: Server) -> None:
             "overhead_per_key_beyond_body_memory_usage": round(usage_pair - BODY_BYTES, 1),
             "stored_record_bytes_avg": round(mean(record_len), 1),
             "record_bytes_beyond_body": round(mean(record_len) - BODY_BYTES, 1),
+            "overhead_per_key_beyond_record_used_memory": round(per_key - mean(record_len), 1),
             "fill_duration_s": round(duration, 2),
             "keys_per_s": round(REDIS_KEYS / duration),
         },
