@@ -28,6 +28,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import options, problems
+from .claim import Claim, current, poll_claim
 from .keys import (
     DEFAULT_KEY_PATTERN,
     KeyNames,
@@ -419,12 +420,10 @@ class IdempotencyMiddleware:
         try:
             reply = await claim(names.claim, names.result, token, settings.lease_seconds)
             if reply is None and self.wait_ms > 0:
-                # Poll with the claim step itself: it replays once published, and takes the
-                # work over if the first run died and its lease ran out meanwhile.
-                deadline = asyncio.get_running_loop().time() + self.wait_ms / 1000
-                while reply is None and asyncio.get_running_loop().time() < deadline:
-                    await asyncio.sleep(self.poll_interval)
-                    reply = await claim(names.claim, names.result, token, settings.lease_seconds)
+                step = functools.partial(
+                    claim, names.claim, names.result, token, settings.lease_seconds
+                )
+                reply = await poll_claim(step, self.wait_ms / 1000, self.poll_interval)
             record = None if reply is None or reply is CLAIMED else decode(reply)
         except Exception as exc:
             # Anything out of the store step, even a client library's own bug, means the
@@ -622,9 +621,11 @@ class IdempotencyMiddleware:
             on_lost=self._lease_lost,
         )
         responder = _Responder(self, send, lease, names, token, fp, settings)
+        held = current.set(Claim(self.store, lease))  # current_claim() in the handler
         try:
             await self.app(scope, _replay_receive(body, receive), responder.send)
         finally:
+            current.reset(held)
             if not responder.finished:
                 # Raised, cancelled, or returned without a complete response: the work
                 # may not have happened, so free the key for the client's retry.
