@@ -49,8 +49,8 @@ class Claim:
 
         One round trip (a GET of the claim key), none if the watchdog already saw the claim
         lost. It reads and never writes, so asking after the result was stored is harmless.
-        What it proves holds when the store answered: the claim was this run's then, and the
-        lease keeps it for at least a third of a lease more while the watchdog renews it.
+        What it proves holds when the store answered; the watchdog keeps renewing the claim
+        after it, and no check closes the gap between itself and the commit that follows.
         """
         lease = self._lease
         if not lease.lost and await self._store.get(lease.key) == lease.token:
