@@ -26,6 +26,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import os
 import secrets
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
@@ -175,7 +176,7 @@ class _Once:
 
     async def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = self.names(args, kwargs)
-        token = secrets.token_hex(16).encode()
+        token = b"%d:%s" % (os.getpid(), secrets.token_hex(8).encode())  # as the middleware's
         step = functools.partial(
             self.store.claim_unless_done, names.claim, names.result, token, self.lease_seconds
         )

@@ -129,6 +129,27 @@ async def test_an_exception_releases_the_claim_and_the_next_call_runs(store: Sto
     assert await flaky(7) == 2 and runs == 2
 
 
+async def test_a_cancelled_run_releases_the_claim(store: Store) -> None:
+    started = asyncio.Event()
+    runs = 0
+
+    @once(store, key=lambda n: n, name="cancelled")
+    async def slow(n: int) -> int:
+        nonlocal runs
+        runs += 1
+        started.set()
+        await asyncio.sleep(0 if runs > 1 else 60)
+        return runs
+
+    task = asyncio.create_task(slow(1))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await store.get(claim_key("cancelled", "1")) is None  # released before it raised
+    assert await slow(1) == 2
+
+
 async def test_two_functions_with_one_key_are_independent(store: Store) -> None:
     calls: list[str] = []
 
