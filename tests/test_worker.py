@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 async def test_a_worker_killed_mid_event_charges_each_event_once(redis_server: Server) -> None:
-    demo = await run_stream_demo(redis_server.url, messages=10)
+    # 800 ms of work per event: the kill, a few ms after the worker logged its third start,
+    # lands in that work (before any write) even on a loaded machine.
+    demo = await run_stream_demo(redis_server.url, messages=10, work_ms=800)
     assert demo.effects == 10 and demo.duplicate_charges == {}
     assert demo.acked == 10
     # It died with events started and not charged; the second worker reclaimed them, and
