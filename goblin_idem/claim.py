@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from .errors import ClaimLostError
 from .lease import Lease
 from .store import ClaimReply, Store
 
-__all__ = ["Claim", "current_claim", "poll_claim"]
+__all__ = ["Claim", "ClaimHolder", "current_claim", "poll_claim"]
 
 
 class Claim:
@@ -61,13 +62,23 @@ class Claim:
             key_hash=lease.label,
         )
 
+    def claim(self) -> Claim:
+        return self
+
     def __repr__(self) -> str:
         state = "lost" if self.lost else "held"
         return f"Claim(key_hash={self.key_hash!r}, {state})"
 
 
+class ClaimHolder(Protocol):
+    """What runs the work and holds its claim: a Claim itself, or the middleware's
+    responder, which builds one only when the handler asks (nothing per request else)."""
+
+    def claim(self) -> Claim: ...
+
+
 # Set by the holder around the run (`.set` before, `.reset` after): two calls per run.
-current: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
+current: contextvars.ContextVar[ClaimHolder | None] = contextvars.ContextVar(
     "goblin_idem_claim", default=None
 )
 
@@ -75,7 +86,8 @@ current: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
 def current_claim() -> Claim | None:
     """The claim of the run this code is part of (a `once` function, or a handler run by
     IdempotencyMiddleware for a request with a key); None outside such a run."""
-    return current.get()
+    holder = current.get()
+    return None if holder is None else holder.claim()
 
 
 async def poll_claim(

@@ -621,7 +621,7 @@ class IdempotencyMiddleware:
             on_lost=self._lease_lost,
         )
         responder = _Responder(self, send, lease, names, token, fp, settings)
-        held = current.set(Claim(self.store, lease))  # current_claim() in the handler
+        held = current.set(responder)  # current_claim() in the handler: responder.claim()
         try:
             await self.app(scope, _replay_receive(body, receive), responder.send)
         finally:
@@ -782,6 +782,10 @@ class _Responder:
         self.keep = True
         self.trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
         self.finished = False
+
+    def claim(self) -> Claim:
+        """This run's claim, for current_claim() in the handler: built when asked."""
+        return Claim(self.mw.store, self.lease)
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
