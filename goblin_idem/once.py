@@ -92,7 +92,9 @@ def once(
             f"not {type(codec).__name__}"
         )
     if isinstance(wait_seconds, bool) or not isinstance(wait_seconds, (int, float)):
-        raise TypeError(f"wait_seconds must be a number of seconds, not {type(wait_seconds)}")
+        raise TypeError(
+            f"wait_seconds must be a number of seconds, not {type(wait_seconds).__name__}"
+        )
     if not 0 <= wait_seconds < float("inf"):
         raise ValueError(f"wait_seconds must be >= 0 and finite, got {wait_seconds}")
     if name is not None and (not isinstance(name, str) or not name):
