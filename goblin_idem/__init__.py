@@ -1,7 +1,11 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
 
+from .claim import Claim, current_claim
+from .codecs import Codec
 from .errors import (
+    ClaimLostError,
     GoblinError,
+    InFlightError,
     LockError,
     LockNotOwnedError,
     NotReplicatedError,
@@ -11,16 +15,21 @@ from .keys import cookie_scope, header_scope
 from .lease import Lease, Lock, Watchdog
 from .memory import MemoryStore
 from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
+from .once import once
 from .sealing import Sealer
 from .store import CLAIMED, Claimed, ClaimReply, KeyT, RedisStore, Store
 
 __all__ = [
     "CLAIMED",
+    "Claim",
+    "ClaimLostError",
     "ClaimReply",
     "Claimed",
+    "Codec",
     "Counters",
     "GoblinError",
     "IdempotencyMiddleware",
+    "InFlightError",
     "KeyT",
     "Lease",
     "Lock",
@@ -35,8 +44,10 @@ __all__ = [
     "StorePermissionError",
     "Watchdog",
     "cookie_scope",
+    "current_claim",
     "header_scope",
     "idempotent",
+    "once",
 ]
 
 __version__ = "0.1.0"

@@ -13,7 +13,9 @@ __all__ = [
     "NOT_INTEGER",
     "VALUE_TOO_LARGE",
     "WRONGTYPE",
+    "ClaimLostError",
     "GoblinError",
+    "InFlightError",
     "LockError",
     "LockNotOwnedError",
     "NotReplicatedError",
@@ -43,6 +45,26 @@ class LockError(GoblinError):
 
 class LockNotOwnedError(LockError):
     """The lock's lease was lost (expired or taken) while the caller believed it held it."""
+
+
+class InFlightError(GoblinError):
+    """Another run of a `once` function holds the claim of this key (or its worker died and
+    the lease has not run out yet): nothing ran. Retry after `retry_after` seconds; a
+    message consumer leaves the message unacknowledged, to be delivered again."""
+
+    def __init__(self, message: str, *, key_hash: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.key_hash = key_hash
+        self.retry_after = retry_after
+
+
+class ClaimLostError(GoblinError):
+    """The store no longer holds this run's claim (its lease lapsed, or the key was taken or
+    deleted): another run may be doing the same work, so commit no side effect."""
+
+    def __init__(self, message: str, *, key_hash: str) -> None:
+        super().__init__(message)
+        self.key_hash = key_hash
 
 
 class NotReplicatedError(GoblinError, RedisError):

@@ -10,14 +10,11 @@ from the claim step's reply alone. A request without a key costs nothing.
 from __future__ import annotations
 
 import asyncio
-import base64
 import fnmatch
 import functools
-import itertools
 import logging
 import os
 import re
-import secrets
 import sys
 import weakref
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -29,6 +26,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import options, problems
+from .claim import Claim, current, new_token, poll_claim
 from .keys import (
     DEFAULT_KEY_PATTERN,
     KeyNames,
@@ -84,31 +82,6 @@ HOP_BY_HOP = frozenset(
 HOP_BY_HOP_BUT_TRAILER = HOP_BY_HOP - {b"trailer"}
 REPLAYED = (b"idempotent-replayed", b"true")
 _POLICY_ATTR = "__goblin_idem__"
-
-
-class _ClaimTokens:
-    """Claim tokens of 12 characters (base64url of 72 bits), a different one for every
-    claim of the process: a random start plus a counter, instead of reading the system's
-    randomness on every request. A forked child takes a new start. Twelve, not the
-    ``<pid>:<16 hex digits>`` of earlier releases: a claim's value lives as long as its
-    result, and Redis 7 keeps a value of up to 12 bytes in a 32-byte allocation, one of 22
-    in a 48-byte one (16 bytes a completed key)."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.start = secrets.randbits(72)
-        self.count = itertools.count()
-
-    def __call__(self) -> bytes:
-        n = (self.start + next(self.count)) & 0xFF_FFFF_FFFF_FFFF_FFFF
-        return base64.urlsafe_b64encode(n.to_bytes(9, "big"))
-
-
-_claim_token = _ClaimTokens()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_claim_token.reset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,17 +447,15 @@ class IdempotencyMiddleware:
             body,
             self._fingerprint_header_values(scope) if self.fingerprint_headers else (),
         )
-        token = _claim_token()
+        token = new_token()
         claim = self.store.claim_unless_done
         try:
             reply = await claim(names.claim, names.result, token, settings.lease_seconds)
             if reply is None and self.wait_ms > 0:
-                # Poll with the claim step itself: it replays once published, and takes the
-                # work over if the first run died and its lease ran out meanwhile.
-                deadline = asyncio.get_running_loop().time() + self.wait_ms / 1000
-                while reply is None and asyncio.get_running_loop().time() < deadline:
-                    await asyncio.sleep(self.poll_interval)
-                    reply = await claim(names.claim, names.result, token, settings.lease_seconds)
+                step = functools.partial(
+                    claim, names.claim, names.result, token, settings.lease_seconds
+                )
+                reply = await poll_claim(step, self.wait_ms / 1000, self.poll_interval)
         except Exception as exc:
             # Anything out of the store step, even a client library's own bug, means the
             # claim is in doubt: answer as for a store that is down, never run unprotected
@@ -763,9 +734,11 @@ class IdempotencyMiddleware:
             on_lost=self._lease_lost,
         )
         responder = _Responder(self, send, lease, names, token, fp, settings)
+        held = current.set(responder)  # current_claim() in the handler: responder.claim()
         try:
             await self.app(scope, _replay_receive(body, receive), responder.send)
         finally:
+            current.reset(held)
             if not responder.finished:
                 # Raised, cancelled, or returned without a complete response: the work
                 # may not have happened, so free the key for the client's retry.
@@ -923,6 +896,10 @@ class _Responder:
         self.keep = True
         self.trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
         self.finished = False
+
+    def claim(self) -> Claim:
+        """This run's claim, for current_claim() in the handler: built when asked."""
+        return Claim(self.mw.store, self.lease)
 
     async def send(self, message: Message) -> None:
         kind = message["type"]

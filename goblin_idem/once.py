@@ -1,0 +1,286 @@
+"""`once`: exactly-once runs of any coroutine function (queue consumers, webhooks, jobs).
+
+A call claims its key with the middleware's claim step (GOBLIN.CLAIM with a read of the
+result, one round trip), so the guarantees are the middleware's, for a function instead of
+a request:
+
+- at most one run at a time per key: the call that wins the claim runs the function while
+  the store's watchdog renews the lease; a call while it runs raises InFlightError, or waits
+  (`wait_seconds`) polling with the claim step, which takes the work over if the first run
+  died and its lease ran out;
+- at most one completed run per `ttl_seconds` while the store keeps the result: the return
+  value is stored (codecs.to_stored) with the claim's new TTL in one MULTI/EXEC, and every
+  later call returns it decoded, without running;
+- a run that raises (or is cancelled, or returns what the codec cannot encode) stores
+  nothing and releases the claim with CAD, only if it still holds this run's token, so the
+  next call runs again: the function must leave nothing behind that a second run would
+  duplicate, as a handler must.
+
+Only `async def` functions: a sync function run in a thread cannot be stopped when its
+lease is lost or its caller cancelled, so it could commit after another run took over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+from . import options
+from .claim import Claim, current, new_token, poll_claim
+from .codecs import Codec, codec_for, from_stored, to_stored
+from .errors import InFlightError
+from .keys import KeyNames, key_names
+from .lease import Lease, Watchdog
+from .sealing import Sealer
+from .store import CLAIMED, ClaimReply, Store
+
+__all__ = ["once"]
+
+logger = logging.getLogger("goblin_idem.once")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+POLL_SECONDS = 0.05  # the middleware's default poll_interval_ms
+RETRY_AFTER = 1.0  # the middleware's default Retry-After
+PUBLISH_RETRY_DELAYS = (0.05, 0.25)  # as the middleware's: a failover's promotion, a reconnect
+_background: set[asyncio.Task[Any]] = set()  # closing steps that outlive a cancelled call
+
+
+def once(
+    store: Store,
+    *,
+    key: Callable[..., str | bytes | int],
+    ttl_seconds: int = 86_400,
+    lease_seconds: int = 30,
+    namespace: str = "once",
+    codec: Codec | None = None,
+    wait_seconds: float = 0,
+    name: str | None = None,
+    encryption_keys: Sequence[bytes] | Sealer | None = None,
+) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
+    """Run the decorated ``async def`` at most once per key (see the module docstring).
+
+    `key` is called with the function's arguments and returns the work's identity (an
+    event or message id) as str, bytes or int (``1`` and ``"1"`` are the same key). Store
+    keys are ``<namespace>:{<hash>}:c`` and ``:r``, the hash over `name` (default: the
+    function's module and qualified name; pass it to keep the keys across a rename) and the
+    key, so two functions never share a claim. The return value is stored with `codec`
+    (default: by the return annotation, see goblin_idem.codecs), sealed and bound to its
+    store key as the middleware's records are when `encryption_keys` (or
+    ``$GOBLIN_IDEM_ENCRYPTION_KEYS``) gives keys.
+    """
+    if store is None:
+        raise TypeError(
+            "once needs a store: RedisStore.from_url(url) for several processes, "
+            "MemoryStore() for one"
+        )
+    the_store: Store = options.store(store)
+    if not callable(key):
+        raise TypeError(
+            "key must be a function of the decorated function's arguments returning the "
+            f"work's id, as in key=lambda event: event['id']; got {type(key).__name__}"
+        )
+    ttl_seconds = options.whole_number("ttl_seconds", ttl_seconds, minimum=1)
+    lease_seconds = options.whole_number("lease_seconds", lease_seconds, minimum=1)
+    ns = options.namespace(namespace)
+    if codec is not None and not isinstance(codec, Codec):
+        raise TypeError(
+            "codec must have encode(value) -> bytes and decode(data) -> value methods, "
+            f"not {type(codec).__name__}"
+        )
+    if isinstance(wait_seconds, bool) or not isinstance(wait_seconds, (int, float)):
+        raise TypeError(
+            f"wait_seconds must be a number of seconds, not {type(wait_seconds).__name__}"
+        )
+    if not 0 <= wait_seconds < float("inf"):
+        raise ValueError(f"wait_seconds must be >= 0 and finite, got {wait_seconds}")
+    sealer = options.sealer(encryption_keys)
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError("name must be a non-empty str (the function's identity in store keys)")
+
+    def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+        if not inspect.iscoroutinefunction(func):
+            raise TypeError(
+                f"once decorates async def functions only, and {_name_of(func)} is not one: "
+                "a sync function run in a thread could not be stopped when its claim is "
+                "lost. Make it async def (await asyncio.to_thread(...) inside it for "
+                "blocking calls, and check current_claim() before committing)"
+            )
+        run = _Once(
+            the_store,
+            func,
+            key,
+            (name or _name_of(func)).encode(),
+            ns,
+            codec if codec is not None else codec_for(func),
+            ttl_seconds * 1000,
+            lease_seconds,
+            float(wait_seconds),
+            sealer,
+        )
+
+        @functools.wraps(func)
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            result: R = await run(args, kwargs)
+            return result
+
+        return wrapper
+
+    return decorate
+
+
+def _name_of(func: Callable[..., Any]) -> str:
+    module = getattr(func, "__module__", None) or "?"
+    return f"{module}.{getattr(func, '__qualname__', type(func).__qualname__)}"
+
+
+class _Once:
+    """The decorated function's settings, and its one call."""
+
+    def __init__(
+        self,
+        store: Store,
+        func: Callable[..., Awaitable[Any]],
+        key: Callable[..., str | bytes | int],
+        name: bytes,
+        namespace: bytes,
+        codec: Codec,
+        ttl_ms: int,
+        lease_seconds: int,
+        wait_seconds: float,
+        sealer: Sealer | None,
+    ) -> None:
+        self.store = store
+        self.func = func
+        self.key = key
+        self.name = name
+        self.namespace = namespace
+        self.codec = codec
+        self.ttl_ms = ttl_ms
+        self.lease_seconds = lease_seconds
+        self.wait_seconds = wait_seconds
+        self.sealer = sealer
+        self.watchdog = Watchdog.for_store(store)
+
+    def names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyNames:
+        value = self.key(*args, **kwargs)
+        if isinstance(value, str):
+            raw = value.encode()
+        elif isinstance(value, bytes):
+            raw = value
+        elif isinstance(value, int) and not isinstance(value, bool):
+            raw = str(value).encode()
+        else:
+            raise TypeError(
+                f"the key function of {self.name.decode()} must return str, bytes or int, "
+                f"not {type(value).__name__}"
+            )
+        return key_names(self.namespace, self.name, raw)
+
+    async def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        names = self.names(args, kwargs)
+        token = new_token()
+        step = functools.partial(
+            self.store.claim_unless_done, names.claim, names.result, token, self.lease_seconds
+        )
+        reply: ClaimReply = await step()
+        if reply is None and self.wait_seconds > 0:
+            reply = await poll_claim(step, self.wait_seconds, POLL_SECONDS)
+        if reply is None:
+            raise InFlightError(
+                f"{self.name.decode()}: another run holds key {names.hash} (or its worker "
+                f"died and its lease of {self.lease_seconds}s has not run out); nothing ran",
+                key_hash=names.hash,
+                retry_after=RETRY_AFTER,
+            )
+        if reply is not CLAIMED:
+            return from_stored(self.codec, reply, self.sealer, names.result)
+        return await self._run(args, kwargs, names, token)
+
+    async def _run(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], names: KeyNames, token: bytes
+    ) -> Any:
+        lease = self.watchdog.hold(names.claim, token, self.lease_seconds * 1000, label=names.hash)
+        try:
+            held = current.set(Claim(self.store, lease))
+            try:
+                value = await self.func(*args, **kwargs)
+            finally:
+                current.reset(held)
+            try:
+                data = to_stored(self.codec, value, self.sealer, names.result)
+            except TypeError as exc:
+                raise TypeError(
+                    f"{self.name.decode()} returned a value its codec cannot store ({exc}); "
+                    "nothing was stored and the claim was released. Return JSON types, a "
+                    "dataclass or pydantic model named in the return annotation, or pass "
+                    "codec="
+                ) from exc
+        except BaseException:
+            await _shielded(self._release(lease, names, token))
+            raise
+        await _shielded(self._publish(lease, names, token, data))
+        # What every later call gets, so the first caller sees the same (a tuple as a list).
+        return from_stored(self.codec, data, self.sealer, names.result)
+
+    async def _release(self, lease: Lease, names: KeyNames, token: bytes) -> None:
+        await self.watchdog.release(lease)
+        try:
+            await self.store.cad(names.claim, token)
+        except Exception as exc:
+            logger.warning(
+                "could not release key %s (its lease will expire): %s: %s",
+                names.hash,
+                type(exc).__name__,
+                exc,
+            )
+
+    async def _publish(self, lease: Lease, names: KeyNames, token: bytes, data: bytes) -> None:
+        """Store the value and give the claim the result's TTL, together (one MULTI/EXEC).
+
+        Retried as the middleware's publish is. If it never lands, the work is done but
+        not recorded: the claim expires a lease later and a later call runs it again,
+        which is logged as an error here; the value is still returned to this caller.
+        """
+        await self.watchdog.release(lease)
+        for delay in (*PUBLISH_RETRY_DELAYS, None):
+            try:
+                renewed = await self.store.publish(
+                    names.result, data, self.ttl_ms, names.claim, token
+                )
+            except Exception as exc:
+                if delay is not None:
+                    await asyncio.sleep(delay)
+                    continue
+                logger.error(
+                    "%s: could not store the result of key %s (%s: %s); a call after the "
+                    "lease may run the work again",
+                    self.name.decode(),
+                    names.hash,
+                    type(exc).__name__,
+                    exc,
+                )
+                return
+            if renewed != 1:
+                # The result is stored; the next call's claim step finds it, returns it
+                # and takes the claim back. Another run may have started meanwhile.
+                logger.warning(
+                    "%s: the claim of key %s lapsed before its result was stored; another "
+                    "run may have started in the meantime",
+                    self.name.decode(),
+                    names.hash,
+                )
+            return
+
+
+async def _shielded(step: Coroutine[Any, Any, None]) -> None:
+    """Run a closing step (publish, release) to its end even if the caller is cancelled."""
+    task = asyncio.ensure_future(step)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    await asyncio.shield(task)

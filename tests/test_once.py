@@ -1,0 +1,516 @@
+"""`once` and `current_claim`: one run per key for any coroutine, on the embedded store and on
+real Redis/Valkey servers (script and native), a crashed process, and a Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio
+from asgi import request
+from conftest import server_for
+from procs import spawn, stop
+from pydantic import BaseModel
+from redis.asyncio.cluster import RedisCluster
+from servers import Server, start_cluster
+
+from goblin_idem import (
+    ClaimLostError,
+    IdempotencyMiddleware,
+    InFlightError,
+    MemoryStore,
+    RedisStore,
+    Store,
+    Watchdog,
+    current_claim,
+    once,
+)
+from goblin_idem.keys import key_names
+from goblin_idem.record import RecordError
+
+STORES = ["memory", "redis-script", "valkey-native"]
+
+
+@pytest.fixture(params=STORES)
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    server = server_for(request, request.param)
+    store = RedisStore.from_url(server.url, mode=request.param.split("-")[1])
+    client = store.client
+    assert isinstance(client, redis.asyncio.Redis)
+    await client.flushall()
+    yield store
+    await store.aclose()
+
+
+def claim_key(name: str, key: str, namespace: str = "once") -> bytes:
+    return key_names(namespace.encode(), name.encode(), key.encode()).claim
+
+
+async def until(condition: Any, timeout: float = 10.0) -> None:
+    """Poll `condition` (returning a bool, or an awaitable of one) until true."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = condition()
+        if not isinstance(done, bool):
+            done = await done
+        if done:
+            return
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+# -- one run per key ------------------------------------------------------------------------
+
+
+async def test_fifty_concurrent_calls_one_run(store: Store) -> None:
+    runs = 0
+    release = asyncio.Event()
+
+    @once(store, key=lambda event: event["id"])
+    async def handle(event: dict[str, Any]) -> dict[str, Any]:
+        nonlocal runs
+        runs += 1
+        await release.wait()
+        return {"charged": event["amount"], "tags": ("a", "b")}
+
+    first = asyncio.create_task(handle({"id": "evt_1", "amount": 1500}))
+    await until(lambda: runs == 1)
+    others = await asyncio.gather(
+        *[handle({"id": "evt_1", "amount": 1500}) for _ in range(49)], return_exceptions=True
+    )
+    assert all(isinstance(o, InFlightError) for o in others)
+    refused = [o for o in others if isinstance(o, InFlightError)]
+    assert len({o.key_hash for o in refused}) == 1 and all(o.retry_after > 0 for o in refused)
+    release.set()
+    value = await first
+    # The first caller gets what every later caller gets: the stored value, decoded.
+    assert value == {"charged": 1500, "tags": ["a", "b"]}
+    replays = await asyncio.gather(*[handle({"id": "evt_1", "amount": 1500}) for _ in range(50)])
+    assert replays == [value] * 50 and runs == 1
+
+
+async def test_fifty_waiting_calls_get_the_one_value(store: Store) -> None:
+    runs = 0
+
+    @once(store, key=lambda event: event["id"], wait_seconds=20)
+    async def handle(event: dict[str, Any]) -> dict[str, int]:
+        nonlocal runs
+        runs += 1
+        await asyncio.sleep(0.3)
+        return {"run": runs}
+
+    values = await asyncio.gather(*[handle({"id": "evt_w"}) for _ in range(50)])
+    assert values == [{"run": 1}] * 50 and runs == 1
+
+
+async def test_an_exception_releases_the_claim_and_the_next_call_runs(store: Store) -> None:
+    runs = 0
+
+    @once(store, key=lambda n: n, name="flaky")
+    async def flaky(n: int) -> int:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            raise RuntimeError("declined")
+        return runs
+
+    with pytest.raises(RuntimeError, match="declined"):
+        await flaky(7)
+    assert await store.get(claim_key("flaky", "7")) is None
+    assert await flaky(7) == 2
+    assert await flaky(7) == 2 and runs == 2
+
+
+async def test_a_cancelled_run_releases_the_claim(store: Store) -> None:
+    started = asyncio.Event()
+    runs = 0
+
+    @once(store, key=lambda n: n, name="cancelled")
+    async def slow(n: int) -> int:
+        nonlocal runs
+        runs += 1
+        started.set()
+        await asyncio.sleep(0 if runs > 1 else 60)
+        return runs
+
+    task = asyncio.create_task(slow(1))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await store.get(claim_key("cancelled", "1")) is None  # released before it raised
+    assert await slow(1) == 2
+
+
+async def test_two_functions_with_one_key_are_independent(store: Store) -> None:
+    calls: list[str] = []
+
+    @once(store, key=lambda event_id: event_id)
+    async def charge(event_id: str) -> str:
+        calls.append("charge")
+        return "charged"
+
+    @once(store, key=lambda event_id: event_id)
+    async def notify(event_id: str) -> str:
+        calls.append("notify")
+        return "notified"
+
+    @once(store, key=lambda event_id: event_id, name=f"{charge.__module__}.{charge.__qualname__}")
+    async def renamed_charge(event_id: str) -> str:
+        calls.append("renamed")
+        return "never"
+
+    assert await charge("evt_9") == "charged"
+    assert await notify("evt_9") == "notified"
+    assert await renamed_charge("evt_9") == "charged"  # name= keeps the old function's keys
+    assert calls == ["charge", "notify"]
+
+
+# -- codecs -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Amount:
+    cents: int
+    currency: str
+
+
+@dataclasses.dataclass
+class Receipt:
+    payment_id: str
+    amount: Amount
+    refund: Amount | None = None
+
+
+class Charge(BaseModel):
+    id: str
+    amount: Amount
+    captured: bool
+
+
+class Upper:
+    def encode(self, value: Any) -> bytes:
+        return str(value).upper().encode()
+
+    def decode(self, data: bytes) -> Any:
+        return data.decode()
+
+
+async def test_values_round_trip_by_codec(store: Store) -> None:
+    runs = 0
+
+    @once(store, key=lambda n: n)
+    async def receipt(n: int) -> Receipt:
+        nonlocal runs
+        runs += 1
+        return Receipt(f"pay_{n}", Amount(100 * n, "EUR"))
+
+    @once(store, key=lambda n: n)
+    async def charge(n: int) -> Charge:
+        nonlocal runs
+        runs += 1
+        return Charge(id=f"ch_{n}", amount=Amount(n, "USD"), captured=True)
+
+    @once(store, key=lambda n: n, codec=Upper())
+    async def shout(n: int) -> str:
+        nonlocal runs
+        runs += 1
+        return f"done {n}"
+
+    first = await receipt(3), await charge(3), await shout(3)
+    again = await receipt(3), await charge(3), await shout(3)
+    assert runs == 3
+    assert (
+        first
+        == again
+        == (
+            Receipt("pay_3", Amount(300, "EUR")),
+            Charge(id="ch_3", amount=Amount(3, "USD"), captured=True),
+            "DONE 3",
+        )
+    )
+    assert isinstance(again[0].amount, Amount) and isinstance(again[1], Charge)
+
+
+async def test_a_value_json_cannot_encode_is_a_type_error_and_releases(store: Store) -> None:
+    runs = 0
+
+    @once(store, key=lambda n: n, name="sets")
+    async def as_set(n: int) -> Any:
+        nonlocal runs
+        runs += 1
+        return {n} if runs == 1 else [n]
+
+    with pytest.raises(TypeError, match=r"cannot store .*set is not JSON serializable"):
+        await as_set(1)
+    assert await store.get(claim_key("sets", "1")) is None  # released: nothing was stored
+    assert await as_set(1) == [1] and runs == 2
+
+
+async def test_the_stored_value_is_versioned(store: Store) -> None:
+    @once(store, key=lambda n: n, name="versioned")
+    async def value(n: int) -> dict[str, int]:
+        return {"n": n}
+
+    await value(1)
+    names = key_names(b"once", b"versioned", b"1")
+    assert await store.get(names.result) == b'GO\x01{"n":1}'
+    await store.set(names.result, b'GO\x09{"n":1}', ex=60)  # a format this version predates
+    with pytest.raises(RecordError, match="version 1"):
+        await value(1)
+
+
+async def test_sealed_values_are_bound_to_their_key_and_rotate(store: Store) -> None:
+    """With encryption_keys the stored bytes hold no plaintext; a value copied under another
+    key does not open and nothing runs again; [new, old] opens old values; a plain value
+    stored before encryption was turned on is still read."""
+    old, new = b"o" * 32, b"n" * 32
+    runs: list[str] = []
+
+    def charge(keys: list[bytes] | None) -> Any:
+        @once(store, key=lambda event: event, name="sealed", encryption_keys=keys or [])
+        async def run(event: str) -> dict[str, str]:
+            runs.append(event)
+            return {"card": f"4242-{event}"}
+
+        return run
+
+    sealed_old = charge([old])
+    assert await sealed_old("a") == {"card": "4242-a"}
+    a = key_names(b"once", b"sealed", b"a")
+    raw = await store.get(a.result)
+    assert raw is not None and raw.startswith(b"GO\x02") and b"4242" not in raw
+    assert await charge([new, old])("a") == {"card": "4242-a"}  # rotation opens old values
+    with pytest.raises(RecordError, match="not among the configured keys"):
+        await charge([new])("a")
+    with pytest.raises(RecordError, match="no encryption_keys"):
+        await charge(None)("a")
+
+    b = key_names(b"once", b"sealed", b"b")
+    await store.claim(b.claim, b.result, b"moved", 60)
+    await store.set(b.result, raw, ex=60)  # a's sealed value, copied under b's key
+    with pytest.raises(RecordError, match="does not open"):
+        await sealed_old("b")
+
+    assert await charge(None)("c") == {"card": "4242-c"}  # in the clear
+    assert await charge([new])("c") == {"card": "4242-c"}  # read with keys on
+    assert runs == ["a", "c"]
+
+
+# -- the lease ----------------------------------------------------------------------------------
+
+
+async def test_the_lease_is_renewed_for_a_run_of_three_leases(redis_server: Server) -> None:
+    store = RedisStore.from_url(redis_server.url)
+    client = store.client
+    assert isinstance(client, redis.asyncio.Redis)
+    await client.flushall()
+    dog = Watchdog.for_store(store)
+    runs = 0
+
+    @once(store, key=lambda n: n, lease_seconds=1, name="long")
+    async def long_run(n: int) -> int:
+        nonlocal runs
+        runs += 1
+        for _ in range(6):  # 3 s: three leases
+            await asyncio.sleep(0.5)
+            claim = current_claim()
+            assert claim is not None and not claim.lost
+            await claim.ensure_owned()
+        return runs
+
+    task = asyncio.create_task(long_run(1))
+    await asyncio.sleep(2.5)  # past two leases: only renewals keep the claim
+    with pytest.raises(InFlightError):
+        await long_run(1)
+    assert await task == 1 and dog.renewals >= 5
+    assert await long_run(1) == 1 and runs == 1
+    await store.aclose()
+
+
+async def test_a_process_killed_mid_run_is_run_once_more_after_its_lease(
+    redis_server: Server,
+) -> None:
+    store = RedisStore.from_url(redis_server.url)
+    client = store.client
+    assert isinstance(client, redis.asyncio.Redis)
+    await client.flushall()
+    proc = spawn(["once_worker.py", redis_server.url, "evt_k", "60000", "2"], {})
+    try:
+        await until(lambda: client.exists("runs:evt_k"), timeout=20)
+        stop(proc, signal.SIGKILL)  # dies holding the claim
+        killed_at = time.monotonic()
+
+        @once(store, key=lambda event: event["id"], lease_seconds=2, name="charge", wait_seconds=15)
+        async def charge(event: dict[str, str]) -> dict[str, int]:
+            return {"run": int(await client.incr("runs:" + event["id"]))}
+
+        assert await charge({"id": "evt_k"}) == {"run": 2}
+        waited = time.monotonic() - killed_at
+        assert 0.3 < waited < 6  # taken over when the dead run's lease ran out
+        assert await charge({"id": "evt_k"}) == {"run": 2}
+        assert await client.get("runs:evt_k") == b"2"
+    finally:
+        stop(proc)
+        await store.aclose()
+
+
+# -- current_claim ------------------------------------------------------------------------------
+
+
+async def test_ensure_owned_raises_once_the_claim_is_deleted_or_taken(store: Store) -> None:
+    steps: list[str] = []
+    go = asyncio.Event()
+
+    @once(store, key=lambda case: case, lease_seconds=30, name="owned")
+    async def commit(case: str) -> str:
+        claim = current_claim()
+        assert claim is not None
+        await claim.ensure_owned()
+        steps.append(f"{case} owned")
+        await go.wait()
+        await claim.ensure_owned()  # raises: the key was deleted or taken meanwhile
+        steps.append(f"{case} committed")
+        return case
+
+    for case in ("deleted", "taken"):
+        go.clear()
+        task = asyncio.create_task(commit(case))
+        await until(lambda case=case: f"{case} owned" in steps)
+        if case == "deleted":
+            await store.delete(claim_key("owned", case))
+        else:
+            await store.set(claim_key("owned", case), b"another-token", ex=30)
+        go.set()
+        with pytest.raises(ClaimLostError):
+            await task
+    assert steps == ["deleted owned", "taken owned"]
+    assert await store.get(claim_key("owned", "taken")) == b"another-token"  # not released
+    assert current_claim() is None
+
+
+async def test_lost_turns_true_when_a_renewal_finds_the_claim_gone(store: Store) -> None:
+    seen: list[bool] = []
+
+    @once(store, key=lambda n: n, lease_seconds=1, name="lost")
+    async def work(n: int) -> int:
+        claim = current_claim()
+        assert claim is not None
+        seen.append(claim.lost)
+        await store.delete(claim_key("lost", str(n)))
+        for _ in range(100):  # the next renewal, due within a third of a lease
+            if claim.lost:
+                break
+            await asyncio.sleep(0.05)
+        seen.append(claim.lost)
+        await claim.ensure_owned()
+        return n
+
+    with pytest.raises(ClaimLostError):
+        await work(1)
+    assert seen == [False, True]
+
+
+async def test_current_claim_in_a_handler_run_by_the_middleware(store: Store) -> None:
+    seen: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        claim = current_claim()
+        seen.append(claim)
+        if claim is not None:
+            await claim.ensure_owned()
+            seen.append(await store.get(key_names(b"idem", b"", b"k1").claim) == claim.token)
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    mw = IdempotencyMiddleware(app, store=store)
+    assert (await request(mw, key="k1")).status == 201
+    claim = seen[0]
+    assert claim is not None and claim.key_hash == key_names(b"idem", b"", b"k1").hash
+    assert seen[1] is True
+    assert (await request(mw)).status == 201  # no key: no claim
+    assert seen[2] is None and current_claim() is None
+
+
+def test_sync_functions_and_bad_options_are_refused() -> None:
+    store = MemoryStore()
+    with pytest.raises(TypeError, match="async def functions only"):
+
+        @once(store, key=lambda n: n)
+        def sync(n: int) -> int:
+            return n
+
+    with pytest.raises(TypeError, match=r"RedisStore\.from_url"):
+        once("redis://127.0.0.1:1/0", key=lambda n: n)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="needs a store"):
+        once(None, key=lambda n: n)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="key must be a function"):
+        once(store, key="id")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lease_seconds must be >= 1"):
+        once(store, key=lambda n: n, lease_seconds=0)
+    with pytest.raises(ValueError, match="must not contain"):
+        once(store, key=lambda n: n, namespace="a{b}")
+    with pytest.raises(TypeError, match="codec must have encode"):
+        once(store, key=lambda n: n, codec=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="wait_seconds"):
+        once(store, key=lambda n: n, wait_seconds=-1)
+
+
+async def test_a_key_of_another_type_is_refused_before_claiming() -> None:
+    store = MemoryStore()
+
+    @once(store, key=lambda event: event.get("id"), name="typed")
+    async def handle(event: dict[str, Any]) -> None:
+        raise AssertionError("must not run")
+
+    with pytest.raises(TypeError, match="must return str, bytes or int, not NoneType"):
+        await handle({})
+
+
+# -- Redis Cluster ------------------------------------------------------------------------------
+
+
+async def test_cluster_keys_on_every_primary() -> None:
+    cluster = start_cluster("redis", masters=3)
+    store = RedisStore.from_url(cluster.servers[0].url, cluster=True)
+    runs: list[int] = []
+    try:
+
+        @once(store, key=lambda n: n, name="spread", wait_seconds=10)
+        async def spread(n: int) -> int:
+            runs.append(n)
+            return n * 2
+
+        events = list(range(30))
+        first = await asyncio.gather(*[spread(n) for n in events for _ in range(3)])
+        assert first == [n * 2 for n in events for _ in range(3)]
+        assert sorted(runs) == events  # one run per key, whichever node holds it
+        assert await asyncio.gather(*[spread(n) for n in events]) == [n * 2 for n in events]
+        client = store.client
+        assert isinstance(client, RedisCluster)
+        slots = {
+            client.keyslot(key_names(b"once", b"spread", str(n).encode()).claim) for n in events
+        }
+        assert all(
+            client.keyslot(key_names(b"once", b"spread", str(n).encode()).result)
+            == client.keyslot(key_names(b"once", b"spread", str(n).encode()).claim)
+            for n in events
+        )
+        holders = []
+        for server in cluster.servers:
+            with server.sync_client() as r:
+                holders.append(r.dbsize())
+        assert len(slots) > 3 and all(n > 0 for n in holders)  # spread over all primaries
+        assert sum(holders) == 2 * len(events)  # a claim and a result per key
+    finally:
+        await store.aclose()
+        cluster.stop()
