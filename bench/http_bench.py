@@ -120,7 +120,7 @@ class Variant:
     label: str
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
-    redis: Any = None  # tests.servers.Server
+    redis: Any = None  # tests.support.servers.Server
     broken: str = ""  # why this variant could not be measured
 
     def stats(self) -> dict[str, int]:
@@ -441,7 +441,7 @@ def main() -> None:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found (Debian: apt-get install -y wrk redis-server)")
     from goblin_idem.native import build_module
-    from tests.servers import free_port, start_server
+    from tests.support.servers import free_port, start_server
 
     names = labels()
     variants = [Variant(n, names[n]) for n in args.variants]

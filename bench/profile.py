@@ -86,7 +86,7 @@ def main() -> None:
     args.threads, args.connections, args.replay_keys = 1, 50, 200
 
     from goblin_idem.native import build_module
-    from tests.servers import free_port, start_server
+    from tests.support.servers import free_port, start_server
 
     v = http_bench.Variant(args.variant, args.variant)
     out = args.out or Path(tempfile.mkdtemp(prefix="goblin-profile-")) / "stacks.txt"

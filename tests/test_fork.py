@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from procs import spawn, stop
-from servers import Server, free_port, start_cluster
 
 from goblin_idem import CLAIMED, RedisStore
+from tests.support.procs import APPS, spawn, stop
+from tests.support.servers import Server, free_port, start_cluster
 
 
 async def exercise(store: RedisStore, tag: str) -> list[str]:
@@ -152,7 +152,7 @@ def test_gunicorn_preload_workers_answer_their_first_keyed_requests(
             f"127.0.0.1:{port}",
             "--log-level",
             "warning",
-            "preload_app:app",
+            f"{APPS}.preload_app:app",
         ],
         {"REDIS_URL": redis_server.url, "AUTOPIPELINE": autopipeline},
     )

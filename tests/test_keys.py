@@ -6,13 +6,12 @@ import json
 
 import httpx
 import pytest
-from asgi import request
-from procs import start_uvicorn, stop
-from servers import Server, free_port
-from test_middleware import Handler, problem
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, Store
 from goblin_idem.keys import key_names, string_key
+from tests.support.asgi import Handler, problem, request
+from tests.support.procs import start_uvicorn, stop
+from tests.support.servers import Server, free_port
 
 INVALID = "urn:goblin-idem:problem:invalid-key"
 

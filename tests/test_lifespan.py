@@ -18,11 +18,11 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from procs import spawn, stop
-from servers import Server, free_port, start_server
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
+from tests.support.procs import APPS, spawn, stop
+from tests.support.servers import Server, free_port, start_server
 
 # -- the app under uvicorn, with its default logging --------------------------------------
 
@@ -30,7 +30,8 @@ from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
 def serve(port: int, **env: str) -> subprocess.Popen[bytes]:
     """`lifespan_app:app` under uvicorn at its default log level (info)."""
     return spawn(
-        ["-m", "uvicorn", "lifespan_app:app", "--host", "127.0.0.1", "--port", str(port)], env
+        ["-m", "uvicorn", f"{APPS}.lifespan_app:app", "--host", "127.0.0.1", "--port", str(port)],
+        env,
     )
 
 

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from asgi import Reply, request
-from conftest import Backend, stored_items
 from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servers import Server, free_port
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -24,58 +20,12 @@ from starlette.types import Message, Receive, Scope, Send
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store, idempotent
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
+from tests.support.asgi import Handler, problem, request
+from tests.support.backends import Backend, stored_items
+from tests.support.servers import Server, free_port
 
-PROBLEM = b"application/problem+json"
 # A key that no log line or stored byte could contain by chance.
 RAW_KEY = "order-7f3a9c-raw-key"
-
-
-class Handler:
-    """An ASGI app that counts its runs and answers what the test scripts."""
-
-    def __init__(
-        self,
-        status: int = 201,
-        headers: list[tuple[bytes, bytes]] | None = None,
-        chunks: list[bytes] | None = None,
-        delay: float = 0.0,
-        raises: BaseException | None = None,
-    ) -> None:
-        self.status = status
-        self.headers = headers if headers is not None else [(b"content-type", b"text/plain")]
-        self.chunks = chunks
-        self.delay = delay
-        self.raises = raises
-        self.runs = 0
-        self.bodies: list[bytes] = []
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.runs += 1
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        self.bodies.append(body)
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        if self.raises is not None:
-            raise self.raises
-        chunks = self.chunks if self.chunks is not None else [b"run %d" % self.runs]
-        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
-        for i, chunk in enumerate(chunks):
-            await send(
-                {"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1}
-            )
-
-
-def problem(reply: Reply) -> dict[str, Any]:
-    assert reply.header("content-type") == PROBLEM
-    assert reply.header("content-length") == str(len(reply.body)).encode()
-    data: dict[str, Any] = json.loads(reply.body)
-    assert data["status"] == reply.status
-    return data
 
 
 # -- the main flow, on every store ------------------------------------------------------------
@@ -259,7 +209,7 @@ async def test_client_gone_while_sending_the_body_claims_nothing() -> None:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    from asgi import http_scope
+    from tests.support.asgi import http_scope
 
     await mw(http_scope(headers=[("Idempotency-Key", "k")]), receive, send)
     assert sent == [] and handler.runs == 0 and len(store) == 0
@@ -590,7 +540,7 @@ async def test_final_chunk_is_sent_only_after_the_record_is_published() -> None:
             seen_at_final.append(await store.get(names.result))
 
     mw = IdempotencyMiddleware(Handler(chunks=[b"a", b"b"]), store=store)
-    from asgi import http_scope
+    from tests.support.asgi import http_scope
 
     sent = False
 
@@ -646,7 +596,7 @@ async def test_client_that_left_after_a_complete_response_still_gets_its_replay(
     """The work is done once the app has answered: a retry must replay it, not rerun it."""
     handler = Handler()
     mw = IdempotencyMiddleware(handler, store=MemoryStore())
-    from asgi import http_scope
+    from tests.support.asgi import http_scope
 
     async def receive() -> Message:
         return {"type": "http.request", "body": b"", "more_body": False}
@@ -799,7 +749,7 @@ async def test_fail_open_runs_unprotected() -> None:
 
 
 async def test_store_stopped_mid_test_then_back() -> None:
-    from servers import start_server
+    from tests.support.servers import start_server
 
     server = start_server("redis")
     store = RedisStore.from_url(server.url, socket_timeout=1)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def children(pid: int) -> list[int]:
@@ -55,7 +55,7 @@ class Uvicorn:
             sys.executable,
             "-m",
             "uvicorn",
-            "rel_app:app",
+            "tests.support.apps.rel_app:app",
             "--host",
             "127.0.0.1",
             "--port",
@@ -68,8 +68,8 @@ class Uvicorn:
             args += ["--workers", str(workers)]
         self.proc = subprocess.Popen(
             args,
-            cwd=HERE,
-            env={**os.environ, "PYTHONPATH": str(HERE), **env},
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -8,8 +8,9 @@ import signal
 import time
 
 import httpx
-from procs import start_uvicorn, stop
-from servers import Server, free_port
+
+from tests.support.procs import start_uvicorn, stop
+from tests.support.servers import Server, free_port
 
 
 async def test_worker_killed_mid_handler(redis_server: Server) -> None:

@@ -11,9 +11,10 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from asgi import request
-from rel_common import header, problem_slug
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tests.support.asgi import request
+from tests.support.responses import header, problem_slug
 
 
 class CountingApp:

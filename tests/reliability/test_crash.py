@@ -13,10 +13,11 @@ import json
 import random
 import time
 
-from rel_common import app_headers, header, ms, pct, pick, problem_slug, record
-from rel_http import HttpPool, Response
-from rel_procs import Uvicorn
-from servers import Server, free_port
+from tests.reliability.report import ms, pct, pick, record
+from tests.support.http_pool import HttpPool, Response
+from tests.support.rel_procs import Uvicorn
+from tests.support.responses import app_headers, header, problem_slug
+from tests.support.servers import Server, free_port
 
 KEYS = pick(40, 100)
 LEASE = 2  # seconds; renewed every LEASE / 3 while the worker lives

@@ -19,13 +19,13 @@ from collections import Counter
 import pytest
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from rel_common import latency_figures, pick, record
-from rel_inproc import CountingApp, Tally, send_once, until_done
-from rel_proxy import Proxy
-from servers import Server
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem.keys import key_names
+from tests.reliability.report import latency_figures, pick, record
+from tests.support.inproc import CountingApp, Tally, send_once, until_done
+from tests.support.proxy import Proxy
+from tests.support.servers import Server
 
 KEYS = pick(150, 1500)
 DUPLICATES = 3

@@ -28,13 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from redis.asyncio.cluster import RedisCluster
-from rel_cluster import failover, settled_cluster, shards, wait_acked, wait_replica_via
-from rel_common import ms
-from rel_inproc import CountingApp, Tally, send_once, until_done
-from rel_proxy import Proxy
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem.keys import key_names
+from tests.reliability.cluster import (
+    failover,
+    settled_cluster,
+    shards,
+    wait_acked,
+    wait_replica_via,
+)
+from tests.reliability.report import ms
+from tests.support.inproc import CountingApp, Tally, send_once, until_done
+from tests.support.proxy import Proxy
 
 
 @dataclass

@@ -25,19 +25,19 @@ from pathlib import Path
 
 import pytest
 import redis.exceptions
-from conftest import assert_published_together_or_not_at_all
 from redis.asyncio.cluster import RedisCluster
-from rel_cluster import failover, settled_cluster, shards, wait_settled
-from rel_common import FULL, pick, record
-from rel_failover import FailoverResult, failover_under_load
-from rel_inproc import CountingApp, Tally, send_once, until_done
-from rel_proxy import Proxy, resp_args
-from servers import Cluster, Server, start_cluster, start_server
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore
 from goblin_idem.errors import NotReplicatedError
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
+from tests.reliability.cluster import failover, settled_cluster, shards, wait_settled
+from tests.reliability.failover import FailoverResult, failover_under_load
+from tests.reliability.report import FULL, pick, record
+from tests.support.backends import assert_published_together_or_not_at_all
+from tests.support.inproc import CountingApp, Tally, send_once, until_done
+from tests.support.proxy import Proxy, resp_args
+from tests.support.servers import Cluster, Server, start_cluster, start_server
 
 KEYS = pick(120, 1200)
 DUPLICATES = 3

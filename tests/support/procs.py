@@ -13,15 +13,15 @@ from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent
+ROOT = Path(__file__).resolve().parents[2]
+APPS = "tests.support.apps"
 
 
 def spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, *args],
-        cwd=HERE,
-        env={**os.environ, "PYTHONPATH": str(HERE), **env},
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -41,7 +41,7 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
 
 
 def start_uvicorn(
-    port: int, env: dict[str, str], timeout: float = 15.0, app: str = "crash_app:app"
+    port: int, env: dict[str, str], timeout: float = 15.0, app: str = f"{APPS}.crash_app:app"
 ) -> subprocess.Popen[bytes]:
     """`app` (a module of this directory with a ``/health`` route) under uvicorn."""
     proc = spawn(
