@@ -25,7 +25,7 @@ import pytest
 from goblin_idem.keys import key_names
 from tests.reliability.report import latency_figures, ms, pick, record
 from tests.support.http_pool import HttpPool
-from tests.support.rel_procs import Uvicorn
+from tests.support.procs import Uvicorn
 from tests.support.responses import problem_slug
 from tests.support.servers import Server, free_port, start_server
 

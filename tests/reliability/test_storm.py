@@ -15,7 +15,7 @@ from collections import Counter
 
 from tests.reliability.report import latency_figures, pick, record
 from tests.support.http_pool import HttpPool, Response
-from tests.support.rel_procs import Uvicorn
+from tests.support.procs import Uvicorn
 from tests.support.responses import app_headers, header, problem_slug
 from tests.support.servers import Server, free_port
 
