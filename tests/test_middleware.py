@@ -817,71 +817,23 @@ def request_(request: pytest.FixtureRequest) -> pytest.FixtureRequest:
     return request
 
 
-@pytest.mark.parametrize("kind", ["redis", "valkey"])
-async def test_round_trips_per_request(
-    request_: Any, kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    server: Server = request_.getfixturevalue(f"{kind}_server")
-    store = RedisStore.from_url(server.url)
-    assert await store.detect() == "script"  # detection loads the scripts: no NOSCRIPT below
-    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
-    client = store.client
-    trips = RoundTrips(store, monkeypatch)
-    try:
-        await client.flushall()
-        # commandstats also counts the calls a script makes (set/get/pexpire inside EVALSHA).
-        # New key, 2 round trips: the claim step (EVALSHA: set NX; and PTTL of the result,
-        # pipelined), then the publish, one pipelined MULTI / SET / EVALSHA (get, pexpire)
-        # / EXEC.
-        assert await commands_during(client, lambda: request(mw, key="new")) == {
-            "evalsha": 2,
-            "pttl": 1,
-            "multi": 1,
-            "set": 2,
-            "get": 1,
-            "pexpire": 1,
-            "exec": 1,
-        }
-        trips.during(2)
-        # Replay, 1 round trip: the claim step (EVALSHA: set NX fails, get result; PTTL).
-        replay = await commands_during(client, lambda: request(mw, key="new"))
-        assert replay == {"evalsha": 1, "set": 1, "get": 1, "pttl": 1}
-        trips.during(1)
-        assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
-        trips.during(0)
-
-        first = asyncio.create_task(request(mw, key="slow"))
-        await asyncio.sleep(0.1)
-        trips.during(1)
-
-        async def duplicate() -> None:
-            assert (await request(mw, key="slow")).status == 409
-
-        # In flight, 1 round trip: the same claim step as a replay.
-        in_flight = await commands_during(client, duplicate)
-        assert in_flight == {"evalsha": 1, "set": 1, "get": 1, "pttl": 1}
-        trips.during(1)
-        await first
-    finally:
-        await store.aclose()
-
-
-@pytest.mark.parametrize("kind", ["redis", "valkey"])
-async def test_round_trips_per_request_native(
-    request_: Any, kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    server: Server = request_.getfixturevalue(f"{kind}_native_server")
-    store = RedisStore.from_url(server.url)
-    assert await store.detect() == "native"
-    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
-    client = store.client
-    trips = RoundTrips(store, monkeypatch)
-    try:
-        await client.flushall()
-        # CLAIM and PTTL, then MULTI / SET / GOBLIN.CAEXPIRE / EXEC pipelined: 2 round trips.
-        # commandstats also counts the GET the module runs inside a command to read a short
-        # value without changing how it is stored (the token CAEXPIRE compares).
-        assert await commands_during(client, lambda: request(mw, key="new")) == {
+# The commands (from commandstats) of a new key, a replay and a duplicate in flight.
+# Script mode: commandstats also counts the calls a script makes (set/get/pexpire inside
+# EVALSHA). New key: the claim step (EVALSHA: set NX; and PTTL of the result, pipelined),
+# then the publish, one pipelined MULTI / SET / EVALSHA (get, pexpire) / EXEC. A replay and
+# a duplicate in flight: the claim step only (EVALSHA: set NX fails, get result; PTTL).
+# Native mode: CLAIM and PTTL, then MULTI / SET / GOBLIN.CAEXPIRE / EXEC pipelined.
+# commandstats also counts the GET the module runs inside a command to read a short value
+# without changing how it is stored (the token CAEXPIRE compares); a replay's CLAIM reads
+# the (short) stored result the same way.
+ROUND_TRIP_COMMANDS = {
+    "script": (
+        {"evalsha": 2, "pttl": 1, "multi": 1, "set": 2, "get": 1, "pexpire": 1, "exec": 1},
+        {"evalsha": 1, "set": 1, "get": 1, "pttl": 1},
+        {"evalsha": 1, "set": 1, "get": 1, "pttl": 1},
+    ),
+    "native": (
+        {
             "goblin.claim": 1,
             "pttl": 1,
             "multi": 1,
@@ -889,11 +841,33 @@ async def test_round_trips_per_request_native(
             "goblin.caexpire": 1,
             "get": 1,
             "exec": 1,
-        }
+        },
+        {"goblin.claim": 1, "get": 1, "pttl": 1},
+        {"goblin.claim": 1, "pttl": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["script", "native"])
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+async def test_round_trips_per_request(
+    request_: Any, kind: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new key takes 2 round trips, a replay 1, a request without a key none and a
+    duplicate in flight 1, each with exactly the commands above."""
+    new, replay, in_flight = ROUND_TRIP_COMMANDS[mode]
+    fixture = f"{kind}_native_server" if mode == "native" else f"{kind}_server"
+    server: Server = request_.getfixturevalue(fixture)
+    store = RedisStore.from_url(server.url)
+    assert await store.detect() == mode  # detection loads the scripts: no NOSCRIPT below
+    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
+    client = store.client
+    trips = RoundTrips(store, monkeypatch)
+    try:
+        await client.flushall()
+        assert await commands_during(client, lambda: request(mw, key="new")) == new
         trips.during(2)
-        replay = await commands_during(client, lambda: request(mw, key="new"))
-        # a replay: the CLAIM reads the (short) stored result the same way
-        assert replay == {"goblin.claim": 1, "get": 1, "pttl": 1}
+        assert await commands_during(client, lambda: request(mw, key="new")) == replay
         trips.during(1)
         assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
         trips.during(0)
@@ -905,7 +879,7 @@ async def test_round_trips_per_request_native(
         async def duplicate() -> None:
             assert (await request(mw, key="slow")).status == 409
 
-        assert await commands_during(client, duplicate) == {"goblin.claim": 1, "pttl": 1}
+        assert await commands_during(client, duplicate) == in_flight
         trips.during(1)
         await first
     finally:
