@@ -17,6 +17,7 @@ import signal
 import time
 
 import httpx
+from redis.asyncio import Redis
 
 from tests.reliability.report import ms, pct, pick, record
 from tests.support.http_pool import HttpPool, Response
@@ -76,86 +77,65 @@ async def test_worker_killed_mid_handler(redis_server: Server) -> None:
         await client.aclose()
 
 
-async def test_killed_workers_block_until_lease_then_run_once(own_redis: Server) -> None:
-    env = {"REDIS_URL": own_redis.url, "LEASE_SECONDS": str(LEASE)}
-    run_id = f"{random.getrandbits(32):08x}"
-    keys = [f"crash-{run_id}-{i:04d}" for i in range(KEYS)]
-    client = own_redis.client()
-    victim = Uvicorn(free_port(), env, workers=2)
-    survivor = Uvicorn(free_port(), env)
-    try:
-        victim.wait_ready()
-        survivor.wait_ready()
-        async with HttpPool(victim.port, KEYS) as doomed_http, HttpPool(survivor.port, 32) as http:
-            doomed = [
-                asyncio.create_task(doomed_http.post(f"/task/{k}", k, BODY, x_work_ms="60000"))
-                for k in keys
-            ]
-            deadline = time.monotonic() + 20
-            while sum(int(v or 0) for v in await client.mget([f"runs:{k}" for k in keys])) < KEYS:
-                assert time.monotonic() < deadline, "not every handler started"
-                await asyncio.sleep(0.02)
-            killed = victim.kill_workers()
-            killed_at = time.monotonic()
-            lost = await asyncio.gather(*doomed, return_exceptions=True)
-            assert all(isinstance(x, Exception) for x in lost)  # no client got an answer
+async def kill_every_handler(victim: Uvicorn, client: Redis, keys: list[str]) -> list[int]:
+    """One slow request per key to `victim`; once every handler has INCRed its counter,
+    SIGKILL the workers by PID. No client gets an answer."""
+    async with HttpPool(victim.port, len(keys)) as doomed_http:
+        doomed = [
+            asyncio.create_task(doomed_http.post(f"/task/{k}", k, BODY, x_work_ms="60000"))
+            for k in keys
+        ]
+        deadline = time.monotonic() + 20
+        while sum(int(v or 0) for v in await client.mget([f"runs:{k}" for k in keys])) < KEYS:
+            assert time.monotonic() < deadline, "not every handler started"
+            await asyncio.sleep(0.02)
+        killed = victim.kill_workers()
+        lost = await asyncio.gather(*doomed, return_exceptions=True)
+    assert all(isinstance(x, Exception) for x in lost)  # no client got an answer
+    return killed
 
-            # Right after the crash, every duplicate is refused: the dead runs hold the keys.
-            first = await asyncio.gather(*(http.post(f"/task/{k}", k, BODY) for k in keys))
-            first_round_s = time.monotonic() - killed_at
-            for reply in first:
-                assert reply.status == 409, reply
-                assert reply.header(b"retry-after") == b"1"
-                assert problem_slug(reply.status, reply.headers, reply.body) == "in-flight"
 
-            # Retrying: 409 until the lease lapses, then exactly one run completes the key.
-            refused = {k: 1 for k in keys}
-            done: dict[str, tuple[float, Response]] = {}
+async def retry_until_done(
+    http: HttpPool, keys: list[str], killed_at: float
+) -> tuple[dict[str, int], dict[str, tuple[float, Response]]]:
+    """Each key retried every POLL seconds: 409 until the lease lapses, then exactly one
+    run completes it. The 409s per key, and when (after the kill) and how each completed."""
+    refused = {k: 1 for k in keys}
+    done: dict[str, tuple[float, Response]] = {}
 
-            async def retry(key: str) -> None:
-                await asyncio.sleep(random.uniform(0, POLL))
-                while True:
-                    reply = await http.post(f"/task/{key}", key, BODY)
-                    if reply.status == 201:
-                        done[key] = (time.monotonic() - killed_at, reply)
-                        return
-                    assert reply.status == 409 and reply.header(b"retry-after") == b"1", reply
-                    refused[key] += 1
-                    assert time.monotonic() - killed_at < LEASE + 10, f"{key} stuck"
-                    await asyncio.sleep(POLL)
+    async def retry(key: str) -> None:
+        await asyncio.sleep(random.uniform(0, POLL))
+        while True:
+            reply = await http.post(f"/task/{key}", key, BODY)
+            if reply.status == 201:
+                done[key] = (time.monotonic() - killed_at, reply)
+                return
+            assert reply.status == 409 and reply.header(b"retry-after") == b"1", reply
+            refused[key] += 1
+            assert time.monotonic() - killed_at < LEASE + 10, f"{key} stuck"
+            await asyncio.sleep(POLL)
 
-            await asyncio.gather(*(retry(k) for k in keys))
+    await asyncio.gather(*(retry(k) for k in keys))
+    return refused, done
 
-            # The restarted workers (the supervisor replaced the killed ones) replay too.
-            victim.wait_ready()
-            replacements = victim.worker_pids()
-            assert not set(replacements) & set(killed)
-            again = await asyncio.gather(*(http.post(f"/task/{k}", k, BODY) for k in keys))
-            async with HttpPool(victim.port, 16) as http2:
-                again += await asyncio.gather(*(http2.post(f"/task/{k}", k, BODY) for k in keys))
-        runs = [int(v or 0) for v in await client.mget([f"runs:{k}" for k in keys])]
-    finally:
-        victim.stop()
-        survivor.stop()
-        await client.aclose()
 
-    for key, reply in zip(keys * 2, again, strict=True):
-        original = done[key][1]
-        assert reply.status == 201 and reply.body == original.body
-        assert reply.header(b"idempotent-replayed") == b"true"
-        assert app_headers(reply.headers) == app_headers(original.headers)
-        assert header(original.headers, b"idempotent-replayed") is None
-        assert json.loads(original.body)["run"] == 2  # the killed run, then this one
-
-    completed_after = [t for t, _ in done.values()]
+def record_figures(
+    killed: int,
+    first_409: int,
+    first_round_s: float,
+    refused: dict[str, int],
+    completed_after: list[float],
+    runs: list[int],
+    again: list[Response],
+) -> None:
     record(
         "crash",
         "Crash: workers SIGKILLed mid-handler",
         {
             "keys": KEYS,
-            "workers_killed": len(killed),
+            "workers_killed": killed,
             "lease_s": LEASE,
-            "first_duplicates_409": len(first),
+            "first_duplicates_409": first_409,
             "first_round_after_kill_ms": ms(first_round_s),
             "refused_409_before_lease_end": sum(refused.values()),
             "completed_min_after_kill_s": round(min(completed_after), 2),
@@ -175,6 +155,53 @@ async def test_killed_workers_block_until_lease_then_run_once(own_redis: Server)
             "both servers are byte-identical",
         ],
     )
+
+
+async def test_killed_workers_block_until_lease_then_run_once(own_redis: Server) -> None:
+    env = {"REDIS_URL": own_redis.url, "LEASE_SECONDS": str(LEASE)}
+    run_id = f"{random.getrandbits(32):08x}"
+    keys = [f"crash-{run_id}-{i:04d}" for i in range(KEYS)]
+    client = own_redis.client()
+    victim = Uvicorn(free_port(), env, workers=2)
+    survivor = Uvicorn(free_port(), env)
+    try:
+        victim.wait_ready()
+        survivor.wait_ready()
+        killed = await kill_every_handler(victim, client, keys)
+        killed_at = time.monotonic()
+        async with HttpPool(survivor.port, 32) as http:
+            # Right after the crash, every duplicate is refused: the dead runs hold the keys.
+            first = await asyncio.gather(*(http.post(f"/task/{k}", k, BODY) for k in keys))
+            first_round_s = time.monotonic() - killed_at
+            for reply in first:
+                assert reply.status == 409, reply
+                assert reply.header(b"retry-after") == b"1"
+                assert problem_slug(reply.status, reply.headers, reply.body) == "in-flight"
+
+            refused, done = await retry_until_done(http, keys, killed_at)
+
+            # The restarted workers (the supervisor replaced the killed ones) replay too.
+            victim.wait_ready()
+            assert not set(victim.worker_pids()) & set(killed)
+            again = await asyncio.gather(*(http.post(f"/task/{k}", k, BODY) for k in keys))
+            async with HttpPool(victim.port, 16) as http2:
+                again += await asyncio.gather(*(http2.post(f"/task/{k}", k, BODY) for k in keys))
+        runs = [int(v or 0) for v in await client.mget([f"runs:{k}" for k in keys])]
+    finally:
+        victim.stop()
+        survivor.stop()
+        await client.aclose()
+
+    for key, reply in zip(keys * 2, again, strict=True):
+        original = done[key][1]
+        assert reply.status == 201 and reply.body == original.body
+        assert reply.header(b"idempotent-replayed") == b"true"
+        assert app_headers(reply.headers) == app_headers(original.headers)
+        assert header(original.headers, b"idempotent-replayed") is None
+        assert json.loads(original.body)["run"] == 2  # the killed run, then this one
+
+    completed_after = [t for t, _ in done.values()]
+    record_figures(len(killed), len(first), first_round_s, refused, completed_after, runs, again)
     assert runs == [2] * KEYS
     # Blocked while the lease lasted (the last renewal was at most LEASE / 3 before the kill) ...
     assert min(completed_after) >= 0.5 * LEASE
