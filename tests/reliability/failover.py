@@ -96,7 +96,6 @@ async def failover_under_load(
     wait_timeout_ms: int = 1000,
 ) -> FailoverResult:
     result = FailoverResult(mode, wait_replicas)
-    events: list[tuple[str, str]] = []
     handler = CountingApp(work_s=0.005)
     with settled_cluster("redis", modules) as cluster:
         victim, *others = shards(cluster)
@@ -118,13 +117,10 @@ async def failover_under_load(
                 socket_timeout=1.0,
                 address_remap=lambda addr: real if tuple(addr) == announced else addr,
             )
-            mw = IdempotencyMiddleware(
-                handler,
-                store=store,
-                lease_seconds=lease,
-                on_event=lambda event, key_hash: events.append((event, key_hash)),
-            )
             tally = Tally()
+            mw = IdempotencyMiddleware(
+                handler, store=store, lease_seconds=lease, on_event=tally.on_event
+            )
             keys: list[str] = []
             accepting = {"new": True}
             deadline = time.monotonic() + warmup + after + 60
@@ -175,7 +171,7 @@ async def failover_under_load(
                 with contextlib.suppress(Exception):
                     await store.aclose()
 
-    failed_publish = {h for e, h in events if e == "publish_errors"}
+    failed_publish = {h for e, h in tally.events if e == "publish_errors"}
     escaped_keys = {k for k, a in tally.answers if a.escaped}
     result.escaped.update(a.escaped.split(":", 1)[0] for _, a in tally.answers if a.escaped)
     result.keys = len(keys)

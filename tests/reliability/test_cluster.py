@@ -133,20 +133,19 @@ async def test_cluster_graceful_failover_under_load(cluster: Cluster, wait: int)
     no key may run twice. Runs after an exception out of the middleware would be counted
     apart."""
     await asyncio.to_thread(wait_settled, cluster)
-    events: list[tuple[str, str]] = []
     store = RedisStore.from_url(
         cluster.servers[0].url, cluster=True, mode="script", wait_replicas=wait
     )
     handler = CountingApp(work_s=0.005)
+    tally = Tally()
     mw = IdempotencyMiddleware(
         handler,
         store=store,
         namespace=f"gf{wait}-{random.getrandbits(24):06x}",
         lease_seconds=1,
-        on_event=lambda e, h: events.append((e, h)),
+        on_event=tally.on_event,
     )
     keys = [f"gf-{i:05d}" for i in range(KEYS)]
-    tally = Tally()
     try:
         await _initialized(store)
         victim = shards(cluster)[0]
@@ -166,7 +165,7 @@ async def test_cluster_graceful_failover_under_load(cluster: Cluster, wait: int)
         await store.aclose()
 
     mw_ns = mw.namespace
-    failed = {h for e, h in events if e == "publish_errors"}
+    failed = {h for e, h in tally.events if e == "publish_errors"}
     escaped_keys = {k for k, a in tally.answers if a.escaped}
     escaped = Counter(a.escaped.split(":", 1)[0] for _, a in tally.answers if a.escaped)
     extra = {k: len(handler.runs[k]) - 1 for k in keys if len(handler.runs[k]) > 1}
