@@ -90,16 +90,6 @@ def pin(pid: int, core: int) -> None:
         os.sched_setaffinity(pid, {core})
 
 
-def stop_pid(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
 def fetch(port: int, method: str, path: str, body: bytes = b"", key: str | None = None) -> Any:
     """One request on a fresh connection: (status, headers dict, body)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -120,7 +110,7 @@ class Variant:
     label: str
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
-    redis: Any = None  # tests.servers.Server
+    redis: Any = None  # tests.support.servers.Server
     broken: str = ""  # why this variant could not be measured
 
     def stats(self) -> dict[str, int]:
@@ -129,6 +119,8 @@ class Variant:
 
 
 def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
+    from tests.support.procs import wait_http
+
     v.port = free_port()
     cmd = ["taskset", "-c", "0", sys.executable, str(BENCH / "serve.py"), v.name]
     cmd += ["--port", str(v.port), "--app", args.app]
@@ -141,20 +133,11 @@ def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
     v.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while True:
-        if v.proc.poll() is not None:
-            err = v.proc.stderr.read().decode(errors="replace") if v.proc.stderr else ""
-            v.broken = "server exited: " + (err.strip().splitlines() or ["?"])[-1]
-            return
-        try:
-            v.stats()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                v.broken = "server did not answer in 30 s"
-                return
-            time.sleep(0.05)
+    try:
+        wait_http(v.proc, v.port, path=serve.STATS_PATH, name="server", timeout=30)
+    except RuntimeError as exc:  # "server exited (1): <stderr>": keep its last line
+        what, _, said = str(exc).partition(": ")
+        v.broken = f"{what}: {(said.strip().splitlines() or ['?'])[-1]}"
 
 
 def check_variant(v: Variant, replay_keys: int) -> None:
@@ -441,7 +424,8 @@ def main() -> None:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found (Debian: apt-get install -y wrk redis-server)")
     from goblin_idem.native import build_module
-    from tests.servers import free_port, start_server
+    from tests.support.procs import stop
+    from tests.support.servers import free_port, start_server
 
     names = labels()
     variants = [Variant(n, names[n]) for n in args.variants]
@@ -498,7 +482,7 @@ def main() -> None:
     finally:
         for v in variants:
             if v.proc is not None:
-                stop_pid(v.proc)
+                stop(v.proc)
         for s in servers:
             s.stop()
     elapsed = time.monotonic() - started

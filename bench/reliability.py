@@ -1,6 +1,6 @@
 """Run the reliability suite at full size and write its figures to docs/RELIABILITY.md.
 
-The scenarios are the tests in ``tests/test_reliability_*.py``. CI runs them at the small
+The scenarios are the tests in ``tests/reliability/test_*.py``. CI runs them at the small
 size (``GOBLIN_RELIABILITY_SCALE`` unset); this script runs them with
 ``GOBLIN_RELIABILITY_SCALE=full`` and ``GOBLIN_RELIABILITY_REPORT`` pointing at a scratch file,
 into which every scenario appends one JSON line of figures, and renders those lines, the
@@ -81,7 +81,9 @@ def run_suite(scale: str, report: Path, junit: Path, extra: list[str]) -> int:
         "GOBLIN_RELIABILITY_SCALE": scale,
         "GOBLIN_RELIABILITY_REPORT": str(report),
     }
-    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_reliability_*.py"))
+    tests = sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "reliability").glob("test_*.py")
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -150,7 +152,7 @@ def render(
         "What the middleware does on a bad day, in figures: concurrent duplicates over several",
         "worker processes, workers killed mid-handler, the store going away, a slow and flaky",
         "network, Redis Cluster failovers, fuzzed input, tenant isolation and memory. Each",
-        "scenario is a test in `tests/test_reliability_*.py` that asserts what must hold and",
+        "scenario is a test in `tests/reliability/test_*.py` that asserts what must hold and",
         "reports what it measured; CI runs every one of them at a small size, and this file is",
         "the full-size run. Timings are what this machine measured, not targets.",
         "",
@@ -167,7 +169,7 @@ def render(
     out += [
         "",
         "Re-run one scenario at full size with",
-        "`GOBLIN_RELIABILITY_SCALE=full python -m pytest -s tests/test_reliability_<name>.py`",
+        "`GOBLIN_RELIABILITY_SCALE=full python -m pytest -s tests/reliability/test_<name>.py`",
         "(`-s` prints each scenario's figures as one JSON line).",
         "",
         "## Summary",

@@ -1,33 +1,18 @@
 from __future__ import annotations
 
-import fnmatch
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis.asyncio
-from servers import Server, start_server
 
 from goblin_idem import MemoryStore, RedisStore
 from goblin_idem.native import build_module
 from goblin_idem.store import Store
-
-# Every store the conformance suite runs against: the embedded store; the Lua scripts on a
-# real redis-server 7 and valkey-server 9; and the same servers with the goblin module loaded,
-# answering GOBLIN.* natively. RedisStore auto-pipelines by default; the "-direct" ones send
-# every call through redis-py instead (autopipeline=False).
-BACKENDS = [
-    "memory",
-    "redis-script",
-    "valkey-script",
-    "redis-native",
-    "valkey-native",
-    "redis-script-direct",
-    "redis-native-direct",
-]
+from tests.support.backends import BACKENDS, Backend, server_for
+from tests.support.servers import Server, start_server
 
 
 @pytest.fixture(scope="session")
@@ -73,37 +58,6 @@ def valkey_native_server(native_module: Path) -> Iterator[Server]:
     server.stop()
 
 
-@dataclass
-class Backend:
-    """A store under test, plus the means to put a non-string value under a key."""
-
-    name: str
-    store: Store
-    client: redis.asyncio.Redis | None = None
-
-    async def make_hash(self, key: str | bytes) -> None:
-        if self.client is None:
-            assert isinstance(self.store, MemoryStore)
-            await self.store.hset(key, "field", "value")
-        else:
-            await self.client.hset(key, "field", "value")
-
-    async def make_zset(self, key: str | bytes) -> None:
-        if self.client is None:
-            assert isinstance(self.store, MemoryStore)
-            await self.store.zadd(key, "member", 1.0)
-        else:
-            await self.client.zadd(key, {"member": 1.0})
-
-
-def server_for(request: pytest.FixtureRequest, name: str) -> Server:
-    """ "redis-script" runs on a stock server, "redis-native" on one with the module."""
-    kind, mode = name.split("-")[:2]
-    fixture = f"{kind}_native_server" if mode == "native" else f"{kind}_server"
-    server: Server = request.getfixturevalue(fixture)
-    return server
-
-
 @pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     name: str = request.param
@@ -120,49 +74,6 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     await store.aclose()
 
 
-async def stored_items(store: Store, match: bytes = b"*") -> list[tuple[bytes, bytes]]:
-    """Every (key, value) of a string the store holds under `match`: what an operator, a
-    dump or a SCAN would see (MemoryStore has no SCAN, so its entries are read directly)."""
-    if isinstance(store, MemoryStore):
-        return [
-            (k, e[0])
-            for k, e in store._data.items()
-            if isinstance(e, tuple) and fnmatch.fnmatchcase(k.decode("latin-1"), match.decode())
-        ]
-    assert isinstance(store, RedisStore)
-    client = store.client
-    items = []
-    async for k in client.scan_iter(match=match, count=1000):  # type: ignore[union-attr]
-        items.append((k, await client.get(k) or b""))
-    return items
-
-
-async def assert_published_together_or_not_at_all(
-    direct: redis.asyncio.Redis | redis.asyncio.RedisCluster,
-    result_key: str,
-    claim_key: str,
-    token: bytes,
-    lease_ms: int,
-) -> None:
-    """After a publish cut off between its SET and its CAEXPIRE, read straight from the
-    server: the result and the claim's extension took effect together or not at all, and,
-    as the server never saw EXEC, not at all."""
-    stored = await direct.get(result_key)
-    claim_ttl = await direct.pttl(claim_key)
-    extended = claim_ttl > lease_ms
-    assert (stored is not None) == extended, (
-        f"the result {'landed' if stored is not None else 'is missing'} but the claim "
-        f"{'was' if extended else 'was not'} extended (claim PTTL {claim_ttl} ms)"
-    )
-    assert stored is None and 0 < claim_ttl <= lease_ms  # nothing of an unfinished EXEC ran
-    assert await direct.get(claim_key) == token
-
-
 @pytest.fixture
 def store(backend: Backend) -> Store:
     return backend.store
-
-
-@pytest.fixture(scope="session")
-def tests_dir() -> Path:
-    return Path(__file__).parent

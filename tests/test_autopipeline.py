@@ -19,12 +19,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, DataError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rel_proxy import Proxy
-from servers import Server, start_server
 
 from goblin_idem import CLAIMED, RedisStore, autopipeline
 from goblin_idem import store as goblin_store
 from goblin_idem.autopipeline import MAX_DRAINING, STALL_SECONDS, AutoPipeline, pack
+from tests.support.proxy import Proxy
+from tests.support.servers import Server, start_server
 
 
 @pytest.fixture

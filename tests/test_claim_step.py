@@ -9,15 +9,15 @@ import logging
 import time
 
 import pytest
-from conftest import Backend
 from redis.exceptions import ResponseError
-from rel_inproc import CountingApp, send_once
-from servers import Server
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore, Store
 from goblin_idem.errors import WRONGTYPE
 from goblin_idem.keys import key_names
+from tests.support.backends import Backend
+from tests.support.inproc import CountingApp, send_once
+from tests.support.servers import Server
 
 
 async def test_a_lost_claim_whose_result_survives_replays_instead_of_running(

@@ -28,9 +28,6 @@ from typing import Any
 import httpx
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from procs import ROOT, start_example_app, start_uvicorn, stop
-from rel_proxy import Proxy
-from servers import Server, free_port, start_server
 
 from goblin_idem.client import (
     AsyncIdempotentTransport,
@@ -43,6 +40,9 @@ from goblin_idem.client import (
     parse_retry_after,
 )
 from goblin_idem.keys import key_names, names_of
+from tests.support.procs import APPS, ROOT, start_example_app, start_uvicorn, stop
+from tests.support.proxy import Proxy
+from tests.support.servers import Server, free_port, start_server
 
 PROBLEM = "urn:goblin-idem:problem:"
 FAST = RetryPolicy(base_delay=0.02, max_delay=0.2, budget=None)  # quick retries, no budget
@@ -100,7 +100,7 @@ class Scripted:
 @pytest.fixture(scope="module")
 def scripted() -> Iterator[Scripted]:
     port = free_port()
-    proc = start_uvicorn(port, {}, app="scripted_app:app")
+    proc = start_uvicorn(port, {}, app=f"{APPS}.scripted_app:app")
     try:
         yield Scripted(f"http://127.0.0.1:{port}")
     finally:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import Backend
 from redis.exceptions import ResponseError
 
 from goblin_idem import CLAIMED
 from goblin_idem.errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
 from goblin_idem.store import Store
+from tests.support.backends import Backend
 
 BINARY_KEY = b"claim:\x00\xff\xfe{tag}\r\n"
 BINARY_VALUE = b"\x00\x01\x80\xff not utf-8 \xc3\x28 \x00"

@@ -8,11 +8,11 @@ import logging
 from collections.abc import Iterator
 
 import pytest
-from rel_inproc import CountingApp, send_once
-from servers import Server, start_server
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem.keys import key_names
+from tests.support.inproc import CountingApp, send_once
+from tests.support.servers import Server, start_server
 
 KINDS = ["redis", "valkey"]
 

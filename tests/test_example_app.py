@@ -12,13 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
-from procs import start_example_app, stop
-from servers import Server, free_port
 
 from example_app import create_app
 from example_app.app import redact
 from example_app.demo import DemoResult, run_demo
 from goblin_idem import MemoryStore
+from tests.support.procs import start_example_app, stop
+from tests.support.servers import Server, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = "urn:goblin-idem:problem:"

@@ -11,16 +11,15 @@ import os
 import secrets
 import select
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from procs import spawn, stop
-from servers import Server, free_port, start_cluster
 
 from goblin_idem import CLAIMED, RedisStore
+from tests.support.procs import APPS, spawn, stop, wait_http
+from tests.support.servers import Server, free_port, start_cluster
 
 
 async def exercise(store: RedisStore, tag: str) -> list[str]:
@@ -152,20 +151,12 @@ def test_gunicorn_preload_workers_answer_their_first_keyed_requests(
             f"127.0.0.1:{port}",
             "--log-level",
             "warning",
-            "preload_app:app",
+            f"{APPS}.preload_app:app",
         ],
         {"REDIS_URL": redis_server.url, "AUTOPIPELINE": autopipeline},
     )
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
-                break
-            except httpx.HTTPError:
-                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-                assert time.monotonic() < deadline, "gunicorn did not answer"
-                time.sleep(0.1)
+        wait_http(proc, port, name="gunicorn", timeout=20)
 
         async def post(i: int) -> httpx.Response:
             await asyncio.sleep(i * 0.03)  # staggered: a worker busy with one leaves the next

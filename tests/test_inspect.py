@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import Server, free_port
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +31,7 @@ from goblin_idem.inspect import (
     names_for_hash,
 )
 from goblin_idem.keys import key_names
+from tests.support.servers import Server, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,32 +18,18 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from procs import spawn, stop
-from servers import Server, free_port, start_server
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
+from tests.support.procs import APPS, spawn, stop, uvicorn_args, wait_http
+from tests.support.servers import Server, free_port, start_server
 
 # -- the app under uvicorn, with its default logging --------------------------------------
 
 
 def serve(port: int, **env: str) -> subprocess.Popen[bytes]:
     """`lifespan_app:app` under uvicorn at its default log level (info)."""
-    return spawn(
-        ["-m", "uvicorn", "lifespan_app:app", "--host", "127.0.0.1", "--port", str(port)], env
-    )
-
-
-def wait_health(proc: subprocess.Popen[bytes], port: int) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise AssertionError("uvicorn did not answer in 20 s")
+    return spawn(uvicorn_args(f"{APPS}.lifespan_app:app", port, "info"), env)
 
 
 def output_of(proc: subprocess.Popen[bytes]) -> str:
@@ -65,7 +51,7 @@ def test_uvicorn_shows_the_store_line_and_counters_are_public(
     port = free_port()
     proc = serve(port, REDIS_URL=redis_server.url, OWN_LIFESPAN="1" if own else "0")
     try:
-        wait_health(proc, port)
+        wait_http(proc, port, name="uvicorn", timeout=20)
         key = {"Idempotency-Key": f"lifespan-{secrets.token_hex(4)}"}
         first = httpx.post(f"http://127.0.0.1:{port}/pay", headers=key, timeout=10)
         again = httpx.post(f"http://127.0.0.1:{port}/pay", headers=key, timeout=10)
@@ -107,7 +93,7 @@ def test_check_store_false_starts_and_answers_503() -> None:
     port, dead = free_port(), free_port()
     proc = serve(port, REDIS_URL=f"redis://127.0.0.1:{dead}/0", CHECK_STORE="0")
     try:
-        wait_health(proc, port)
+        wait_http(proc, port, name="uvicorn", timeout=20)
         reply = httpx.post(
             f"http://127.0.0.1:{port}/pay", headers={"Idempotency-Key": "k1"}, timeout=20
         )

@@ -9,11 +9,11 @@ import time
 
 import pytest
 import redis.asyncio
-from conftest import Backend
-from procs import spawn, stop
-from servers import Server
 
 from goblin_idem import Lock, LockError, LockNotOwnedError, RedisStore, Store, Watchdog
+from tests.support.backends import Backend
+from tests.support.procs import APPS, spawn, stop
+from tests.support.servers import Server
 
 
 async def test_only_one_holder_at_a_time(store: Store) -> None:
@@ -98,7 +98,9 @@ async def test_middleware_and_locks_share_one_watchdog(backend: Backend) -> None
 
 
 def lock_holder(server: Server, name: str, lease_ms: int, hold_ms: int, log: str):  # type: ignore[no-untyped-def]
-    return spawn(["lock_holder.py", server.url, name, str(lease_ms), str(hold_ms), log], {})
+    return spawn(
+        ["-m", f"{APPS}.lock_holder", server.url, name, str(lease_ms), str(hold_ms), log], {}
+    )
 
 
 async def wait_for(

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from asgi import Reply, request
-from conftest import Backend, stored_items
 from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servers import Server, free_port
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -24,58 +20,12 @@ from starlette.types import Message, Receive, Scope, Send
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store, idempotent
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
+from tests.support.asgi import Handler, problem, request
+from tests.support.backends import Backend, stored_items
+from tests.support.servers import Server, free_port
 
-PROBLEM = b"application/problem+json"
 # A key that no log line or stored byte could contain by chance.
 RAW_KEY = "order-7f3a9c-raw-key"
-
-
-class Handler:
-    """An ASGI app that counts its runs and answers what the test scripts."""
-
-    def __init__(
-        self,
-        status: int = 201,
-        headers: list[tuple[bytes, bytes]] | None = None,
-        chunks: list[bytes] | None = None,
-        delay: float = 0.0,
-        raises: BaseException | None = None,
-    ) -> None:
-        self.status = status
-        self.headers = headers if headers is not None else [(b"content-type", b"text/plain")]
-        self.chunks = chunks
-        self.delay = delay
-        self.raises = raises
-        self.runs = 0
-        self.bodies: list[bytes] = []
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.runs += 1
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        self.bodies.append(body)
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        if self.raises is not None:
-            raise self.raises
-        chunks = self.chunks if self.chunks is not None else [b"run %d" % self.runs]
-        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
-        for i, chunk in enumerate(chunks):
-            await send(
-                {"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1}
-            )
-
-
-def problem(reply: Reply) -> dict[str, Any]:
-    assert reply.header("content-type") == PROBLEM
-    assert reply.header("content-length") == str(len(reply.body)).encode()
-    data: dict[str, Any] = json.loads(reply.body)
-    assert data["status"] == reply.status
-    return data
 
 
 # -- the main flow, on every store ------------------------------------------------------------
@@ -259,7 +209,7 @@ async def test_client_gone_while_sending_the_body_claims_nothing() -> None:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    from asgi import http_scope
+    from tests.support.asgi import http_scope
 
     await mw(http_scope(headers=[("Idempotency-Key", "k")]), receive, send)
     assert sent == [] and handler.runs == 0 and len(store) == 0
@@ -590,7 +540,7 @@ async def test_final_chunk_is_sent_only_after_the_record_is_published() -> None:
             seen_at_final.append(await store.get(names.result))
 
     mw = IdempotencyMiddleware(Handler(chunks=[b"a", b"b"]), store=store)
-    from asgi import http_scope
+    from tests.support.asgi import http_scope
 
     sent = False
 
@@ -646,7 +596,7 @@ async def test_client_that_left_after_a_complete_response_still_gets_its_replay(
     """The work is done once the app has answered: a retry must replay it, not rerun it."""
     handler = Handler()
     mw = IdempotencyMiddleware(handler, store=MemoryStore())
-    from asgi import http_scope
+    from tests.support.asgi import http_scope
 
     async def receive() -> Message:
         return {"type": "http.request", "body": b"", "more_body": False}
@@ -799,7 +749,7 @@ async def test_fail_open_runs_unprotected() -> None:
 
 
 async def test_store_stopped_mid_test_then_back() -> None:
-    from servers import start_server
+    from tests.support.servers import start_server
 
     server = start_server("redis")
     store = RedisStore.from_url(server.url, socket_timeout=1)
@@ -867,71 +817,23 @@ def request_(request: pytest.FixtureRequest) -> pytest.FixtureRequest:
     return request
 
 
-@pytest.mark.parametrize("kind", ["redis", "valkey"])
-async def test_round_trips_per_request(
-    request_: Any, kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    server: Server = request_.getfixturevalue(f"{kind}_server")
-    store = RedisStore.from_url(server.url)
-    assert await store.detect() == "script"  # detection loads the scripts: no NOSCRIPT below
-    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
-    client = store.client
-    trips = RoundTrips(store, monkeypatch)
-    try:
-        await client.flushall()
-        # commandstats also counts the calls a script makes (set/get/pexpire inside EVALSHA).
-        # New key, 2 round trips: the claim step (EVALSHA: set NX; and PTTL of the result,
-        # pipelined), then the publish, one pipelined MULTI / SET / EVALSHA (get, pexpire)
-        # / EXEC.
-        assert await commands_during(client, lambda: request(mw, key="new")) == {
-            "evalsha": 2,
-            "pttl": 1,
-            "multi": 1,
-            "set": 2,
-            "get": 1,
-            "pexpire": 1,
-            "exec": 1,
-        }
-        trips.during(2)
-        # Replay, 1 round trip: the claim step (EVALSHA: set NX fails, get result; PTTL).
-        replay = await commands_during(client, lambda: request(mw, key="new"))
-        assert replay == {"evalsha": 1, "set": 1, "get": 1, "pttl": 1}
-        trips.during(1)
-        assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
-        trips.during(0)
-
-        first = asyncio.create_task(request(mw, key="slow"))
-        await asyncio.sleep(0.1)
-        trips.during(1)
-
-        async def duplicate() -> None:
-            assert (await request(mw, key="slow")).status == 409
-
-        # In flight, 1 round trip: the same claim step as a replay.
-        in_flight = await commands_during(client, duplicate)
-        assert in_flight == {"evalsha": 1, "set": 1, "get": 1, "pttl": 1}
-        trips.during(1)
-        await first
-    finally:
-        await store.aclose()
-
-
-@pytest.mark.parametrize("kind", ["redis", "valkey"])
-async def test_round_trips_per_request_native(
-    request_: Any, kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    server: Server = request_.getfixturevalue(f"{kind}_native_server")
-    store = RedisStore.from_url(server.url)
-    assert await store.detect() == "native"
-    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
-    client = store.client
-    trips = RoundTrips(store, monkeypatch)
-    try:
-        await client.flushall()
-        # CLAIM and PTTL, then MULTI / SET / GOBLIN.CAEXPIRE / EXEC pipelined: 2 round trips.
-        # commandstats also counts the GET the module runs inside a command to read a short
-        # value without changing how it is stored (the token CAEXPIRE compares).
-        assert await commands_during(client, lambda: request(mw, key="new")) == {
+# The commands (from commandstats) of a new key, a replay and a duplicate in flight.
+# Script mode: commandstats also counts the calls a script makes (set/get/pexpire inside
+# EVALSHA). New key: the claim step (EVALSHA: set NX; and PTTL of the result, pipelined),
+# then the publish, one pipelined MULTI / SET / EVALSHA (get, pexpire) / EXEC. A replay and
+# a duplicate in flight: the claim step only (EVALSHA: set NX fails, get result; PTTL).
+# Native mode: CLAIM and PTTL, then MULTI / SET / GOBLIN.CAEXPIRE / EXEC pipelined.
+# commandstats also counts the GET the module runs inside a command to read a short value
+# without changing how it is stored (the token CAEXPIRE compares); a replay's CLAIM reads
+# the (short) stored result the same way.
+ROUND_TRIP_COMMANDS = {
+    "script": (
+        {"evalsha": 2, "pttl": 1, "multi": 1, "set": 2, "get": 1, "pexpire": 1, "exec": 1},
+        {"evalsha": 1, "set": 1, "get": 1, "pttl": 1},
+        {"evalsha": 1, "set": 1, "get": 1, "pttl": 1},
+    ),
+    "native": (
+        {
             "goblin.claim": 1,
             "pttl": 1,
             "multi": 1,
@@ -939,11 +841,33 @@ async def test_round_trips_per_request_native(
             "goblin.caexpire": 1,
             "get": 1,
             "exec": 1,
-        }
+        },
+        {"goblin.claim": 1, "get": 1, "pttl": 1},
+        {"goblin.claim": 1, "pttl": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["script", "native"])
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+async def test_round_trips_per_request(
+    request_: Any, kind: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new key takes 2 round trips, a replay 1, a request without a key none and a
+    duplicate in flight 1, each with exactly the commands above."""
+    new, replay, in_flight = ROUND_TRIP_COMMANDS[mode]
+    fixture = f"{kind}_native_server" if mode == "native" else f"{kind}_server"
+    server: Server = request_.getfixturevalue(fixture)
+    store = RedisStore.from_url(server.url)
+    assert await store.detect() == mode  # detection loads the scripts: no NOSCRIPT below
+    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
+    client = store.client
+    trips = RoundTrips(store, monkeypatch)
+    try:
+        await client.flushall()
+        assert await commands_during(client, lambda: request(mw, key="new")) == new
         trips.during(2)
-        replay = await commands_during(client, lambda: request(mw, key="new"))
-        # a replay: the CLAIM reads the (short) stored result the same way
-        assert replay == {"goblin.claim": 1, "get": 1, "pttl": 1}
+        assert await commands_during(client, lambda: request(mw, key="new")) == replay
         trips.during(1)
         assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
         trips.during(0)
@@ -955,7 +879,7 @@ async def test_round_trips_per_request_native(
         async def duplicate() -> None:
             assert (await request(mw, key="slow")).status == 409
 
-        assert await commands_during(client, duplicate) == {"goblin.claim": 1, "pttl": 1}
+        assert await commands_during(client, duplicate) == in_flight
         trips.during(1)
         await first
     finally:

@@ -24,10 +24,10 @@ from typing import BinaryIO
 import pytest
 import redis
 import redis.exceptions
-from servers import KINDS, Cluster, Server, start_cluster, start_server
 
 from goblin_idem.native import build_module, source_path
 from goblin_idem.scripts import CAD_LUA, CAEXPIRE_LUA, CAS_LUA, CLAIM_LUA
+from tests.support.servers import KINDS, Cluster, Server, start_cluster, start_server
 
 Arg = bytes | str | int
 

@@ -12,12 +12,8 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from asgi import request
-from conftest import server_for
-from procs import spawn, stop
 from pydantic import BaseModel
 from redis.asyncio.cluster import RedisCluster
-from servers import Server, start_cluster
 
 from goblin_idem import (
     ClaimLostError,
@@ -32,6 +28,10 @@ from goblin_idem import (
 )
 from goblin_idem.keys import key_names
 from goblin_idem.record import RecordError
+from tests.support.asgi import request
+from tests.support.backends import server_for
+from tests.support.procs import APPS, spawn, stop
+from tests.support.servers import Server, start_cluster
 
 STORES = ["memory", "redis-script", "valkey-native"]
 
@@ -343,7 +343,7 @@ async def test_a_process_killed_mid_run_is_run_once_more_after_its_lease(
     client = store.client
     assert isinstance(client, redis.asyncio.Redis)
     await client.flushall()
-    proc = spawn(["once_worker.py", redis_server.url, "evt_k", "60000", "2"], {})
+    proc = spawn(["-m", f"{APPS}.once_worker", redis_server.url, "evt_k", "60000", "2"], {})
     try:
         await until(lambda: client.exists("runs:evt_k"), timeout=20)
         stop(proc, signal.SIGKILL)  # dies holding the claim

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
 from openapi_spec_validator import validate
-from procs import start_example_app, stop
-from servers import free_port
 
 from goblin_idem import IdempotencyMiddleware, idempotent
+from tests.support.procs import start_example_app, stop
+from tests.support.servers import free_port
 
 PROBLEM = "application/problem+json"
 REF = {"$ref": "#/components/schemas/IdempotencyProblem"}

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from asgi import request
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RoutePolicy, idempotent
+from tests.support.asgi import request
 
 
 async def app(scope: Any, receive: Any, send: Any) -> None:

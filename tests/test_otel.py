@@ -21,7 +21,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from servers import Server
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -30,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem.keys import key_names
+from tests.support.servers import Server
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-from servers import start_server
+from tests.support.servers import start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_SOURCE = shutil.ignore_patterns(

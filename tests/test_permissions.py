@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rel_inproc import CountingApp, send_once
-from servers import Server
 
 from goblin_idem import IdempotencyMiddleware, RedisStore, StorePermissionError
+from tests.support.inproc import CountingApp, send_once
+from tests.support.servers import Server
 
 MODES = [(kind, mode) for kind in ("redis", "valkey") for mode in ("script", "native")]
 

@@ -14,14 +14,14 @@ from typing import Any, BinaryIO
 
 import httpx
 import pytest
-from asgi import Reply, request
-from procs import start_granian, stop
-from servers import Server, free_port
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore
 from goblin_idem.keys import key_names
 from goblin_idem.record import Record, RecordError, decode, encode
+from tests.support.asgi import Reply, request
+from tests.support.procs import APPS, start_granian, stop
+from tests.support.servers import Server, free_port
 
 NOT_REPLAYABLE = "urn:goblin-idem:problem:not-replayable"
 LIMIT = 64 * 1024  # the served app's max_response_bytes
@@ -53,7 +53,7 @@ def files() -> Iterator[Path]:
 def granian_port(redis_server: Server, files: Path) -> Iterator[int]:
     port = free_port()
     env = {"REDIS_URL": redis_server.url, "FILE_DIR": str(files), "MAX_RESPONSE_BYTES": str(LIMIT)}
-    proc = start_granian(port, env, "file_app:app")
+    proc = start_granian(port, env, f"{APPS}.file_app:app")
     yield port
     stop(proc)
 

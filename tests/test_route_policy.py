@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
-from servers import Server
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -23,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store, idempotent
 from goblin_idem.keys import key_names
+from tests.support.servers import Server
 
 MISSING_KEY = "urn:goblin-idem:problem:missing-key"
 

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis.asyncio
-from asgi import request
-from conftest import server_for
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem.keys import key_names
 from goblin_idem.record import Record, RecordError, decode, encode, fingerprint, format_of
 from goblin_idem.sealing import Sealer, SealError, key_id, keys_from_env
+from tests.support.asgi import request
+from tests.support.backends import server_for
 
 SECRET = b'{"card":"4242424242424242","token":"tok_live_5ecret"}'
 COOKIE = b"session=s3cr3t-cookie-value"

@@ -11,17 +11,17 @@ import time
 
 import pytest
 import redis.asyncio
-from conftest import Backend, assert_published_together_or_not_at_all
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
-from rel_proxy import Proxy, resp_args
-from servers import Server, free_port, start_cluster, start_server
 
 from goblin_idem import CLAIMED, MemoryStore, RedisStore, Store
 from goblin_idem.errors import NOT_INTEGER, WRONGTYPE
 from goblin_idem.scripts import ALL as ALL_SCRIPTS
+from tests.support.backends import Backend, assert_published_together_or_not_at_all
+from tests.support.proxy import Proxy, resp_args
+from tests.support.servers import Server, free_port, start_cluster, start_server
 
 # -- publish and caexpire_many, on every store ----------------------------------------------
 

@@ -8,12 +8,12 @@ from collections.abc import Coroutine, Generator
 from typing import Any
 
 import pytest
-from asgi import request
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
+from tests.support.asgi import request
 
 
 async def app(scope: Any, receive: Any, send: Any) -> None:

@@ -9,16 +9,15 @@ import json
 import logging
 
 import pytest
-from asgi import Reply, request
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from test_middleware import Handler
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, Store, cookie_scope, header_scope
+from tests.support.asgi import Handler, Reply, request
 
 SHARED = "carries no Authorization header"
 

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import redis.asyncio
-from servers import Server
 
 from example_app.worker import StreamWorker, event_handler, run_in_process
 from example_app.worker_demo import run_stream_demo
 from goblin_idem import RedisStore
+from tests.support.servers import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -28,13 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from redis.asyncio.cluster import RedisCluster
-from rel_cluster import failover, settled_cluster, shards, wait_acked, wait_replica_via
-from rel_common import ms
-from rel_inproc import CountingApp, Tally, send_once, until_done
-from rel_proxy import Proxy
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem.keys import key_names
+from tests.reliability.cluster import (
+    failover,
+    settled_cluster,
+    shards,
+    wait_acked,
+    wait_replica_via,
+)
+from tests.reliability.report import ms
+from tests.support.inproc import CountingApp, Tally, send_once, until_done
+from tests.support.proxy import Proxy
 
 
 @dataclass
@@ -90,7 +96,6 @@ async def failover_under_load(
     wait_timeout_ms: int = 1000,
 ) -> FailoverResult:
     result = FailoverResult(mode, wait_replicas)
-    events: list[tuple[str, str]] = []
     handler = CountingApp(work_s=0.005)
     with settled_cluster("redis", modules) as cluster:
         victim, *others = shards(cluster)
@@ -112,13 +117,10 @@ async def failover_under_load(
                 socket_timeout=1.0,
                 address_remap=lambda addr: real if tuple(addr) == announced else addr,
             )
-            mw = IdempotencyMiddleware(
-                handler,
-                store=store,
-                lease_seconds=lease,
-                on_event=lambda event, key_hash: events.append((event, key_hash)),
-            )
             tally = Tally()
+            mw = IdempotencyMiddleware(
+                handler, store=store, lease_seconds=lease, on_event=tally.on_event
+            )
             keys: list[str] = []
             accepting = {"new": True}
             deadline = time.monotonic() + warmup + after + 60
@@ -169,7 +171,7 @@ async def failover_under_load(
                 with contextlib.suppress(Exception):
                     await store.aclose()
 
-    failed_publish = {h for e, h in events if e == "publish_errors"}
+    failed_publish = {h for e, h in tally.events if e == "publish_errors"}
     escaped_keys = {k for k, a in tally.answers if a.escaped}
     result.escaped.update(a.escaped.split(":", 1)[0] for _, a in tally.answers if a.escaped)
     result.keys = len(keys)

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from rel_common import latency_figures, ms, pick, problem_slug, record
-from rel_http import HttpPool
-from rel_procs import Uvicorn
-from servers import Server, free_port, start_server
 
 from goblin_idem.keys import key_names
+from tests.reliability.report import latency_figures, ms, pick, record
+from tests.support.http_pool import HttpPool
+from tests.support.procs import Uvicorn
+from tests.support.responses import problem_slug
+from tests.support.servers import Server, free_port, start_server
 
 CLIENTS = pick(8, 16)
 WARMUP = pick(1.0, 3.0)  # seconds of load before the kill

@@ -8,7 +8,6 @@ something else started (for example the one a machine may run on 6379).
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import shutil
 import signal
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import redis
 import redis.asyncio
+
+from tests.support.procs import stop
 
 KINDS = ("redis", "valkey")
 
@@ -93,13 +94,7 @@ class Server:
         return self.proc.poll() is None
 
     def stop(self, *, sig: int = signal.SIGTERM, remove_dir: bool = True) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop(self.proc, sig)
         if remove_dir and self.owns_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -1,4 +1,5 @@
-"""The app the reliability suite serves with uvicorn (one or several worker processes).
+"""The app the crash, key and reliability tests serve with uvicorn (one or several worker
+processes).
 
 ``POST /task/{name}`` is the handler under test: each real run appends one line to the side
 effect log (``SIDE_LOG``, if set: wall-clock start time, pid, name), INCRs ``runs:{name}`` in

@@ -17,14 +17,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from conftest import stored_items
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rel_common import pick, problem_slug, record
-from servers import Server
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store
+from tests.reliability.report import pick, record
+from tests.support.backends import stored_items
+from tests.support.responses import problem_slug
+from tests.support.servers import Server
 
 EXAMPLES = pick(200, 2000)
 PROBLEM_STATUSES = {400, 409, 413, 422, 503}

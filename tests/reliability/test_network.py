@@ -19,13 +19,13 @@ from collections import Counter
 import pytest
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from rel_common import latency_figures, pick, record
-from rel_inproc import CountingApp, Tally, send_once, until_done
-from rel_proxy import Proxy
-from servers import Server
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem.keys import key_names
+from tests.reliability.report import latency_figures, pick, record
+from tests.support.inproc import CountingApp, Tally, send_once, until_done
+from tests.support.proxy import Proxy
+from tests.support.servers import Server
 
 KEYS = pick(150, 1500)
 DUPLICATES = 3
@@ -42,7 +42,6 @@ async def test_flaky_network_timeouts_end_in_503_or_replay(
     rng = random.Random(4242)
     run_id = f"{random.getrandbits(32):08x}"
     keys = [f"net-{run_id}-{i:05d}" for i in range(KEYS)]
-    events: list[tuple[str, str]] = []
     chaos: Counter[str] = Counter()
     handler = CountingApp(work_s=0.01)
     with Proxy(own_redis.port, seed=7) as proxy:
@@ -53,13 +52,10 @@ async def test_flaky_network_timeouts_end_in_503_or_replay(
             autopipeline=autopipeline,
         )
         assert (store._pipeline is not None) == autopipeline
-        mw = IdempotencyMiddleware(
-            handler,
-            store=store,
-            lease_seconds=LEASE,
-            on_event=lambda event, key_hash: events.append((event, key_hash)),
-        )
         tally = Tally()
+        mw = IdempotencyMiddleware(
+            handler, store=store, lease_seconds=LEASE, on_event=tally.on_event
+        )
         stop = asyncio.Event()
 
         async def monkey() -> None:
@@ -106,7 +102,7 @@ async def test_flaky_network_timeouts_end_in_503_or_replay(
         replays = [(k, await send_once(mw, k)) for k in keys]
         await store.aclose()
 
-    failed_publish = {h for e, h in events if e in ("publish_errors", "lease_lost")}
+    failed_publish = {h for e, h in tally.events if e in ("publish_errors", "lease_lost")}
     second_runs = {k: len(v) - 1 for k, v in handler.runs.items() if len(v) > 1}
     unexplained = [
         k for k in second_runs if key_names(b"idem", b"", k.encode()).hash not in failed_publish

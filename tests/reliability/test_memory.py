@@ -19,13 +19,13 @@ import tracemalloc
 from typing import Literal
 
 import pytest
-from asgi import request
-from rel_common import mean, pick, record
-from servers import Server, start_server
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
 from goblin_idem.keys import key_names
+from tests.reliability.report import mean, pick, record
+from tests.support.asgi import request
+from tests.support.servers import Server, start_server
 
 REDIS_KEYS = pick(3_000, 100_000)
 EVICTION_KEYS = pick(300, 3_000)

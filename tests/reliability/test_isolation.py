@@ -15,15 +15,15 @@ from collections import Counter
 from collections.abc import Sequence
 
 import pytest
-from asgi import request
-from conftest import Backend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rel_common import pick, record
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, Store
 from goblin_idem.keys import key_names
+from tests.reliability.report import pick, record
+from tests.support.asgi import request
+from tests.support.backends import Backend
 
 ISOLATION_SEEN: Counter[str] = Counter()
 

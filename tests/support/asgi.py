@@ -7,11 +7,14 @@ disconnects mid-request, the exact header list), so the middleware tests drive A
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.types import ASGIApp, Message
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tests.support.responses import PROBLEM
 
 
 @dataclass
@@ -103,3 +106,51 @@ async def request(
 
     await app(scope, receive, send)
     return reply
+
+
+class Handler:
+    """An ASGI app that counts its runs and answers what the test scripts."""
+
+    def __init__(
+        self,
+        status: int = 201,
+        headers: list[tuple[bytes, bytes]] | None = None,
+        chunks: list[bytes] | None = None,
+        delay: float = 0.0,
+        raises: BaseException | None = None,
+    ) -> None:
+        self.status = status
+        self.headers = headers if headers is not None else [(b"content-type", b"text/plain")]
+        self.chunks = chunks
+        self.delay = delay
+        self.raises = raises
+        self.runs = 0
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.runs += 1
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.bodies.append(body)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.raises is not None:
+            raise self.raises
+        chunks = self.chunks if self.chunks is not None else [b"run %d" % self.runs]
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        for i, chunk in enumerate(chunks):
+            await send(
+                {"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1}
+            )
+
+
+def problem(reply: Reply) -> dict[str, Any]:
+    assert reply.header("content-type") == PROBLEM
+    assert reply.header("content-length") == str(len(reply.body)).encode()
+    data: dict[str, Any] = json.loads(reply.body)
+    assert data["status"] == reply.status
+    return data

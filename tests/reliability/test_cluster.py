@@ -25,19 +25,19 @@ from pathlib import Path
 
 import pytest
 import redis.exceptions
-from conftest import assert_published_together_or_not_at_all
 from redis.asyncio.cluster import RedisCluster
-from rel_cluster import failover, settled_cluster, shards, wait_settled
-from rel_common import FULL, pick, record
-from rel_failover import FailoverResult, failover_under_load
-from rel_inproc import CountingApp, Tally, send_once, until_done
-from rel_proxy import Proxy, resp_args
-from servers import Cluster, Server, start_cluster, start_server
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore
 from goblin_idem.errors import NotReplicatedError
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
+from tests.reliability.cluster import failover, settled_cluster, shards, wait_settled
+from tests.reliability.failover import FailoverResult, failover_under_load
+from tests.reliability.report import FULL, pick, record
+from tests.support.backends import assert_published_together_or_not_at_all
+from tests.support.inproc import CountingApp, Tally, send_once, until_done
+from tests.support.proxy import Proxy, resp_args
+from tests.support.servers import Cluster, Server, start_cluster, start_server
 
 KEYS = pick(120, 1200)
 DUPLICATES = 3
@@ -133,20 +133,19 @@ async def test_cluster_graceful_failover_under_load(cluster: Cluster, wait: int)
     no key may run twice. Runs after an exception out of the middleware would be counted
     apart."""
     await asyncio.to_thread(wait_settled, cluster)
-    events: list[tuple[str, str]] = []
     store = RedisStore.from_url(
         cluster.servers[0].url, cluster=True, mode="script", wait_replicas=wait
     )
     handler = CountingApp(work_s=0.005)
+    tally = Tally()
     mw = IdempotencyMiddleware(
         handler,
         store=store,
         namespace=f"gf{wait}-{random.getrandbits(24):06x}",
         lease_seconds=1,
-        on_event=lambda e, h: events.append((e, h)),
+        on_event=tally.on_event,
     )
     keys = [f"gf-{i:05d}" for i in range(KEYS)]
-    tally = Tally()
     try:
         await _initialized(store)
         victim = shards(cluster)[0]
@@ -166,7 +165,7 @@ async def test_cluster_graceful_failover_under_load(cluster: Cluster, wait: int)
         await store.aclose()
 
     mw_ns = mw.namespace
-    failed = {h for e, h in events if e == "publish_errors"}
+    failed = {h for e, h in tally.events if e == "publish_errors"}
     escaped_keys = {k for k, a in tally.answers if a.escaped}
     escaped = Counter(a.escaped.split(":", 1)[0] for _, a in tally.answers if a.escaped)
     extra = {k: len(handler.runs[k]) - 1 for k in keys if len(handler.runs[k]) > 1}

@@ -11,9 +11,10 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from asgi import request
-from rel_common import header, problem_slug
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tests.support.asgi import request
+from tests.support.responses import header, problem_slug
 
 
 class CountingApp:
@@ -58,6 +59,11 @@ class Answer:
 class Tally:
     answers: list[tuple[str, Answer]] = field(default_factory=list)
     completed: dict[str, Answer] = field(default_factory=dict)
+    events: list[tuple[str, str]] = field(default_factory=list)  # (event, key hash)
+
+    def on_event(self, event: str, key_hash: str) -> None:
+        """The middleware's `on_event` hook: every event it reports, in order."""
+        self.events.append((event, key_hash))
 
 
 async def send_once(app: ASGIApp, key: str, body: bytes = b"{}") -> Answer:

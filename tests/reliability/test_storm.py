@@ -13,10 +13,11 @@ import random
 import time
 from collections import Counter
 
-from rel_common import app_headers, header, latency_figures, pick, problem_slug, record
-from rel_http import HttpPool, Response
-from rel_procs import Uvicorn
-from servers import Server, free_port
+from tests.reliability.report import latency_figures, pick, record
+from tests.support.http_pool import HttpPool, Response
+from tests.support.procs import Uvicorn
+from tests.support.responses import app_headers, header, problem_slug
+from tests.support.servers import Server, free_port
 
 WORKERS = 4
 KEYS = pick(100, 1000)

@@ -13,7 +13,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from redis.crc import key_slot
-from servers import Cluster, Server, start_cluster
+
+from tests.support.servers import Cluster, Server, start_cluster
 
 
 @dataclass
