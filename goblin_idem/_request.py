@@ -1,0 +1,111 @@
+"""What the middleware reads of a request with a key: its body, its store key names and
+its fingerprint.
+
+The names hash the key with the caller's scope (keys.py), so that two callers never share
+a key; the fingerprint covers method, path, query, body and the headers the middleware is
+told to include (record.py), so that a key sent again with another request is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from starlette.types import Receive, Scope
+
+from .keys import KeyNames, credential_header, credentials_scope, key_names
+from .record import fingerprint
+
+__all__ = ["BodyTooLarge", "Identity", "read_body"]
+
+logger = logging.getLogger("goblin_idem.middleware")
+
+
+class Identity:
+    """Key names and fingerprints for one middleware's options (plain values)."""
+
+    __slots__ = ("_warned", "fingerprint_headers", "header_name", "namespace", "scope_of")
+
+    def __init__(
+        self,
+        namespace: bytes,
+        scope_of: Callable[[Scope], bytes | str] | None,
+        fingerprint_headers: tuple[bytes, ...],
+        header_name: str,
+    ) -> None:
+        self.namespace = namespace
+        self.scope_of = scope_of
+        self.fingerprint_headers = fingerprint_headers
+        self.header_name = header_name
+        self._warned = False  # logged that callers share the empty scope
+
+    def names(self, scope: Scope, key: bytes) -> KeyNames:
+        return key_names(self.namespace, self._caller(scope), key)
+
+    def fingerprint(self, scope: Scope, body: bytes) -> bytes:
+        return fingerprint(
+            scope["method"],
+            scope["path"],
+            scope.get("query_string", b""),
+            body,
+            self._header_values(scope) if self.fingerprint_headers else (),
+        )
+
+    def _caller(self, scope: Scope) -> bytes:
+        """The scope of the key: `scope_of`'s answer, or by default the Authorization header."""
+        if self.scope_of is None:
+            value = credentials_scope(scope["headers"])
+            if not value and not self._warned:
+                credential = credential_header(scope["headers"])
+                if credential is not None:
+                    self._warn_shared_scope(credential)
+            return value
+        given = self.scope_of(scope)
+        return given.encode() if isinstance(given, str) else given
+
+    def _warn_shared_scope(self, name: bytes) -> None:
+        """Once per middleware: a keyed request with no Authorization header but a header
+        that carries a credential shares the empty default scope with every such caller."""
+        self._warned = True
+        logger.warning(
+            "a request with an %s carries no Authorization header but a %s header: with "
+            "the default scope (the Authorization header) every such caller shares one key "
+            "space, so a caller who sends another's key gets the other's stored response, "
+            "Set-Cookie included; pass scope= a function that returns the caller's "
+            "identity (goblin_idem.header_scope or cookie_scope; README: Choosing a scope). "
+            "Logged once.",
+            self.header_name,
+            name.decode("latin-1"),
+        )
+
+    def _header_values(self, scope: Scope) -> list[bytes]:
+        found = dict.fromkeys(self.fingerprint_headers, b"")
+        for name, value in scope["headers"]:
+            if name in found:
+                found[name] = value
+        return list(found.values())
+
+
+class BodyTooLarge(Exception):
+    """The request body is larger than the middleware takes."""
+
+
+async def read_body(receive: Receive, content_length: bytes | None, limit: int) -> bytes | None:
+    """The whole request body, or None if the client left; BodyTooLarge past `limit` bytes
+    (refused by its Content-Length before a byte is read, if it has one)."""
+    if content_length is not None and content_length.isdigit():
+        if int(content_length) > limit:
+            raise BodyTooLarge
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None  # nothing was claimed; nobody to answer
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
