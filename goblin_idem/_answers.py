@@ -8,6 +8,7 @@ Built from plain values (Starlette's responder pattern): no reference to the mid
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from starlette.types import Send
 
@@ -24,26 +25,16 @@ logger = logging.getLogger("goblin_idem.middleware")
 REPLAYED = (b"idempotent-replayed", b"true")
 
 
+@dataclass(frozen=True, slots=True)
 class Answers:
     """The middleware's own answers: refusals of a request, and answers of a duplicate."""
 
-    __slots__ = ("any_key", "header_name", "max_body_bytes", "report", "retry_after", "sealer")
-
-    def __init__(
-        self,
-        report: Events,
-        header_name: str,
-        any_key: bool,
-        max_body_bytes: int,
-        retry_after: bytes,
-        sealer: Sealer | None,
-    ) -> None:
-        self.report = report
-        self.header_name = header_name
-        self.any_key = any_key  # the default key pattern: any printable ASCII, 1 to 255
-        self.max_body_bytes = max_body_bytes
-        self.retry_after = retry_after
-        self.sealer = sealer
+    report: Events
+    header_name: str
+    any_key: bool  # the default key pattern: any printable ASCII, 1 to 255 characters
+    max_body_bytes: int
+    retry_after: bytes
+    sealer: Sealer | None
 
     # -- a request refused: nothing claimed, nothing run --
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from starlette.types import Receive, Scope
 
@@ -21,23 +22,15 @@ __all__ = ["BodyTooLarge", "Identity", "read_body"]
 logger = logging.getLogger("goblin_idem.middleware")
 
 
+@dataclass(slots=True)
 class Identity:
     """Key names and fingerprints for one middleware's options (plain values)."""
 
-    __slots__ = ("_warned", "fingerprint_headers", "header_name", "namespace", "scope_of")
-
-    def __init__(
-        self,
-        namespace: bytes,
-        scope_of: Callable[[Scope], bytes | str] | None,
-        fingerprint_headers: tuple[bytes, ...],
-        header_name: str,
-    ) -> None:
-        self.namespace = namespace
-        self.scope_of = scope_of
-        self.fingerprint_headers = fingerprint_headers
-        self.header_name = header_name
-        self._warned = False  # logged that callers share the empty scope
+    namespace: bytes
+    scope_of: Callable[[Scope], bytes | str] | None
+    fingerprint_headers: tuple[bytes, ...]
+    header_name: str
+    _warned: bool = field(default=False, init=False)  # logged that callers share a scope
 
     def names(self, scope: Scope, key: bytes) -> KeyNames:
         return key_names(self.namespace, self._caller(scope), key)

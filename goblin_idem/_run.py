@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import options
 from ._events import Events
 from ._routes import Settings
-from .claim import Claim, current
+from .claim import PUBLISH_RETRY_DELAYS, Claim, current
 from .compression import Codec
 from .errors import describe
 from .keys import KeyNames
@@ -39,9 +39,6 @@ __all__ = ["Run", "RunConfig", "free_claim", "log_store_error"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
-# Publishing is retried after these pauses: long enough to ride out a failover's promotion
-# or a reconnect, short enough that the held-back last chunk is not held for long.
-PUBLISH_RETRY_DELAYS = (0.05, 0.25)
 # Errors that no retry fixes, only a change of configuration: logged once per store.
 CONFIGURATION_ERRORS = (NoPermissionError, AuthenticationError)
 _misconfigured: weakref.WeakSet[Any] = weakref.WeakSet()  # stores whose error was logged

@@ -27,12 +27,13 @@ import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from . import options
-from .claim import Claim, current, new_token, poll_claim
+from .claim import PUBLISH_RETRY_DELAYS, Claim, current, new_token, poll_claim
 from .codecs import Codec, codec_for, from_stored, to_stored
-from .errors import InFlightError
+from .errors import InFlightError, describe
 from .keys import KeyNames, key_names
 from .lease import Lease, Watchdog
 from .sealing import Sealer
@@ -47,7 +48,6 @@ R = TypeVar("R")
 
 POLL_SECONDS = 0.05  # the middleware's default poll_interval_ms
 RETRY_AFTER = 1.0  # the middleware's default Retry-After
-PUBLISH_RETRY_DELAYS = (0.05, 0.25)  # as the middleware's: a failover's promotion, a reconnect
 _background: set[asyncio.Task[Any]] = set()  # closing steps that outlive a cancelled call
 
 
@@ -122,6 +122,7 @@ def once(
             lease_seconds,
             float(wait_seconds),
             sealer,
+            Watchdog.for_store(the_store),
         )
 
         @functools.wraps(func)
@@ -139,33 +140,21 @@ def _name_of(func: Callable[..., Any]) -> str:
     return f"{module}.{getattr(func, '__qualname__', type(func).__qualname__)}"
 
 
+@dataclass(frozen=True, slots=True)
 class _Once:
     """The decorated function's settings, and its one call."""
 
-    def __init__(
-        self,
-        store: Store,
-        func: Callable[..., Awaitable[Any]],
-        key: Callable[..., str | bytes | int],
-        name: bytes,
-        namespace: bytes,
-        codec: Codec,
-        ttl_ms: int,
-        lease_seconds: int,
-        wait_seconds: float,
-        sealer: Sealer | None,
-    ) -> None:
-        self.store = store
-        self.func = func
-        self.key = key
-        self.name = name
-        self.namespace = namespace
-        self.codec = codec
-        self.ttl_ms = ttl_ms
-        self.lease_seconds = lease_seconds
-        self.wait_seconds = wait_seconds
-        self.sealer = sealer
-        self.watchdog = Watchdog.for_store(store)
+    store: Store
+    func: Callable[..., Awaitable[Any]]
+    key: Callable[..., str | bytes | int]
+    name: bytes
+    namespace: bytes
+    codec: Codec
+    ttl_ms: int
+    lease_seconds: int
+    wait_seconds: float
+    sealer: Sealer | None
+    watchdog: Watchdog  # the store's, shared
 
     def names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyNames:
         value = self.key(*args, **kwargs)
@@ -234,10 +223,7 @@ class _Once:
             await self.store.cad(names.claim, token)
         except Exception as exc:
             logger.warning(
-                "could not release key %s (its lease will expire): %s: %s",
-                names.hash,
-                type(exc).__name__,
-                exc,
+                "could not release key %s (its lease will expire): %s", names.hash, describe(exc)
             )
 
     async def _publish(self, lease: Lease, names: KeyNames, token: bytes, data: bytes) -> None:
@@ -258,12 +244,11 @@ class _Once:
                     await asyncio.sleep(delay)
                     continue
                 logger.error(
-                    "%s: could not store the result of key %s (%s: %s); a call after the "
+                    "%s: could not store the result of key %s (%s); a call after the "
                     "lease may run the work again",
                     self.name.decode(),
                     names.hash,
-                    type(exc).__name__,
-                    exc,
+                    describe(exc),
                 )
                 return
             if renewed != 1:
