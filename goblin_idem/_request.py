@@ -12,12 +12,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from starlette.types import Receive, Scope
+from starlette.types import Message, Receive, Scope
 
 from .keys import KeyNames, credential_header, credentials_scope, key_names
 from .record import fingerprint
 
-__all__ = ["BodyTooLarge", "Identity", "read_body"]
+__all__ = ["BodyTooLarge", "Identity", "read_body", "replay_receive"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -102,3 +102,18 @@ async def read_body(receive: Receive, content_length: bytes | None, limit: int) 
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def replay_receive(body: bytes, receive: Receive) -> Receive:
+    """The request body, already read, as one message; then the client's own receive (so
+    an app waiting for http.disconnect still sees it)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

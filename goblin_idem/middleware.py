@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import _routes, options
 from ._answers import Answers
 from ._events import Counters, Events
 from ._previous import previous_reply
-from ._request import BodyTooLarge, Identity, read_body
+from ._request import BodyTooLarge, Identity, read_body, replay_receive
 from ._routes import RoutePolicy, Routes, Settings, idempotent
 from ._run import Run, RunConfig, log_store_error
 from .claim import new_token, poll_claim
@@ -241,16 +241,15 @@ class IdempotencyMiddleware:
         receive: Receive,
         send: Send,
         settings: Settings,
-        key: bytes | None,
+        key: bytes,
         keys: int,
         content_length: bytes | None,
     ) -> None:
         """A covered request with a key: the key checked, the body read, the key claimed;
         then the one run, or an answer from the claim step's reply."""
-        if key is not None and key[:1] == b'"':
-            key = string_key(key)  # the IETF draft's form, an RFC 8941 String
-        if keys > 1 or key is None or not valid_key(key, self.key_pattern):
-            await self.answers.invalid_key(send, malformed=keys == 1 and key is None)
+        checked = string_key(key) if key[:1] == b'"' else key  # an RFC 8941 String: unquoted
+        if keys > 1 or checked is None or not valid_key(checked, self.key_pattern):
+            await self.answers.invalid_key(send, malformed=keys == 1 and checked is None)
             return
         try:
             body = await read_body(receive, content_length, self.max_body_bytes)
@@ -259,7 +258,7 @@ class IdempotencyMiddleware:
             return
         if body is None:
             return
-        names = self.identity.names(scope, key)
+        names = self.identity.names(scope, checked)
         fp = self.identity.fingerprint(scope, body)
         token = new_token()
         claim = self.store.claim_unless_done
@@ -278,12 +277,12 @@ class IdempotencyMiddleware:
             # by accident (fail_open decides).
             if not isinstance(exc, LOGGED_WITHOUT_TRACEBACK):
                 logger.exception("unexpected error from the store for key %s", names.hash)
-            await self._store_failed(exc, scope, _replay_receive(body, receive), send, names)
+            await self._store_failed(exc, scope, replay_receive(body, receive), send, names)
             return
         if reply is CLAIMED:
             self.events("claimed", names.hash)
             run = Run(self.runs, send, names, token, fp, settings)
-            await run(scope, _replay_receive(body, receive))
+            await run(scope, replay_receive(body, receive))
         elif reply is None:
             await self.answers.in_flight(send, names)
         else:
@@ -309,18 +308,3 @@ class IdempotencyMiddleware:
             self.store, logging.ERROR, exc, "store error for key %s, answering 503", names.hash
         )
         await self.answers.store_unavailable(send)
-
-
-def _replay_receive(body: bytes, receive: Receive) -> Receive:
-    """The request body, already read, as one message; then the client's own receive (so
-    an app waiting for http.disconnect still sees it)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
