@@ -32,29 +32,26 @@ class Identity:
     header_name: str
     _warned: bool = field(default=False, init=False)  # logged that callers share a scope
 
-    def names(self, scope: Scope, key: bytes) -> KeyNames:
-        return key_names(self.namespace, self._caller(scope), key)
-
-    def fingerprint(self, scope: Scope, body: bytes) -> bytes:
-        return fingerprint(
+    def identify(self, scope: Scope, key: bytes, body: bytes) -> tuple[KeyNames, bytes]:
+        """The key's store names, scoped by the caller (`scope_of`'s answer, or by default
+        the Authorization header), and the request's fingerprint."""
+        if self.scope_of is None:
+            caller = credentials_scope(scope["headers"])
+            if not caller and not self._warned:
+                credential = credential_header(scope["headers"])
+                if credential is not None:
+                    self._warn_shared_scope(credential)
+        else:
+            given = self.scope_of(scope)
+            caller = given.encode() if isinstance(given, str) else given
+        fp = fingerprint(
             scope["method"],
             scope["path"],
             scope.get("query_string", b""),
             body,
             self._header_values(scope) if self.fingerprint_headers else (),
         )
-
-    def _caller(self, scope: Scope) -> bytes:
-        """The scope of the key: `scope_of`'s answer, or by default the Authorization header."""
-        if self.scope_of is None:
-            value = credentials_scope(scope["headers"])
-            if not value and not self._warned:
-                credential = credential_header(scope["headers"])
-                if credential is not None:
-                    self._warn_shared_scope(credential)
-            return value
-        given = self.scope_of(scope)
-        return given.encode() if isinstance(given, str) else given
+        return key_names(self.namespace, caller, key), fp
 
     def _warn_shared_scope(self, name: bytes) -> None:
         """Once per middleware: a keyed request with no Authorization header but a header

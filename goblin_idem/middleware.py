@@ -123,6 +123,7 @@ class IdempotencyMiddleware:
             exclude=exclude,
             required_paths=required_paths,
         )
+        self._may_require = self.routes.may_require  # read by every request without a key
         self.max_body_bytes = options.whole_number("max_body_bytes", max_body_bytes, minimum=1)
         retry_after = options.whole_number("retry_after_seconds", retry_after_seconds, minimum=0)
         self.retry_after = str(retry_after).encode()
@@ -222,7 +223,7 @@ class IdempotencyMiddleware:
                 keys += 1
             elif name == b"content-length":
                 content_length = value
-        if key is None and not _routes.marked_endpoints and not self.routes.may_require:
+        if key is None and not _routes.marked_endpoints and not self._may_require:
             await self.app(scope, receive, send)  # the common case: nothing to do, fast
             return
         settings = self.routes.settings(scope)
@@ -258,8 +259,7 @@ class IdempotencyMiddleware:
             return
         if body is None:
             return
-        names = self.identity.names(scope, checked)
-        fp = self.identity.fingerprint(scope, body)
+        names, fp = self.identity.identify(scope, checked, body)
         token = new_token()
         claim = self.store.claim_unless_done
         try:

@@ -74,34 +74,11 @@ def once(
     store key as the middleware's records are when `encryption_keys` (or
     ``$GOBLIN_IDEM_ENCRYPTION_KEYS``) gives keys.
     """
-    if store is None:
-        raise TypeError(
-            "once needs a store: RedisStore.from_url(url) for several processes, "
-            "MemoryStore() for one"
-        )
-    the_store: Store = options.store(store)
-    if not callable(key):
-        raise TypeError(
-            "key must be a function of the decorated function's arguments returning the "
-            f"work's id, as in key=lambda event: event['id']; got {type(key).__name__}"
-        )
+    the_store = _checked(store, key, codec, wait_seconds, name)
     ttl_seconds = options.whole_number("ttl_seconds", ttl_seconds, minimum=1)
     lease_seconds = options.whole_number("lease_seconds", lease_seconds, minimum=1)
     ns = options.namespace(namespace)
-    if codec is not None and not isinstance(codec, Codec):
-        raise TypeError(
-            "codec must have encode(value) -> bytes and decode(data) -> value methods, "
-            f"not {type(codec).__name__}"
-        )
-    if isinstance(wait_seconds, bool) or not isinstance(wait_seconds, (int, float)):
-        raise TypeError(
-            f"wait_seconds must be a number of seconds, not {type(wait_seconds).__name__}"
-        )
-    if not 0 <= wait_seconds < float("inf"):
-        raise ValueError(f"wait_seconds must be >= 0 and finite, got {wait_seconds}")
     sealer = options.sealer(encryption_keys)
-    if name is not None and (not isinstance(name, str) or not name):
-        raise TypeError("name must be a non-empty str (the function's identity in store keys)")
 
     def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         if not inspect.iscoroutinefunction(func):
@@ -133,6 +110,37 @@ def once(
         return wrapper
 
     return decorate
+
+
+def _checked(
+    store: object, key: object, codec: object, wait_seconds: object, name: object
+) -> Store:
+    """The store, once every argument that has no check in options.py is checked."""
+    if store is None:
+        raise TypeError(
+            "once needs a store: RedisStore.from_url(url) for several processes, "
+            "MemoryStore() for one"
+        )
+    the_store: Store = options.store(store)
+    if not callable(key):
+        raise TypeError(
+            "key must be a function of the decorated function's arguments returning the "
+            f"work's id, as in key=lambda event: event['id']; got {type(key).__name__}"
+        )
+    if codec is not None and not isinstance(codec, Codec):
+        raise TypeError(
+            "codec must have encode(value) -> bytes and decode(data) -> value methods, "
+            f"not {type(codec).__name__}"
+        )
+    if isinstance(wait_seconds, bool) or not isinstance(wait_seconds, (int, float)):
+        raise TypeError(
+            f"wait_seconds must be a number of seconds, not {type(wait_seconds).__name__}"
+        )
+    if not 0 <= wait_seconds < float("inf"):
+        raise ValueError(f"wait_seconds must be >= 0 and finite, got {wait_seconds}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError("name must be a non-empty str (the function's identity in store keys)")
+    return the_store
 
 
 def _name_of(func: Callable[..., Any]) -> str:
