@@ -17,7 +17,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import AuthenticationError, NoPermissionError
@@ -117,11 +117,12 @@ class RunConfig:
         self.report("lease_lost", lease.label)
 
 
+@dataclass(eq=False, slots=True)
 class Run:
-    """Wraps `send` for the one run: passes the response through as it streams, keeps a
-    copy, and holds back the message that ends the response until the response is
-    published (or the claim released), so a client that saw the whole response can rely on
-    its replay.
+    """The one run of the app under a won claim. Its `send` passes the response through as
+    it streams, keeps a copy, and holds back the message that ends the response until the
+    response is published (or the claim released), so a client that saw the whole response
+    can rely on its replay.
 
     A response ends, by the ASGI spec and its extensions, with the body message whose
     `more_body` is false, a `http.response.pathsend`, or a `http.response.zerocopysend`
@@ -134,30 +135,20 @@ class Run:
     as it came too, and the key is released, as for a response that failed. Other messages
     (`http.response.debug`, early hints) pass through and are not stored."""
 
-    lease: Lease
-
-    def __init__(
-        self,
-        config: RunConfig,
-        send: Send,
-        names: KeyNames,
-        token: bytes,
-        fp: bytes,
-        settings: Settings,
-    ) -> None:
-        self.config = config
-        self._send = send
-        self.names = names
-        self.token = token
-        self.fp = fp
-        self.settings = settings
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.keep = True  # False: release the key at the end, store nothing
-        self.trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
-        self.finished = False  # the closing step has started
+    config: RunConfig
+    _send: Send
+    names: KeyNames
+    token: bytes
+    fp: bytes
+    settings: Settings
+    lease: Lease = field(init=False)
+    status: int = 0
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    keep: bool = True  # False: release the key at the end, store nothing
+    trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
+    finished: bool = False  # the closing step has started
 
     async def __call__(self, scope: Scope, receive: Receive) -> None:
         """Run the app once, holding the claim's lease, and close with one store step."""
