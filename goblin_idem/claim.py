@@ -24,7 +24,19 @@ from .errors import ClaimLostError
 from .lease import Lease
 from .store import ClaimReply, Store
 
-__all__ = ["Claim", "ClaimHolder", "current_claim", "new_token", "poll_claim"]
+__all__ = [
+    "PUBLISH_RETRY_DELAYS",
+    "Claim",
+    "ClaimHolder",
+    "current_claim",
+    "new_token",
+    "poll_claim",
+]
+
+# Publishing a result is retried after these pauses (the middleware's and once's): long
+# enough to ride out a failover's promotion or a reconnect, short enough that the
+# held-back last chunk of a response is not held for long.
+PUBLISH_RETRY_DELAYS = (0.05, 0.25)
 
 
 class _ClaimTokens:

@@ -7,6 +7,8 @@ Goblin server replies (redis-py strips the leading ``ERR `` as it does for any s
 
 from __future__ import annotations
 
+import os
+
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "NotReplicatedError",
     "ResponseError",
     "StorePermissionError",
+    "describe",
     "invalid_expire",
 ]
 
@@ -33,6 +36,22 @@ VALUE_TOO_LARGE = (
 
 def invalid_expire(command: str) -> str:
     return f"invalid expire time in '{command}' command"
+
+
+def describe(exc: BaseException) -> str:
+    """`TypeName: message` for a log line or an error message (redis-py's repr of its
+    errors drops the message), and the system's words for an OS error behind it
+    (redis-py says "Error 111 connecting to ...", not "Connection refused")."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause: BaseException | None = exc
+    seen: set[int] = set()  # a chain can loop back on itself
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno:
+            words = os.strerror(cause.errno)
+            return text if words in text else f"{text} ({words})"
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return text
 
 
 class GoblinError(Exception):

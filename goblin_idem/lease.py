@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import ClassVar
 
-from .errors import LockError, LockNotOwnedError
+from .errors import LockError, LockNotOwnedError, describe
 from .store import KeyT, Store, as_bytes
 
 __all__ = ["Lease", "Lock", "Watchdog"]
@@ -41,6 +41,16 @@ class Lease:
 
     def schedule(self, now: float) -> None:
         self.due = now + self.ms / 3000
+
+    def lose(self) -> bool:
+        """Mark the lease lost (a renewal, or a write with its token, found the key no
+        longer held by it): True, and `on_lost` told, the first time only."""
+        if self.lost:
+            return False
+        self.lost = True
+        if self.on_lost is not None:
+            self.on_lost(self)
+        return True
 
 
 class Watchdog:
@@ -131,9 +141,7 @@ class Watchdog:
         try:
             replies = await self.store.caexpire_many([(x.key, x.token, x.ms) for x in due])
         except Exception as exc:  # the store is down: keep the leases and try again soon
-            logger.warning(
-                "lease renewal failed for %d lease(s): %s: %s", len(due), type(exc).__name__, exc
-            )
+            logger.warning("lease renewal failed for %d lease(s): %s", len(due), describe(exc))
             replies = [exc] * len(due)
         finally:
             self._renewing.clear()
@@ -152,13 +160,9 @@ class Watchdog:
 
     def _lose(self, lease: Lease) -> None:
         self._leases.discard(lease)
-        if lease.lost:
-            return
-        lease.lost = True
-        self.lost += 1
-        logger.warning("lease lost: %s is no longer held by this token", lease.label or "a key")
-        if lease.on_lost is not None:
-            lease.on_lost(lease)
+        if lease.lose():
+            self.lost += 1
+            logger.warning("lease lost: %s is no longer held by this token", lease.label or "a key")
 
 
 class Lock:

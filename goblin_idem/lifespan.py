@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
-from .errors import StorePermissionError
+from .errors import StorePermissionError, describe
 from .memory import MemoryStore
 from .store import RedisStore
 
@@ -133,7 +133,7 @@ def _unusable(store: RedisStore, exc: Exception) -> str:
         return f"goblin-idem store at {store.address} refuses commands: {exc}"
     return (
         f"goblin-idem store: cannot use the Redis at {store.address} "
-        f"({type(exc).__name__}: {exc}); start it, or fix the URL the store is built from"
+        f"({describe(exc)}); start it, or fix the URL the store is built from"
     )
 
 
@@ -143,4 +143,4 @@ async def _shutdown(mw: IdempotencyMiddleware) -> None:
     try:
         await mw.store.aclose()
     except Exception as exc:  # shutting down goes on
-        logger.warning("could not close the goblin-idem store: %s: %s", type(exc).__name__, exc)
+        logger.warning("could not close the goblin-idem store: %s", describe(exc))

@@ -27,12 +27,13 @@ import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from . import options
-from .claim import Claim, current, new_token, poll_claim
+from .claim import PUBLISH_RETRY_DELAYS, Claim, current, new_token, poll_claim
 from .codecs import Codec, codec_for, from_stored, to_stored
-from .errors import InFlightError
+from .errors import InFlightError, describe
 from .keys import KeyNames, key_names
 from .lease import Lease, Watchdog
 from .sealing import Sealer
@@ -47,7 +48,6 @@ R = TypeVar("R")
 
 POLL_SECONDS = 0.05  # the middleware's default poll_interval_ms
 RETRY_AFTER = 1.0  # the middleware's default Retry-After
-PUBLISH_RETRY_DELAYS = (0.05, 0.25)  # as the middleware's: a failover's promotion, a reconnect
 _background: set[asyncio.Task[Any]] = set()  # closing steps that outlive a cancelled call
 
 
@@ -74,34 +74,11 @@ def once(
     store key as the middleware's records are when `encryption_keys` (or
     ``$GOBLIN_IDEM_ENCRYPTION_KEYS``) gives keys.
     """
-    if store is None:
-        raise TypeError(
-            "once needs a store: RedisStore.from_url(url) for several processes, "
-            "MemoryStore() for one"
-        )
-    the_store: Store = options.store(store)
-    if not callable(key):
-        raise TypeError(
-            "key must be a function of the decorated function's arguments returning the "
-            f"work's id, as in key=lambda event: event['id']; got {type(key).__name__}"
-        )
+    the_store = _checked(store, key, codec, wait_seconds, name)
     ttl_seconds = options.whole_number("ttl_seconds", ttl_seconds, minimum=1)
     lease_seconds = options.whole_number("lease_seconds", lease_seconds, minimum=1)
     ns = options.namespace(namespace)
-    if codec is not None and not isinstance(codec, Codec):
-        raise TypeError(
-            "codec must have encode(value) -> bytes and decode(data) -> value methods, "
-            f"not {type(codec).__name__}"
-        )
-    if isinstance(wait_seconds, bool) or not isinstance(wait_seconds, (int, float)):
-        raise TypeError(
-            f"wait_seconds must be a number of seconds, not {type(wait_seconds).__name__}"
-        )
-    if not 0 <= wait_seconds < float("inf"):
-        raise ValueError(f"wait_seconds must be >= 0 and finite, got {wait_seconds}")
     sealer = options.sealer(encryption_keys)
-    if name is not None and (not isinstance(name, str) or not name):
-        raise TypeError("name must be a non-empty str (the function's identity in store keys)")
 
     def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         if not inspect.iscoroutinefunction(func):
@@ -122,6 +99,7 @@ def once(
             lease_seconds,
             float(wait_seconds),
             sealer,
+            Watchdog.for_store(the_store),
         )
 
         @functools.wraps(func)
@@ -134,38 +112,57 @@ def once(
     return decorate
 
 
+def _checked(
+    store: object, key: object, codec: object, wait_seconds: object, name: object
+) -> Store:
+    """The store, once every argument that has no check in options.py is checked."""
+    if store is None:
+        raise TypeError(
+            "once needs a store: RedisStore.from_url(url) for several processes, "
+            "MemoryStore() for one"
+        )
+    the_store: Store = options.store(store)
+    if not callable(key):
+        raise TypeError(
+            "key must be a function of the decorated function's arguments returning the "
+            f"work's id, as in key=lambda event: event['id']; got {type(key).__name__}"
+        )
+    if codec is not None and not isinstance(codec, Codec):
+        raise TypeError(
+            "codec must have encode(value) -> bytes and decode(data) -> value methods, "
+            f"not {type(codec).__name__}"
+        )
+    if isinstance(wait_seconds, bool) or not isinstance(wait_seconds, (int, float)):
+        raise TypeError(
+            f"wait_seconds must be a number of seconds, not {type(wait_seconds).__name__}"
+        )
+    if not 0 <= wait_seconds < float("inf"):
+        raise ValueError(f"wait_seconds must be >= 0 and finite, got {wait_seconds}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError("name must be a non-empty str (the function's identity in store keys)")
+    return the_store
+
+
 def _name_of(func: Callable[..., Any]) -> str:
     module = getattr(func, "__module__", None) or "?"
     return f"{module}.{getattr(func, '__qualname__', type(func).__qualname__)}"
 
 
+@dataclass(frozen=True, slots=True)
 class _Once:
     """The decorated function's settings, and its one call."""
 
-    def __init__(
-        self,
-        store: Store,
-        func: Callable[..., Awaitable[Any]],
-        key: Callable[..., str | bytes | int],
-        name: bytes,
-        namespace: bytes,
-        codec: Codec,
-        ttl_ms: int,
-        lease_seconds: int,
-        wait_seconds: float,
-        sealer: Sealer | None,
-    ) -> None:
-        self.store = store
-        self.func = func
-        self.key = key
-        self.name = name
-        self.namespace = namespace
-        self.codec = codec
-        self.ttl_ms = ttl_ms
-        self.lease_seconds = lease_seconds
-        self.wait_seconds = wait_seconds
-        self.sealer = sealer
-        self.watchdog = Watchdog.for_store(store)
+    store: Store
+    func: Callable[..., Awaitable[Any]]
+    key: Callable[..., str | bytes | int]
+    name: bytes
+    namespace: bytes
+    codec: Codec
+    ttl_ms: int
+    lease_seconds: int
+    wait_seconds: float
+    sealer: Sealer | None
+    watchdog: Watchdog  # the store's, shared
 
     def names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyNames:
         value = self.key(*args, **kwargs)
@@ -234,10 +231,7 @@ class _Once:
             await self.store.cad(names.claim, token)
         except Exception as exc:
             logger.warning(
-                "could not release key %s (its lease will expire): %s: %s",
-                names.hash,
-                type(exc).__name__,
-                exc,
+                "could not release key %s (its lease will expire): %s", names.hash, describe(exc)
             )
 
     async def _publish(self, lease: Lease, names: KeyNames, token: bytes, data: bytes) -> None:
@@ -258,12 +252,11 @@ class _Once:
                     await asyncio.sleep(delay)
                     continue
                 logger.error(
-                    "%s: could not store the result of key %s (%s: %s); a call after the "
+                    "%s: could not store the result of key %s (%s); a call after the "
                     "lease may run the work again",
                     self.name.decode(),
                     names.hash,
-                    type(exc).__name__,
-                    exc,
+                    describe(exc),
                 )
                 return
             if renewed != 1:

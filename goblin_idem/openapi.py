@@ -4,7 +4,7 @@ FastAPI builds the document from its routes, which know nothing of a middleware.
 middleware, when it first sees its app (the lifespan, or a first request), wraps the app's
 ``openapi`` method, as FastAPI's own docs do to extend the schema. Each operation is then
 asked the middleware's own question, with a request made up from the operation's path: is
-this method on this path covered, and is the key required there? `_settings` answers it
+this method on this path covered, and is the key required there? `routes.settings` answers it
 the way it does for a real request (options, path patterns, and the ``@idempotent`` mark of
 the endpoint the router would pick), so the document cannot say anything else than what a
 request meets. A covered operation gets the key header, the ``Idempotent-Replayed`` header
@@ -63,7 +63,7 @@ def idempotency_openapi(schema: dict[str, Any], app: Any, mw: IdempotencyMiddlew
         for method, operation in item.items():
             if method.upper() not in mw.methods or not isinstance(operation, dict):
                 continue
-            settings = mw._settings(_request(app, method, path, operation, item))
+            settings = mw.routes.settings(_request(app, method, path, operation, item))
             if settings is None:
                 continue
             covered = True

@@ -21,10 +21,13 @@ __all__ = [
     "callable_or_none",
     "codec",
     "flag",
+    "header_names",
     "http_tokens",
     "key_pattern",
+    "methods",
     "namespace",
     "patterns",
+    "polling",
     "sealer",
     "store",
     "whole_number",
@@ -98,6 +101,28 @@ def http_tokens(name: str, value: object, what: str, *, allow_empty: bool = True
             )
         tokens.append(item)
     return tokens
+
+
+def header_names(name: str, value: object) -> tuple[bytes, ...]:
+    """Header names as ASGI carries them: lowercase latin-1 bytes."""
+    return tuple(h.lower().encode("latin-1") for h in http_tokens(name, value, "header name"))
+
+
+def methods(value: object) -> frozenset[str]:
+    return frozenset(m.upper() for m in http_tokens("methods", value, "method", allow_empty=False))
+
+
+def polling(wait_ms: object, poll_interval_ms: object) -> tuple[int, float]:
+    """How long a duplicate waits for the first request (ms), and the pause between two
+    polls of the claim (seconds)."""
+    wait = whole_number("wait_ms", wait_ms, minimum=0)
+    interval = whole_number("poll_interval_ms", poll_interval_ms, minimum=0)
+    if wait and not interval:
+        raise ValueError(
+            "poll_interval_ms must be >= 1 when wait_ms > 0: it is the pause between two "
+            "claim polls, and 0 would poll the store in a busy loop (50 is the default)"
+        )
+    return wait, interval / 1000
 
 
 def store(value: object) -> Store:

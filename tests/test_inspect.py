@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store
-from goblin_idem.inspect import (
+from goblin_idem.inspection import (
     COMPLETED,
     FREE,
     IN_FLIGHT,

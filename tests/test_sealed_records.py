@@ -359,7 +359,7 @@ async def test_without_encryption_a_moved_record_would_replay(store: RedisStore)
 
 
 async def test_inspect_shows_format_key_id_and_whether_it_opens(store: RedisStore) -> None:
-    from goblin_idem.inspect import COMPLETED, UNREADABLE, format_state, inspect_key
+    from goblin_idem.inspection import COMPLETED, UNREADABLE, format_state, inspect_key
 
     mw = sealed(App(), store, [K1])
     assert (await request(mw, key="k-i")).status == 201

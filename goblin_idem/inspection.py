@@ -1,4 +1,4 @@
-"""`python -m goblin_idem inspect`: what the store holds for one Idempotency-Key.
+"""What the store holds for one Idempotency-Key (`python -m goblin_idem inspect`, cli.py).
 
 The middleware never writes the raw key to the store: it names the claim and result keys
 by a hash of (scope, key) (see `goblin_idem.keys`). This command derives the same names,
@@ -24,20 +24,14 @@ state while it is being inspected can show a mix of both states.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Final
 
-from . import options
 from .keys import KeyNames, key_names, names_of
 from .record import Format, Record, RecordError, decode, format_of
 from .sealing import Sealer
-from .store import KeyT, RedisStore, Store, as_bytes
+from .store import KeyT, Store, as_bytes
 
 __all__ = [
     "COMPLETED",
@@ -48,11 +42,9 @@ __all__ = [
     "SCOPE_HINT",
     "UNREADABLE",
     "KeyState",
-    "add_subcommand",
     "format_state",
     "inspect_key",
     "names_for_hash",
-    "run",
 ]
 
 FREE: Final = "free"
@@ -159,29 +151,46 @@ async def inspect_key(
     claim_ttl = await _ttl(store, names.claim) if token is not None else None
     data = await store.get(names.result)
     result_ttl = await _ttl(store, names.result) if data is not None else None
-
     if token is None:
-        note = None
-        if data is not None:
-            note = (
-                "a result is stored but its claim is gone: the next request with this key "
-                "is answered from the result, and takes the claim back"
-            )
-        elif key is not None and not scope:
-            note = SCOPE_HINT
-        return KeyState(
-            names,
-            FREE,
-            claim_ttl_ms=None,
-            result_ttl_ms=result_ttl,
-            result_bytes=None if data is None else len(data),
-            note=note,
-        )
+        return _free(names, data, result_ttl, hint=key is not None and not scope)
     if data is None:
         note = None
         if claim_ttl == -1:
             note = "the claim has no TTL: nothing will ever free it (delete it by hand)"
         return KeyState(names, IN_FLIGHT, token, claim_ttl, note=note)
+    return _completed(names, token, claim_ttl, data, result_ttl, sealer, reveal)
+
+
+def _free(names: KeyNames, data: bytes | None, result_ttl: int | None, *, hint: bool) -> KeyState:
+    """No claim: a result left without one, or nothing (in the empty scope: `hint`)."""
+    note = None
+    if data is not None:
+        note = (
+            "a result is stored but its claim is gone: the next request with this key "
+            "is answered from the result, and takes the claim back"
+        )
+    elif hint:
+        note = SCOPE_HINT
+    return KeyState(
+        names,
+        FREE,
+        claim_ttl_ms=None,
+        result_ttl_ms=result_ttl,
+        result_bytes=None if data is None else len(data),
+        note=note,
+    )
+
+
+def _completed(
+    names: KeyNames,
+    token: bytes,
+    claim_ttl: int | None,
+    data: bytes,
+    result_ttl: int | None,
+    sealer: Sealer | None,
+    reveal: bool,
+) -> KeyState:
+    """A claim and a result: the record read (or why it cannot be)."""
     fmt = _format_or_none(data)
     try:
         record = decode(data, sealer=sealer, name=names.result)
@@ -285,114 +294,3 @@ def format_state(state: KeyState) -> str:
         lines.append(("note", state.note))
     width = max(len(label) for label, _ in lines)
     return "\n".join(f"{label:<{width}}  {value}".rstrip() for label, value in lines)
-
-
-# -- command line ----------------------------------------------------------------------
-
-
-def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `inspect` to an argparse subparsers object; it dispatches to `run`."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "inspect",
-        help="show an Idempotency-Key's state in the store (free, in flight, completed)",
-        description=(
-            "Show what the store holds for one Idempotency-Key: free, in flight (lease left "
-            "and owner token), or completed (TTL, stored status, headers and body size)."
-        ),
-    )
-    parser.add_argument("key", nargs="?", help="the Idempotency-Key as the client sent it")
-    parser.add_argument(
-        "--hash",
-        dest="key_hash",
-        metavar="HASH",
-        help="inspect by the key hash that log lines print, instead of by KEY",
-    )
-    parser.add_argument(
-        "--url",
-        default=os.environ.get("REDIS_URL"),
-        help="the store, e.g. redis://127.0.0.1:6380/0 (default: $REDIS_URL)",
-    )
-    parser.add_argument(
-        "--scope",
-        default=None,
-        help=(
-            "the scope the middleware keyed the request by: by default the request's "
-            "Authorization header value (empty for anonymous callers). A secret given "
-            "here shows in the process list and the shell history: give - to read it "
-            f"from stdin, or set ${SCOPE_ENV} (the default when --scope is not given)"
-        ),
-    )
-    parser.add_argument("--namespace", default="idem", help="key prefix (default: idem)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--reveal",
-        action="store_true",
-        help="show a sealed record's headers (opened with $GOBLIN_IDEM_ENCRYPTION_KEYS)",
-    )
-    parser.set_defaults(func=run)
-    return parser
-
-
-def _reason(exc: BaseException) -> str:
-    """`TypeName: message`, and the system's words for an OS error behind it (redis-py
-    says "Error 111 connecting to ...", not "Connection refused")."""
-    text = f"{type(exc).__name__}: {exc}"
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno:
-            words = os.strerror(cause.errno)
-            return text if words in text else f"{text} ({words})"
-        cause = cause.__cause__ or cause.__context__
-    return text
-
-
-def _scope(given: str | None) -> str:
-    """--scope's value; ``-`` reads one line from stdin; absent, $GOBLIN_SCOPE or empty."""
-    if given == "-":
-        return sys.stdin.readline().removesuffix("\n").removesuffix("\r")
-    if given is not None:
-        return given
-    return os.environ.get(SCOPE_ENV, "")
-
-
-async def _inspect_url(store: RedisStore, args: argparse.Namespace, scope: str) -> KeyState:
-    names = names_for_hash(args.key_hash, namespace=args.namespace) if args.key_hash else None
-    try:
-        return await inspect_key(
-            store,
-            args.key,
-            scope=scope,
-            namespace=args.namespace,
-            names=names,
-            sealer=options.sealer(None),
-            reveal=args.reveal,
-        )
-    finally:
-        await store.aclose()
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.url is None:
-        print("error: give --url redis://host:port/db (or set REDIS_URL)", file=sys.stderr)
-        return 2
-    if (args.key is None) == (args.key_hash is None):
-        print("error: give either KEY or --hash HASH", file=sys.stderr)
-        return 2
-    try:
-        store = RedisStore.from_url(args.url, max_connections=2)
-    except ValueError as exc:  # a malformed URL
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        state = asyncio.run(_inspect_url(store, args, _scope(args.scope)))
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # the store is unreachable or answered an error
-        print(
-            f"error: could not read the store at {store.address}: {_reason(exc)}",
-            file=sys.stderr,
-        )
-        return 1
-    print(json.dumps(state.as_dict(), indent=2) if args.json else format_state(state))
-    return 0

@@ -1,0 +1,153 @@
+"""The responses the middleware writes itself, worded once for its options.
+
+Every one is a problem document of problems.py with the detail this middleware's options
+call for, or the replay of a stored response; each reports its event where it is sent.
+Built from plain values (Starlette's responder pattern): no reference to the middleware.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from starlette.types import Send
+
+from . import problems
+from ._events import Events
+from .keys import KeyNames
+from .record import Record, RecordError, decode
+from .sealing import Sealer
+
+__all__ = ["REPLAYED", "Answers"]
+
+logger = logging.getLogger("goblin_idem.middleware")
+
+REPLAYED = (b"idempotent-replayed", b"true")
+
+
+@dataclass(frozen=True, slots=True)
+class Answers:
+    """The middleware's own answers: refusals of a request, and answers of a duplicate."""
+
+    report: Events
+    header_name: str
+    any_key: bool  # the default key pattern: any printable ASCII, 1 to 255 characters
+    max_body_bytes: int
+    retry_after: bytes
+    sealer: Sealer | None
+
+    # -- a request refused: nothing claimed, nothing run --
+
+    async def missing_key(self, send: Send, method: str, path: str) -> None:
+        self.report("missing_key")
+        await problems.send_problem(
+            send, problems.MISSING_KEY, f"{self.header_name} is required for {method} {path}."
+        )
+
+    async def invalid_key(self, send: Send, *, malformed: bool) -> None:
+        self.report("invalid_key")
+        if malformed:
+            detail = (
+                f"A quoted {self.header_name} must be an RFC 8941 String: printable ASCII "
+                'between double quotes, with \\" and \\\\ as the only escapes.'
+            )
+        else:
+            detail = f"Send exactly one {self.header_name} header, " + (
+                "of 1 to 255 printable ASCII characters."
+                if self.any_key
+                else "in the form this service accepts."
+            )
+        await problems.send_problem(send, problems.INVALID_KEY, detail)
+
+    async def body_too_large(self, send: Send) -> None:
+        self.report("too_large")
+        await problems.send_problem(
+            send,
+            problems.BODY_TOO_LARGE,
+            f"An idempotent request body may be at most {self.max_body_bytes} bytes.",
+        )
+
+    async def store_unavailable(self, send: Send) -> None:
+        """503, not counted here: the store error that caused it is (`store_errors`)."""
+        await problems.send_problem(
+            send,
+            problems.STORE_UNAVAILABLE,
+            "The request was not run. Retry it with the same key.",
+            [(b"retry-after", self.retry_after)],
+        )
+
+    # -- a duplicate: answered from the claim step's reply --
+
+    async def in_flight(self, send: Send, names: KeyNames) -> None:
+        self.report("in_flight", names.hash)
+        await problems.send_problem(
+            send,
+            problems.IN_FLIGHT,
+            "A request with this key is in progress; retry after the Retry-After delay.",
+            [(b"retry-after", self.retry_after)],
+        )
+
+    async def stored(self, data: bytes, fp: bytes, send: Send, names: KeyNames) -> None:
+        """The stored response replayed, byte for byte; or why it is not (422 for another
+        request under the same key, 409 for a response too large to have been stored,
+        503 for a record this process cannot read)."""
+        try:
+            record = decode(data, sealer=self.sealer, name=names.result)
+        except RecordError as exc:
+            await self._unreadable(exc, send, names)
+            return
+        if record.fingerprint != fp:
+            self.report("mismatch", names.hash)
+            await problems.send_problem(
+                send,
+                problems.KEY_REUSED,
+                "The key was first used with another method, path, query or body. "
+                "Use a new key for a new request.",
+            )
+            return
+        if not record.replayable:
+            self.report("not_replayable", names.hash)
+            await problems.send_problem(
+                send,
+                problems.NOT_REPLAYABLE,
+                f"The first request completed with status {record.status}. "
+                "Do not retry it with this key.",
+            )
+            return
+        self.report("replayed", names.hash)
+        await _send_record(send, record)
+
+    async def _unreadable(self, exc: RecordError, send: Send, names: KeyNames) -> None:
+        """A stored record this process cannot read: a newer release's format, a sealed
+        record no configured key opens, or damaged bytes. The work it records happened, so
+        it is never run again (whatever fail_open says); the key stays answered 503 until
+        a process that reads it answers, or the result expires."""
+        self.report("unreadable", names.hash)
+        logger.error(
+            "key %s: the stored response cannot be read, answering 503: %s", names.hash, exc
+        )
+        await problems.send_problem(
+            send,
+            problems.RECORD_UNREADABLE,
+            "The request with this key was run, but its stored response cannot be read here. "
+            "It is not run again; retry later with the same key.",
+            [(b"retry-after", self.retry_after)],
+        )
+
+
+async def _send_record(send: Send, record: Record) -> None:
+    """The stored response, as the app sent it: with trailers if it declared them (the
+    server then frames and delivers them as it did the first time)."""
+    start = {
+        "type": "http.response.start",
+        "status": record.status,
+        "headers": [*record.headers, REPLAYED],
+    }
+    if record.trailers is not None:
+        start["trailers"] = True
+    await send(start)
+    await send({"type": "http.response.body", "body": record.body, "more_body": False})
+    if record.trailers is not None:
+        await send(
+            {"type": "http.response.trailers", "headers": record.trailers, "more_trailers": False}
+        )

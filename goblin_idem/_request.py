@@ -1,0 +1,116 @@
+"""What the middleware reads of a request with a key: its body, its store key names and
+its fingerprint.
+
+The names hash the key with the caller's scope (keys.py), so that two callers never share
+a key; the fingerprint covers method, path, query, body and the headers the middleware is
+told to include (record.py), so that a key sent again with another request is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from starlette.types import Message, Receive, Scope
+
+from .keys import KeyNames, credential_header, credentials_scope, key_names
+from .record import fingerprint
+
+__all__ = ["BodyTooLarge", "Identity", "read_body", "replay_receive"]
+
+logger = logging.getLogger("goblin_idem.middleware")
+
+
+@dataclass(slots=True)
+class Identity:
+    """Key names and fingerprints for one middleware's options (plain values)."""
+
+    namespace: bytes
+    scope_of: Callable[[Scope], bytes | str] | None
+    fingerprint_headers: tuple[bytes, ...]
+    header_name: str
+    _warned: bool = field(default=False, init=False)  # logged that callers share a scope
+
+    def identify(self, scope: Scope, key: bytes, body: bytes) -> tuple[KeyNames, bytes]:
+        """The key's store names, scoped by the caller (`scope_of`'s answer, or by default
+        the Authorization header), and the request's fingerprint."""
+        if self.scope_of is None:
+            caller = credentials_scope(scope["headers"])
+            if not caller and not self._warned:
+                credential = credential_header(scope["headers"])
+                if credential is not None:
+                    self._warn_shared_scope(credential)
+        else:
+            given = self.scope_of(scope)
+            caller = given.encode() if isinstance(given, str) else given
+        fp = fingerprint(
+            scope["method"],
+            scope["path"],
+            scope.get("query_string", b""),
+            body,
+            self._header_values(scope) if self.fingerprint_headers else (),
+        )
+        return key_names(self.namespace, caller, key), fp
+
+    def _warn_shared_scope(self, name: bytes) -> None:
+        """Once per middleware: a keyed request with no Authorization header but a header
+        that carries a credential shares the empty default scope with every such caller."""
+        self._warned = True
+        logger.warning(
+            "a request with an %s carries no Authorization header but a %s header: with "
+            "the default scope (the Authorization header) every such caller shares one key "
+            "space, so a caller who sends another's key gets the other's stored response, "
+            "Set-Cookie included; pass scope= a function that returns the caller's "
+            "identity (goblin_idem.header_scope or cookie_scope; README: Choosing a scope). "
+            "Logged once.",
+            self.header_name,
+            name.decode("latin-1"),
+        )
+
+    def _header_values(self, scope: Scope) -> list[bytes]:
+        found = dict.fromkeys(self.fingerprint_headers, b"")
+        for name, value in scope["headers"]:
+            if name in found:
+                found[name] = value
+        return list(found.values())
+
+
+class BodyTooLarge(Exception):
+    """The request body is larger than the middleware takes."""
+
+
+async def read_body(receive: Receive, content_length: bytes | None, limit: int) -> bytes | None:
+    """The whole request body, or None if the client left; BodyTooLarge past `limit` bytes
+    (refused by its Content-Length before a byte is read, if it has one)."""
+    if content_length is not None and content_length.isdigit():
+        if int(content_length) > limit:
+            raise BodyTooLarge
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None  # nothing was claimed; nobody to answer
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay_receive(body: bytes, receive: Receive) -> Receive:
+    """The request body, already read, as one message; then the client's own receive (so
+    an app waiting for http.disconnect still sees it)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

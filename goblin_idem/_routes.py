@@ -1,0 +1,234 @@
+"""Which requests the middleware covers, and with which settings.
+
+The middleware's options give the defaults and the path patterns (`include`, `exclude`,
+`required_paths`); an endpoint marked with `@idempotent` overrides them for its route. The
+mark is found the way the router finds the endpoint, so a request meets the policy of the
+route that serves it, and the OpenAPI document (openapi.py) says the same.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import logging
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar, overload
+
+from starlette.routing import Match
+from starlette.types import Scope
+
+from . import options
+
+__all__ = ["RoutePolicy", "Routes", "Settings", "idempotent", "marked_endpoints"]
+
+logger = logging.getLogger("goblin_idem.middleware")
+
+F = TypeVar("F", bound=Callable[..., Any])
+_POLICY_ATTR = "__goblin_idem__"
+
+# How many endpoints @idempotent has marked in this process. While none has, no request
+# needs its route looked up, so a request without a key passes with a header scan only;
+# counted at decoration, so a route added after the first request is seen as well.
+marked_endpoints = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePolicy:
+    """Per-route settings; None means "as the middleware is configured"."""
+
+    enabled: bool = True
+    required: bool | None = None
+    ttl_seconds: int | None = None
+    lease_seconds: int | None = None
+
+    def __post_init__(self) -> None:
+        options.flag("@idempotent(enabled=...)", self.enabled)
+        if self.required is not None:
+            options.flag("@idempotent(required=...)", self.required)
+        for name in ("ttl_seconds", "lease_seconds"):
+            value = getattr(self, name)
+            if value is not None:
+                options.whole_number(f"@idempotent({name}=...)", value, minimum=1)
+
+
+@overload
+def idempotent(func: F, /) -> F: ...
+
+
+@overload
+def idempotent(
+    *,
+    enabled: bool = True,
+    required: bool | None = None,
+    ttl_seconds: int | None = None,
+    lease_seconds: int | None = None,
+) -> Callable[[F], F]: ...
+
+
+def idempotent(
+    func: F | None = None,
+    /,
+    *,
+    enabled: bool = True,
+    required: bool | None = None,
+    ttl_seconds: int | None = None,
+    lease_seconds: int | None = None,
+) -> F | Callable[[F], F]:
+    """Mark a Starlette/FastAPI endpoint with its own idempotency settings.
+
+    Put it under the route decorator (``@app.post(...)`` then ``@idempotent(required=True)``).
+    The middleware finds the route the request will reach and applies its policy;
+    ``enabled=False`` exempts the route.
+    """
+    if func is not None and not callable(func):
+        raise TypeError(
+            "idempotent takes keyword arguments only, as in @idempotent(required=True); "
+            f"got a {type(func).__name__} as its first argument"
+        )
+    policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds)
+
+    def mark(f: F) -> F:
+        global marked_endpoints
+        setattr(f, _POLICY_ATTR, policy)
+        marked_endpoints += 1
+        return f
+
+    return mark(func) if func is not None else mark
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What applies to one covered request."""
+
+    required: bool
+    ttl_ms: int
+    lease_seconds: int
+
+
+class Routes:
+    """The settings of each request: None for a request the middleware does not cover."""
+
+    def __init__(
+        self,
+        defaults: Settings,
+        include: tuple[str, ...] | None,
+        exclude: tuple[str, ...],
+        required_paths: tuple[str, ...],
+    ) -> None:
+        self.defaults = defaults
+        self.include = include
+        self.exclude = exclude
+        self.required_paths = required_paths
+        # Can a request without a key be refused (400) by the options? Route marks are
+        # looked up for each request while any endpoint is marked (marked_endpoints).
+        self.may_require = defaults.required or bool(required_paths)
+        self._for_path = functools.lru_cache(maxsize=4096)(self._settings_for_path)
+        self._hidden_warned = False  # logged that a route hides its endpoint
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        required: bool,
+        ttl_seconds: int,
+        lease_seconds: int,
+        include: Sequence[str] | None,
+        exclude: Sequence[str],
+        required_paths: Sequence[str],
+    ) -> Routes:
+        """The middleware's options, checked (a wrong one raises, naming it)."""
+        lease_seconds = options.whole_number("lease_seconds", lease_seconds, minimum=1)
+        ttl_seconds = options.whole_number("ttl_seconds", ttl_seconds, minimum=1)
+        return cls(
+            Settings(options.flag("required", required), ttl_seconds * 1000, lease_seconds),
+            options.patterns("include", include) if include is not None else None,
+            options.patterns("exclude", exclude),
+            options.patterns("required_paths", required_paths),
+        )
+
+    def settings(self, scope: Scope) -> Settings | None:
+        settings = self._for_path(scope["path"])
+        routes = getattr(scope.get("app"), "routes", None) if marked_endpoints else None
+        if not routes:
+            return settings
+        try:
+            policy = _route_policy(routes, dict(scope))  # a copy: matching must change nothing
+        except _EndpointHidden as exc:
+            self._warn_hidden(exc.args[0])
+            return settings
+        if policy is None:
+            return settings
+        if not policy.enabled:
+            return None
+        base = settings or self.defaults
+        return Settings(
+            base.required if policy.required is None else policy.required,
+            base.ttl_ms if policy.ttl_seconds is None else policy.ttl_seconds * 1000,
+            base.lease_seconds if policy.lease_seconds is None else policy.lease_seconds,
+        )
+
+    def _settings_for_path(self, path: str) -> Settings | None:
+        def any_match(patterns: Sequence[str]) -> bool:
+            return any(fnmatch.fnmatchcase(path, p) for p in patterns)
+
+        if self.include is not None and not any_match(self.include):
+            return None
+        if any_match(self.exclude):
+            return None
+        if any_match(self.required_paths):
+            return replace(self.defaults, required=True)
+        return self.defaults
+
+    def _warn_hidden(self, route: str) -> None:
+        if self._hidden_warned:
+            return
+        self._hidden_warned = True
+        logger.warning(
+            "the route %r matched a request but does not say which endpoint it "
+            "serves, so the @idempotent marks behind it are not applied (the "
+            "middleware's own options are); FastAPI 0.137.0 and 0.137.1 do this for "
+            "included routers: upgrade FastAPI",
+            route,
+        )
+
+
+class _EndpointHidden(Exception):
+    """A route matched but named no endpoint, and no public way lists what it routes to."""
+
+
+def _route_policy(
+    routes: Iterable[Any], scope: Scope, listed_from: Any = None
+) -> RoutePolicy | None:
+    """The policy of the endpoint the router will pick for this request, found the way the
+    router finds it: each route's `matches(scope)`, in order, and the endpoint that the
+    first full match's child scope names. A Mount (or Host) names the mounted app, whose
+    routes are asked in turn with the child scope merged in, as the router hands it on.
+    An included router of FastAPI >= 0.137 matches for its routes but keeps their child
+    scope to itself; FastAPI's public `iter_route_contexts` lists those routes with the
+    include prefixes applied, each answering `matches` the same way."""
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is not Match.FULL:
+            continue
+        if "endpoint" not in child:
+            if listed_from is not None:  # its listing names no endpoint either
+                raise _EndpointHidden(type(listed_from).__name__)
+            return _route_policy(_included_routes(route), scope, route)
+        endpoint = child["endpoint"]
+        policy: RoutePolicy | None = getattr(endpoint, _POLICY_ATTR, None)
+        if policy is not None:
+            return policy
+        inner = getattr(endpoint, "routes", None)
+        return _route_policy(inner, {**scope, **child}) if inner else None
+    return None
+
+
+def _included_routes(route: Any) -> Iterable[Any]:
+    # A route object of FastAPI's is there only if FastAPI is imported: no import here.
+    expand = getattr(sys.modules.get("fastapi.routing"), "iter_route_contexts", None)
+    if expand is None:
+        raise _EndpointHidden(type(route).__name__)
+    contexts: Iterable[Any] = expand([route])
+    return contexts

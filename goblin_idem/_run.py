@@ -1,0 +1,471 @@
+"""One request's run of the app under the claim it won (Starlette's responder pattern).
+
+The middleware decides; a `Run` does. Built from the middleware's `RunConfig` (plain
+values computed once) and the request's key names, token and fingerprint, with no
+reference back to the middleware, it holds the claim's lease while the app runs, passes
+the response through as it streams and keeps a copy, and closes with one store step:
+publish the response (the result and the claim's new TTL in one MULTI/EXEC) before the
+client gets the message that ends it, or release the key (CAD with the run's token) if
+the app failed. What happens is reported through the config's one event function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import weakref
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import AuthenticationError, NoPermissionError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import options
+from ._events import Events
+from ._routes import Settings
+from .claim import PUBLISH_RETRY_DELAYS, Claim, current
+from .compression import Codec
+from .errors import describe
+from .keys import KeyNames
+from .lease import Lease, Watchdog
+from .record import Record, encode
+from .sealing import Sealer
+from .store import Store
+
+__all__ = ["Run", "RunConfig", "free_claim", "log_store_error"]
+
+logger = logging.getLogger("goblin_idem.middleware")
+
+# Errors that no retry fixes, only a change of configuration: logged once per store.
+CONFIGURATION_ERRORS = (NoPermissionError, AuthenticationError)
+_misconfigured: weakref.WeakSet[Any] = weakref.WeakSet()  # stores whose error was logged
+
+# Never stored or replayed: they describe one connection, not the response.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+HOP_BY_HOP_BUT_TRAILER = HOP_BY_HOP - {b"trailer"}
+
+ClosingStep = Callable[[], Coroutine[Any, Any, None]]
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """What every run of one middleware shares, computed once in its ``__init__``.
+
+    `background` holds the closing steps started again after a cancel (until they end);
+    `warned` the one-time warnings already logged: the only state runs share."""
+
+    app: ASGIApp
+    store: Store
+    watchdog: Watchdog
+    report: Events
+    sealer: Sealer | None
+    codec: Codec | None
+    compress_above: int
+    max_response_bytes: int
+    store_server_errors: bool
+    fingerprint_headers: frozenset[str]  # lowercase names the key covers (for Vary)
+    background: set[asyncio.Task[Any]]
+    warned: set[str]
+
+    @classmethod
+    def from_options(
+        cls,
+        app: ASGIApp,
+        store: Store,
+        watchdog: Watchdog,
+        report: Events,
+        *,
+        encryption_keys: Sequence[bytes] | Sealer | None,
+        compression: str | None,
+        compress_above_bytes: int,
+        max_response_bytes: int,
+        store_server_errors: bool,
+        fingerprint_headers: Iterable[bytes],
+    ) -> RunConfig:
+        """The middleware's options on what is stored, checked (a wrong one raises)."""
+        return cls(
+            app,
+            store,
+            watchdog,
+            report,
+            options.sealer(encryption_keys),
+            options.codec(compression),
+            options.whole_number("compress_above_bytes", compress_above_bytes, minimum=0),
+            options.whole_number("max_response_bytes", max_response_bytes, minimum=0),
+            options.flag("store_server_errors", store_server_errors),
+            frozenset(h.decode("latin-1") for h in fingerprint_headers),
+            set(),
+            set(),
+        )
+
+    def lease_lost(self, lease: Lease) -> None:
+        """Told by the lease, once, when its claim is found lost."""
+        self.report("lease_lost", lease.label)
+
+
+@dataclass(eq=False, slots=True)
+class Run:
+    """The one run of the app under a won claim. Its `send` passes the response through as
+    it streams, keeps a copy, and holds back the message that ends the response until the
+    response is published (or the claim released), so a client that saw the whole response
+    can rely on its replay.
+
+    A response ends, by the ASGI spec and its extensions, with the body message whose
+    `more_body` is false, a `http.response.pathsend`, or a `http.response.zerocopysend`
+    whose `more_body` is false; if its start said `trailers: True`, with the
+    `http.response.trailers` message whose `more_trailers` is false instead. A file that
+    pathsend or zerocopysend names is read here, up to what may still be stored, and
+    sent on as a body message of the bytes read: what is stored is then what the client
+    got, even if the file changes afterwards. A file too large to store goes to the server
+    as it came, and the response is stored as not replayable; one that cannot be read goes
+    as it came too, and the key is released, as for a response that failed. Other messages
+    (`http.response.debug`, early hints) pass through and are not stored."""
+
+    config: RunConfig
+    _send: Send
+    names: KeyNames
+    token: bytes
+    fp: bytes
+    settings: Settings
+    lease: Lease = field(init=False)
+    status: int = 0
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    keep: bool = True  # False: release the key at the end, store nothing
+    trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
+    finished: bool = False  # the closing step has started
+
+    async def __call__(self, scope: Scope, receive: Receive) -> None:
+        """Run the app once, holding the claim's lease, and close with one store step."""
+        config, names = self.config, self.names
+        self.lease = config.watchdog.hold(
+            names.claim,
+            self.token,
+            self.settings.lease_seconds * 1000,
+            label=names.hash,
+            on_lost=config.lease_lost,
+        )
+        held = current.set(self)  # current_claim() in the handler: self.claim()
+        try:
+            await config.app(scope, receive, self.send)
+        finally:
+            current.reset(held)
+            if not self.finished:
+                # Raised, cancelled, or returned without a complete response: the work
+                # may not have happened, so free the key for the client's retry.
+                self.keep = False
+                await self._finish()
+
+    def claim(self) -> Claim:
+        """This run's claim, for current_claim() in the handler: built when asked."""
+        return Claim(self.config.store, self.lease)
+
+    # -- the response, as it streams --
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = message["status"]
+            self.headers = list(message.get("headers", ()))
+            self.keep = self.status < 500 or self.config.store_server_errors
+            if message.get("trailers", False):
+                self.trailers = []
+        elif kind == "http.response.body":
+            chunk = message.get("body", b"")
+            if self.keep:
+                self.size += len(chunk)
+                if self.size <= self.config.max_response_bytes:
+                    self.chunks.append(chunk)
+                else:
+                    self.chunks.clear()
+            if not message.get("more_body", False) and self.trailers is None and not self.finished:
+                self.finished = True  # inline, as the hot path: no coroutine for it
+                await self._shielded(self._closing_step())
+        else:
+            message = await self._other(message)
+        await self._send(message)
+
+    async def _other(self, message: Message) -> Message:
+        """The other ends of a response (trailers, pathsend, zerocopysend); any other
+        message passes as it came."""
+        kind = message["type"]
+        if kind == "http.response.trailers":
+            if self.trailers is not None:
+                self.trailers += message.get("headers", ())
+            if not message.get("more_trailers", False):
+                await self._finish()
+        elif kind == "http.response.pathsend" or kind == "http.response.zerocopysend":
+            message = await self._file_as_body(message)
+            if not message.get("more_body", False) and self.trailers is None:
+                await self._finish()
+        return message
+
+    async def _file_as_body(self, message: Message) -> Message:
+        """The body message of the bytes a pathsend or zerocopysend names, or the message
+        itself if they are not to be stored (see the class docstring)."""
+        room = self.config.max_response_bytes - self.size
+        if not self.keep or room < 0:
+            return message
+        try:
+            data = await asyncio.to_thread(_read_file, message, room)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning(
+                "key %s: could not read the file the response sends (%s); the key is released",
+                self.names.hash,
+                describe(exc),
+            )
+            self.keep = False
+            return message
+        if data is None:
+            self.size = self.config.max_response_bytes + 1  # more than may be stored
+            self.chunks.clear()
+            return message
+        self.size += len(data)  # no more than the room left
+        self.chunks.append(data)
+        return {
+            "type": "http.response.body",
+            "body": data,
+            "more_body": message.get("more_body", False),
+        }
+
+    # -- the closing step: publish, or release --
+
+    async def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self._shielded(self._closing_step())
+
+    def _closing_step(self) -> ClosingStep:
+        """Publish the response, or release the key (a 5xx not stored); counted here, once."""
+        config, names = self.config, self.names
+        if not self.keep:
+            config.report("released", names.hash)
+            return self._release
+        if self.size > config.max_response_bytes:
+            config.report("too_large", names.hash)
+            record = Record(self.status, [], b"", self.fp, replayable=False)
+        else:
+            body = b"".join(self.chunks)
+            headers = _replay_headers(self.status, self.headers, body, self.trailers is not None)
+            if "vary" not in config.warned:
+                _warn_vary(headers, names, config)
+            record = Record(self.status, headers, body, self.fp, trailers=self.trailers)
+        return functools.partial(self._publish, record)
+
+    async def _shielded(self, step: ClosingStep) -> None:
+        """Run a closing store step (publish, release) so that cancelling the request
+        cannot cut it short, without a task per request.
+
+        The step runs inline. If the request is cancelled while the step waits, the step
+        starts again from the beginning in a task of its own and the cancellation goes on;
+        whatever the first attempt had sent may still run, so every step is safe to repeat
+        (SET and CAEXPIRE with the same value and token, CAD with the same token) and
+        counts nothing that a repeat would count twice. A task per first run (to shield it)
+        cost about 8 us and half the garbage collections of a Redis-backed first run.
+        """
+        try:
+            await step()
+        except asyncio.CancelledError:
+            task = asyncio.ensure_future(step())
+            background = self.config.background
+            background.add(task)
+            task.add_done_callback(background.discard)
+            raise
+
+    async def _release(self) -> None:
+        await self.config.watchdog.release(self.lease)
+        await free_claim(self.config.store, self.names, self.token)
+
+    async def _publish(self, record: Record) -> None:
+        config, names = self.config, self.names
+        await config.watchdog.release(self.lease)
+        data = encode(
+            record,
+            sealer=config.sealer,
+            name=names.result,
+            codec=config.codec,
+            compress_above=config.compress_above,
+        )
+        for delay in (*PUBLISH_RETRY_DELAYS, None):
+            try:
+                renewed = await config.store.publish(
+                    names.result, data, self.settings.ttl_ms, names.claim, self.token
+                )
+            except Exception as exc:
+                if delay is not None:
+                    await asyncio.sleep(delay)
+                    continue
+                config.report("publish_errors", names.hash)
+                log_store_error(
+                    config.store,
+                    logging.ERROR,
+                    exc,
+                    "could not publish the response for key %s; a retry after the lease "
+                    "may run the work again",
+                    names.hash,
+                )
+                return
+            if renewed != 1:
+                await self._retake()
+            return
+
+    async def _retake(self) -> None:
+        """The claim lapsed before the result was published (the run outlived a lease the
+        watchdog could not renew, or a restart lost it). The result is stored; take the
+        claim back for the result's TTL if it is free, so that duplicates are answered by
+        CLAIM alone (without it, the next duplicate's claim step finds the result, replays
+        it and takes the claim back). If another run holds it, a second run is under way and
+        nothing can stop it. Retried as publishing is: what lost the claim (a restart) also
+        breaks pooled connections; a holder is read back to say which of these happened."""
+        self.lease.lose()  # reported once (lease_lost), should this step be repeated
+        store, names, token = self.config.store, self.names, self.token
+        holder: bytes | None = None
+        for delay in (*PUBLISH_RETRY_DELAYS, None):
+            try:
+                if await store.set(names.claim, token, px=self.settings.ttl_ms, nx=True):
+                    holder = token
+                    break
+                holder = await store.get(names.claim)  # an earlier try's, or another run's
+                if holder is not None:
+                    break
+            except Exception as exc:
+                if delay is None:
+                    logger.error(
+                        "key %s: the claim lapsed before the response was published and "
+                        "could not be retaken (%s); the next duplicate's claim finds the "
+                        "stored response, replays it and takes the claim back",
+                        names.hash,
+                        describe(exc),
+                    )
+                    return
+                await asyncio.sleep(delay)
+        _log_retaken(names, token, holder)
+
+
+def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None) -> None:
+    """What retaking a lapsed claim found: the claim back, another run's, or nothing."""
+    if holder == token:
+        logger.warning(
+            "key %s: the claim lapsed before the response was published; retaken for "
+            "the result's TTL",
+            names.hash,
+        )
+    elif holder is not None:
+        logger.error(
+            "key %s: the claim lapsed before the response was published, and another "
+            "run (token %s) holds it now: the work is running a second time",
+            names.hash,
+            holder.decode("latin-1"),
+        )
+    else:
+        logger.warning(
+            "key %s: the claim lapsed before the response was published and was freed "
+            "again each time it was retaken; the next duplicate's claim finds the stored "
+            "response and replays it",
+            names.hash,
+        )
+
+
+async def free_claim(store: Store, names: KeyNames, token: bytes) -> None:
+    """Free the claim if it still holds `token` (its lease's TTL frees it if this fails)."""
+    try:
+        await store.cad(names.claim, token)
+    except Exception as exc:
+        logger.warning(
+            "could not release key %s (its lease will expire): %s", names.hash, describe(exc)
+        )
+
+
+def log_store_error(store: Store, level: int, exc: BaseException, message: str, key: str) -> None:
+    """`message` and the error, each time; a configuration error (a permission the
+    store's user lacks, a wrong password) only once per store, since every request
+    would repeat it until the configuration changes, and its text names the fix."""
+    if isinstance(exc, CONFIGURATION_ERRORS):
+        if store in _misconfigured:
+            logger.debug("%s: %s", message % key, describe(exc))
+            return
+        _misconfigured.add(store)
+        message += " (a configuration error, logged once for this store)"
+    logger.log(level, "%s: %s", message % key, describe(exc))
+
+
+def _warn_vary(headers: list[tuple[bytes, bytes]], names: KeyNames, config: RunConfig) -> None:
+    """Once per middleware: the stored response varies by request headers that the key
+    does not cover, so every duplicate gets this variant (a middleware that adapts the
+    response to each client, such as GZip or CORS, wraps this one)."""
+    varies = [value for name, value in headers if name == b"vary"]
+    if not varies:
+        return
+    fields = {
+        field.strip().lower().decode("latin-1") for value in varies for field in value.split(b",")
+    }
+    fields -= config.fingerprint_headers
+    fields.discard("")
+    if not fields:
+        return
+    config.warned.add("vary")
+    logger.warning(
+        "the response stored for key %s varies by %s (its Vary header) but the key "
+        "does not: every duplicate gets this variant, whatever its own %s. If a "
+        "middleware such as GZipMiddleware or CORSMiddleware added it, it wraps the "
+        "idempotency middleware: add IdempotencyMiddleware before it (README: Middleware "
+        "order). Logged once.",
+        names.hash,
+        ", ".join(sorted(fields)),
+        " or ".join(sorted(fields)),
+    )
+
+
+def _replay_headers(
+    status: int, headers: list[tuple[bytes, bytes]], body: bytes, trailers: bool
+) -> list[tuple[bytes, bytes]]:
+    """The headers to replay: in order, repeated ones kept, hop-by-hop ones dropped, and a
+    Content-Length that matches the body (a streamed response had none). A response with
+    trailers keeps its Trailer header and gets no Content-Length: the server must frame
+    the replay as it framed the original (HTTP/1.1 sends trailers only after a chunked
+    body)."""
+    if trailers:
+        return [(n.lower(), v) for n, v in headers if n.lower() not in HOP_BY_HOP_BUT_TRAILER]
+    kept = [(n.lower(), v) for n, v in headers if n.lower() not in HOP_BY_HOP]
+    if status >= 200 and status not in (204, 304) and all(n != b"content-length" for n, _ in kept):
+        kept.append((b"content-length", str(len(body)).encode()))
+    return kept
+
+
+def _read_file(message: Message, limit: int) -> bytes | None:
+    """The bytes a pathsend (`path`) or zerocopysend (`file`, `offset`, `count`) message
+    sends, or None if there are more than `limit`. A zerocopysend without `offset` reads
+    from the file's position and moves it past what it read, as sendfile would."""
+    if message["type"] == "http.response.pathsend":
+        with open(message["path"], "rb") as f:
+            data = f.read(limit + 1)
+        return data if len(data) <= limit else None
+    file = message["file"]
+    fd = file if isinstance(file, int) else file.fileno()
+    offset = message.get("offset")
+    start = os.lseek(fd, 0, os.SEEK_CUR) if offset is None else offset
+    end = os.fstat(fd).st_size
+    count = message.get("count")
+    if count is not None:
+        end = min(end, start + count)
+    if end - start > limit:
+        return None
+    data = os.pread(fd, max(end - start, 0), start)
+    if offset is None:
+        os.lseek(fd, start + len(data), os.SEEK_SET)
+    return data

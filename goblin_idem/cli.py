@@ -1,0 +1,152 @@
+"""Command line: `python -m goblin_idem <command>` (build-module, inspect)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import options
+from .errors import describe
+from .inspection import SCOPE_ENV, KeyState, format_state, inspect_key, names_for_hash
+from .store import RedisStore
+
+__all__ = ["main"]
+
+
+def _build_module(args: argparse.Namespace) -> int:
+    from .native import build_module
+
+    try:
+        path = build_module(args.out, cc=args.cc)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    # The path is the last line of output, so scripts can take it with `tail -n 1`.
+    print(path)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m goblin_idem")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    build = sub.add_parser(
+        "build-module",
+        help="compile the GOBLIN.* server module and print the path of the .so",
+    )
+    build.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help="output directory (default: a per-user cache directory keyed by the source)",
+    )
+    build.add_argument(
+        "--cc", metavar="COMPILER", default=None, help="C compiler to use (default: $CC or cc)"
+    )
+    build.set_defaults(func=_build_module)
+
+    _add_inspect(sub)
+
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+def _add_inspect(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `inspect` to the subcommands; it dispatches to `_inspect`."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "inspect",
+        help="show an Idempotency-Key's state in the store (free, in flight, completed)",
+        description=(
+            "Show what the store holds for one Idempotency-Key: free, in flight (lease left "
+            "and owner token), or completed (TTL, stored status, headers and body size)."
+        ),
+    )
+    parser.add_argument("key", nargs="?", help="the Idempotency-Key as the client sent it")
+    parser.add_argument(
+        "--hash",
+        dest="key_hash",
+        metavar="HASH",
+        help="inspect by the key hash that log lines print, instead of by KEY",
+    )
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("REDIS_URL"),
+        help="the store, e.g. redis://127.0.0.1:6380/0 (default: $REDIS_URL)",
+    )
+    parser.add_argument(
+        "--scope",
+        default=None,
+        help=(
+            "the scope the middleware keyed the request by: by default the request's "
+            "Authorization header value (empty for anonymous callers). A secret given "
+            "here shows in the process list and the shell history: give - to read it "
+            f"from stdin, or set ${SCOPE_ENV} (the default when --scope is not given)"
+        ),
+    )
+    parser.add_argument("--namespace", default="idem", help="key prefix (default: idem)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--reveal",
+        action="store_true",
+        help="show a sealed record's headers (opened with $GOBLIN_IDEM_ENCRYPTION_KEYS)",
+    )
+    parser.set_defaults(func=_inspect)
+    return parser
+
+
+def _scope(given: str | None) -> str:
+    """--scope's value; ``-`` reads one line from stdin; absent, $GOBLIN_SCOPE or empty."""
+    if given == "-":
+        return sys.stdin.readline().removesuffix("\n").removesuffix("\r")
+    if given is not None:
+        return given
+    return os.environ.get(SCOPE_ENV, "")
+
+
+async def _inspect_url(store: RedisStore, args: argparse.Namespace, scope: str) -> KeyState:
+    names = names_for_hash(args.key_hash, namespace=args.namespace) if args.key_hash else None
+    try:
+        return await inspect_key(
+            store,
+            args.key,
+            scope=scope,
+            namespace=args.namespace,
+            names=names,
+            sealer=options.sealer(None),
+            reveal=args.reveal,
+        )
+    finally:
+        await store.aclose()
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    if args.url is None:
+        print("error: give --url redis://host:port/db (or set REDIS_URL)", file=sys.stderr)
+        return 2
+    if (args.key is None) == (args.key_hash is None):
+        print("error: give either KEY or --hash HASH", file=sys.stderr)
+        return 2
+    try:
+        store = RedisStore.from_url(args.url, max_connections=2)
+    except ValueError as exc:  # a malformed URL
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        state = asyncio.run(_inspect_url(store, args, _scope(args.scope)))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the store is unreachable or answered an error
+        print(
+            f"error: could not read the store at {store.address}: {describe(exc)}",
+            file=sys.stderr,
+        )
+        return 1
+    print(json.dumps(state.as_dict(), indent=2) if args.json else format_state(state))
+    return 0
