@@ -96,37 +96,37 @@ class JsonCodec:
         return json.loads(data)
 
 
-class DataclassCodec:
-    """A dataclass as a JSON object of its fields; fields that are dataclasses themselves
-    (or None) are rebuilt too, others come back as JSON gives them."""
+class _ClassCodec:
+    """A codec for instances of one class, the one the return annotation names."""
 
     def __init__(self, cls: type[Any]) -> None:
         self.cls = cls
 
-    def encode(self, value: Any) -> bytes:
+    def _check(self, value: Any) -> None:
         if not isinstance(value, self.cls):
             raise TypeError(
                 f"expected a {self.cls.__qualname__} (the return annotation), "
                 f"got {type(value).__name__}"
             )
+
+
+class DataclassCodec(_ClassCodec):
+    """A dataclass as a JSON object of its fields; fields that are dataclasses themselves
+    (or None) are rebuilt too, others come back as JSON gives them."""
+
+    def encode(self, value: Any) -> bytes:
+        self._check(value)
         return JsonCodec().encode(dataclasses.asdict(value))
 
     def decode(self, data: bytes) -> Any:
         return _build(self.cls, json.loads(data))
 
 
-class PydanticCodec:
+class PydanticCodec(_ClassCodec):
     """A pydantic model, by its own JSON (`model_dump_json` / `model_validate_json`)."""
 
-    def __init__(self, cls: type[Any]) -> None:
-        self.cls = cls
-
     def encode(self, value: Any) -> bytes:
-        if not isinstance(value, self.cls):
-            raise TypeError(
-                f"expected a {self.cls.__qualname__} (the return annotation), "
-                f"got {type(value).__name__}"
-            )
+        self._check(value)
         data: str = value.model_dump_json()
         return data.encode()
 
