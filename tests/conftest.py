@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio
+from redis.exceptions import ResponseError
 from servers import Server, start_server
 
 from goblin_idem import MemoryStore, RedisStore
+from goblin_idem.errors import WRONGTYPE
 from goblin_idem.native import build_module
-from goblin_idem.store import Store
+from goblin_idem.store import KeyT, Store, as_bytes
 
 # Every store the conformance suite runs against: the embedded store; the Lua scripts on a
 # real redis-server 7 and valkey-server 9; and the same servers with the goblin module loaded,
@@ -74,6 +76,29 @@ def valkey_native_server(native_module: Path) -> Iterator[Server]:
 
 
 @dataclass
+class _Typed:
+    kind: str
+    deadline: float | None = None
+
+
+class TypedMemoryStore(MemoryStore):
+    """MemoryStore with HSET and ZADD (members not kept): values of other types, for WRONGTYPE."""
+
+    async def hset(self, key: KeyT, field: KeyT, value: KeyT) -> int:
+        return self._typed(as_bytes(key), "hash")
+
+    async def zadd(self, key: KeyT, member: KeyT, score: float) -> int:
+        return self._typed(as_bytes(key), "zset")
+
+    def _typed(self, key: bytes, kind: str) -> int:
+        entry = self._live(key)
+        if entry is not None and (not isinstance(entry, _Typed) or entry.kind != kind):
+            raise ResponseError(WRONGTYPE)
+        self._data[key] = entry or _Typed(kind)
+        return int(entry is None)
+
+
+@dataclass
 class Backend:
     """A store under test, plus the means to put a non-string value under a key."""
 
@@ -83,14 +108,14 @@ class Backend:
 
     async def make_hash(self, key: str | bytes) -> None:
         if self.client is None:
-            assert isinstance(self.store, MemoryStore)
+            assert isinstance(self.store, TypedMemoryStore)
             await self.store.hset(key, "field", "value")
         else:
             await self.client.hset(key, "field", "value")
 
     async def make_zset(self, key: str | bytes) -> None:
         if self.client is None:
-            assert isinstance(self.store, MemoryStore)
+            assert isinstance(self.store, TypedMemoryStore)
             await self.store.zadd(key, "member", 1.0)
         else:
             await self.client.zadd(key, {"member": 1.0})
@@ -108,7 +133,7 @@ def server_for(request: pytest.FixtureRequest, name: str) -> Server:
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     name: str = request.param
     if name == "memory":
-        yield Backend(name, MemoryStore())
+        yield Backend(name, TypedMemoryStore())
         return
     server = server_for(request, name)
     _, mode, *direct = name.split("-")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import redis.asyncio
-from conftest import Backend, assert_published_together_or_not_at_all
+from conftest import Backend, TypedMemoryStore, assert_published_together_or_not_at_all
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -302,7 +302,7 @@ async def test_memory_store_renewals_do_not_leak() -> None:
 
 async def test_memory_store_entries_add_nothing_for_the_garbage_collector() -> None:
     """A busy store holds many completed keys: a full collection must not walk them."""
-    store = MemoryStore()
+    store = TypedMemoryStore()
     await store.hset("h", "f", "v")  # a collection is an object; strings are not
     gc.collect()
     tracked = len(gc.get_objects())
@@ -331,7 +331,7 @@ async def test_memory_store_set_options() -> None:
 
 
 async def test_memory_store_wrongtype_on_mixed_collections() -> None:
-    store = MemoryStore()
+    store = TypedMemoryStore()
     await store.hset("h", "f", "v")
     with pytest.raises(ResponseError, match=WRONGTYPE):
         await store.zadd("h", "m", 1)
