@@ -10,16 +10,8 @@ from typing import Protocol, TypeAlias
 from redis.exceptions import ResponseError
 
 from .errors import WRONGTYPE, invalid_expire
-from .store import (
-    CLAIMED,
-    ClaimReply,
-    KeyT,
-    as_bytes,
-    caexpire_ms,
-    check_size,
-    claim_reply,
-    claim_seconds,
-)
+from .protocol import CLAIMED, ClaimReply, KeyT
+from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds, publish_ttl
 
 __all__ = ["MemoryStore"]
 
@@ -187,9 +179,7 @@ class MemoryStore:
         self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
     ) -> int:
         """SET result PX ttl + CAEXPIRE claim, as one step."""
-        ttl = caexpire_ms(ttl_ms)
-        if ttl <= 0:
-            raise ResponseError(invalid_expire("set"))
+        ttl = publish_ttl(ttl_ms)
         await self.set(result_key, value, px=ttl)
         return await self.caexpire(claim_key, token, ttl)
 

@@ -1,23 +1,19 @@
-"""The Store protocol, the argument rules every store shares, and RedisStore.
+"""RedisStore: the GOBLIN commands on a Redis-protocol server, natively (a Goblin server,
+or Redis/Valkey with the goblin module loaded) or as the spec's Lua scripts via EVALSHA.
 
-A store offers the four atomic GOBLIN commands (``../spec``): CLAIM, CAEXPIRE, CAS and CAD,
-plus the plain GET/SET/PTTL/DEL the middleware needs. RedisStore speaks them to a
-Redis-protocol server either natively (a Goblin server, or Redis/Valkey with the
-goblin module loaded) or as the spec's Lua scripts via EVALSHA.
+The Store protocol and CLAIMED live in `protocol`, the rules every store shares in `rules`,
+a server's error texts in `replies`; their names stay importable from here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import enum
 import logging
 import os
-import re
 import secrets
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Final, Literal, TypeAlias
 
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
@@ -40,14 +36,15 @@ from redis.exceptions import (
 
 from . import scripts
 from .autopipeline import HIREDIS, AutoPipeline
-from .errors import (
-    NOT_INTEGER,
-    VALUE_TOO_LARGE,
-    WRONGTYPE,
-    NotReplicatedError,
-    StorePermissionError,
-    invalid_expire,
-)
+from .errors import NotReplicatedError, StorePermissionError, invalid_expire
+from .protocol import CLAIMED, Claimed, ClaimReply, KeyT, Store
+from .replies import SCRIPT_CALLS as _SCRIPT_CALLS
+from .replies import acl_rule as _acl_rule
+from .replies import normalize as _normalize
+from .replies import permission_error as _permission_error
+from .replies import renewal_reply as _renewal_reply
+from .replies import unwrap as _unwrap
+from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds
 
 __all__ = [
     "CLAIMED",
@@ -58,257 +55,13 @@ __all__ = [
     "RedisStore",
     "Store",
     "StorePermissionError",
+    "as_bytes",
 ]
 
 logger = logging.getLogger("goblin_idem.store")
 
-KeyT: TypeAlias = str | bytes
+
 Mode: TypeAlias = Literal["auto", "native", "script"]
-
-LLONG_MAX: Final = 2**63 - 1
-LLONG_MIN: Final = -(2**63)
-
-
-class Claimed(enum.Enum):
-    """Type of the `CLAIMED` sentinel (an enum member, so `is CLAIMED` narrows for mypy)."""
-
-    CLAIMED = "CLAIMED"
-
-    def __repr__(self) -> str:
-        return "CLAIMED"
-
-
-CLAIMED: Final = Claimed.CLAIMED
-"""`Store.claim` returns this when the caller won the claim and must do the work.
-
-On the wire the reply is the bulk string ``CLAIMED``, which a result_key holding the
-bytes ``b"CLAIMED"`` would also produce: every store maps that reply to this sentinel,
-so never publish ``b"CLAIMED"`` as a result (goblin-idem's own records cannot be it).
-"""
-
-ClaimReply: TypeAlias = Claimed | bytes | None
-_CLAIMED_WIRE: Final = b"CLAIMED"
-
-
-@runtime_checkable
-class Store(Protocol):
-    """What the middleware and Lock need of a store; every method is one atomic step."""
-
-    async def claim(
-        self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
-    ) -> ClaimReply:
-        """CLAIMED: do the work; bytes: it is done, use it; None: in flight, retry."""
-        ...
-
-    async def claim_unless_done(
-        self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
-    ) -> ClaimReply:
-        """CLAIM, where a stored result wins over a free claim: the middleware's opening step.
-
-        The replies mean what CLAIM's do, and CLAIMED is returned only if no result was
-        stored when the claim was won. A claim can vanish while its result stays (evicted,
-        lost in a restart or failover, or lapsed and not retaken): CLAIM alone would then
-        let the work run again. Here the result is returned instead, and the claim is kept
-        for the result's remaining TTL (a lease at least), so later duplicates are answered
-        by CLAIM alone again. One round trip (CLAIM and a PTTL of the result, together); the
-        rare lost-claim case costs one more.
-
-        When the server refuses the claim for memory (OOM: maxmemory reached under
-        noeviction, and CLAIM writes), the result and the claim are read instead: a stored
-        result is returned, a held claim gives None, and only a free key raises the OOM error.
-        """
-        ...
-
-    async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
-        """Renew `key`'s TTL to `ms` only while it still holds `expected`: 1, else 0."""
-        ...
-
-    async def cas(self, key: KeyT, expected: KeyT, new: KeyT) -> bool:
-        """Swap to `new` only if `key` holds `expected`, keeping the TTL."""
-        ...
-
-    async def cad(self, key: KeyT, expected: KeyT) -> int:
-        """Delete `key` only if it holds `expected`: 1, else 0."""
-        ...
-
-    async def publish(
-        self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
-    ) -> int:
-        """SET result_key value PX ttl_ms and CAEXPIRE claim_key token ttl_ms, together.
-
-        One round trip. Both or neither take effect, so a claim never expires before the
-        result it guards (which would let a duplicate win a fresh claim and run again).
-        Replies the CAEXPIRE: 1 if the claim was still this token's, else 0.
-        """
-        ...
-
-    async def caexpire_many(
-        self, renewals: Sequence[tuple[KeyT, KeyT, int]]
-    ) -> list[int | Exception]:
-        """CAEXPIRE each (key, expected, ms) in one round trip; an error is returned in place."""
-        ...
-
-    async def get(self, key: KeyT) -> bytes | None: ...
-
-    async def set(
-        self,
-        key: KeyT,
-        value: KeyT,
-        *,
-        ex: int | None = None,
-        px: int | None = None,
-        nx: bool = False,
-    ) -> bool: ...
-
-    async def pttl(self, key: KeyT) -> int: ...
-
-    async def delete(self, *keys: KeyT) -> int: ...
-
-    async def aclose(self) -> None: ...
-
-
-# -- argument rules shared by every store -------------------------------------------------
-
-
-def as_bytes(value: object, what: str = "key") -> bytes:
-    """Keys and values are binary-safe: str is UTF-8 encoded, anything else is a bug."""
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)
-    raise TypeError(f"{what} must be str or bytes, not {type(value).__name__}")
-
-
-def parse_int(value: object) -> int:
-    """An int64 the way the server parses one (strict decimal, no spaces, no '+', no floats)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    elif isinstance(value, (str, bytes)):
-        text = value.decode("latin-1") if isinstance(value, bytes) else value
-        digits = text[1:] if text.startswith("-") else text
-        if (
-            not digits
-            or not digits.isascii()
-            or not digits.isdigit()
-            or (digits[0] == "0" and (len(digits) > 1 or text.startswith("-")))
-        ):
-            raise ResponseError(NOT_INTEGER)
-        n = int(text)
-    else:
-        raise ResponseError(NOT_INTEGER)
-    if not LLONG_MIN <= n <= LLONG_MAX:
-        raise ResponseError(NOT_INTEGER)
-    return n
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def claim_seconds(value: object) -> int:
-    """GOBLIN.CLAIM's lease: a positive integer whose deadline fits in an int64 of ms."""
-    seconds = parse_int(value)
-    if seconds <= 0 or seconds > LLONG_MAX // 1000 or seconds * 1000 > LLONG_MAX - _now_ms():
-        raise ResponseError(invalid_expire("goblin.claim"))
-    return seconds
-
-
-def caexpire_ms(value: object) -> int:
-    """GOBLIN.CAEXPIRE's ms: any integer (non-positive deletes) whose deadline fits."""
-    ms = parse_int(value)
-    if ms > 0 and ms > LLONG_MAX - _now_ms():
-        raise ResponseError(invalid_expire("goblin.caexpire"))
-    return ms
-
-
-def check_size(value: bytes, limit: int | None) -> bytes:
-    if limit is not None and len(value) > limit:
-        raise ResponseError(VALUE_TOO_LARGE)
-    return value
-
-
-def claim_reply(reply: object) -> ClaimReply:
-    if reply is None:
-        return None
-    if reply == _CLAIMED_WIRE:
-        return CLAIMED
-    return as_bytes(reply, "reply")
-
-
-# How servers word an ACL refusal: Redis 7 and Valkey name the command ("... no permissions to
-# run the 'set' command", inside a Lua script too on Valkey); inside a script Redis 7.0 does
-# not; a refused key is "no permissions to access a key" / "... one of the keys ...".
-_DENIED_COMMAND: Final = re.compile(r"no permissions to run the '([^']+)' command")
-_DENIED_IN_SCRIPT: Final = "can't run this command or subcommand"
-_DENIED_KEY: Final = re.compile(r"no permissions to access (a|one of the) key", re.IGNORECASE)
-#: What goblin-idem's Lua scripts call, besides the commands the store sends itself.
-_SCRIPT_CALLS: Final = ("set", "get", "pexpire", "del")
-
-
-def _acl_rule(commands: Sequence[str]) -> str:
-    """The ACL SETUSER arguments that allow `commands` ("+set +config|get")."""
-    return " ".join(f"+{c}" for c in commands)
-
-
-def _permission_error(exc: Exception, user: str = "<user>") -> StorePermissionError | None:
-    """`exc` as a StorePermissionError that names the fix, if an ACL refused something."""
-    if isinstance(exc, StorePermissionError):
-        return exc
-    text = str(exc)
-    named = _DENIED_COMMAND.search(text)
-    if named is not None or _DENIED_IN_SCRIPT in text:
-        denied = (named.group(1).lower(),) if named is not None else _SCRIPT_CALLS
-        what = f"'{denied[0]}'" if named is not None else "a command its Lua scripts call"
-        return StorePermissionError(
-            f"the store's ACL user may not run {what}, which goblin-idem needs ({text}); "
-            f"allow it: ACL SETUSER {user} {_acl_rule(denied)} (RedisStore.detect() names "
-            "every command it sends that the server refuses)",
-            denied=denied,
-        )
-    if isinstance(exc, NoPermissionError) or _DENIED_KEY.search(text):
-        return StorePermissionError(
-            f"the store's ACL user may not use a key goblin-idem needs ({text}); allow the "
-            f"middleware's namespace, e.g. ACL SETUSER {user} ~idem:*",
-            keys=True,
-        )
-    return None
-
-
-def _normalize(exc: ResponseError, user: str = "<user>") -> ResponseError:
-    """Give a script-mode error the text the native command replies with, and an ACL refusal
-    the form that says what to allow.
-
-    Validation makes this a safety net: only WRONGTYPE can normally come out of a script,
-    and Redis 7 appends ``script: <sha>, on @user_script:N.`` to it.
-    """
-    denied = _permission_error(exc, user)
-    if denied is not None:
-        return denied
-    if type(exc) is not ResponseError:
-        return exc
-    text = str(exc)
-    if text.startswith("WRONGTYPE"):
-        return ResponseError(WRONGTYPE)
-    if " script: " in text:
-        text = text.split(" script: ", 1)[0]
-        text = text.replace("in 'set' command", "in 'goblin.claim' command")
-        text = text.replace("in 'pexpire' command", "in 'goblin.caexpire' command")
-        return ResponseError(text)
-    return exc
-
-
-def _unwrap(reply: Any, user: str = "<user>") -> Any:
-    """A pipelined reply, or the error in its place raised (in the form `_normalize` gives)."""
-    if isinstance(reply, ResponseError):
-        raise _normalize(reply, user)
-    if isinstance(reply, Exception):
-        raise reply
-    return reply
-
-
-# -- processes and event loops ------------------------------------------------------------
 
 _forks = 0  # how many forks made this process (a child counts one more than its parent)
 # Connections a fork's child inherited: never closed or used there, only kept from the
@@ -566,7 +319,8 @@ class RedisStore:
                 native = await self._has_native_commands()
             except NoPermissionError as exc:
                 raise self._refused(
-                    ("command|list",), "to detect the mode (or give mode='native' or 'script')"
+                    ("command|list",),
+                    "to detect the mode (or give mode='native' or 'script')",
                 ) from exc
             self._mode = "native" if native else "script"
         refused = await self._probe()
@@ -598,7 +352,10 @@ class RedisStore:
         commands an ACL refused. A refused key says the command itself was allowed (servers
         check the command first); it is logged, since the middleware's namespace is not
         known here."""
-        tag = b"goblin-idem:probe:{%d-%s}:" % (os.getpid(), secrets.token_hex(4).encode())
+        tag = b"goblin-idem:probe:{%d-%s}:" % (
+            os.getpid(),
+            secrets.token_hex(4).encode(),
+        )
         ck, rk, tok = tag + b"c", tag + b"r", b"probe"
         steps: list[Callable[[], Awaitable[object]]] = [
             lambda: self.claim_unless_done(ck, rk, tok, 5),  # CLAIM, PTTL (WAIT)
@@ -967,7 +724,10 @@ class RedisStore:
         mode = await self._ready()
         commands = [
             self._command(
-                mode, scripts.CAEXPIRE, (as_bytes(key),), (as_bytes(expected), caexpire_ms(ms))
+                mode,
+                scripts.CAEXPIRE,
+                (as_bytes(key),),
+                (as_bytes(expected), caexpire_ms(ms)),
             )
             for key, expected, ms in renewals
         ]
@@ -1000,7 +760,9 @@ class RedisStore:
         self, claim_key: bytes, set_result: tuple[Any, ...], renew: tuple[Any, ...]
     ) -> int:
         replies, acked = await self._then_wait(
-            claim_key, [("MULTI",), set_result, renew, ("EXEC",)], wait=bool(self.wait_replicas)
+            claim_key,
+            [("MULTI",), set_result, renew, ("EXEC",)],
+            wait=bool(self.wait_replicas),
         )
         for reply in replies:
             _unwrap(reply, self._acl_user)
@@ -1101,7 +863,9 @@ class RedisStore:
             await self.client.nodes_manager.initialize()
         except Exception as exc:  # the cluster client refreshes again on its next command
             logger.warning(
-                "could not refresh the cluster slot table: %s: %s", type(exc).__name__, exc
+                "could not refresh the cluster slot table: %s: %s",
+                type(exc).__name__,
+                exc,
             )
 
     def _primary_client(self, address: tuple[str, int]) -> redis.asyncio.Redis:
@@ -1207,12 +971,6 @@ def _pairs(reply: Any) -> dict[str, str]:
 
 def _startup_nodes(client: RedisCluster) -> list[Any]:
     return list(client.nodes_manager.startup_nodes.values())
-
-
-def _renewal_reply(reply: Any, user: str) -> int | Exception:
-    if isinstance(reply, ResponseError):
-        return _normalize(reply, user)
-    return reply if isinstance(reply, Exception) else int(reply)
 
 
 def _decodes_responses(client: AnyRedis) -> bool:
