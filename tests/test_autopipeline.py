@@ -23,7 +23,7 @@ from rel_proxy import Proxy
 from servers import Server, start_server
 
 from goblin_idem import CLAIMED, RedisStore, autopipeline
-from goblin_idem import store as goblin_store
+from goblin_idem import redis_store as goblin_store
 from goblin_idem.autopipeline import MAX_DRAINING, STALL_SECONDS, AutoPipeline, pack
 
 
