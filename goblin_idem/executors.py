@@ -126,8 +126,13 @@ class Executor:
         """
         replies, where = await self._send(key, commands)
         if _no_script(replies):
-            await self._load_scripts(key, where)
-            replies, _ = await self._send(key, commands)
+            return await self._again(key, commands, where)
+        return replies
+
+    async def _again(self, key: bytes, commands: Sequence[Command], where: Where) -> list[Any]:
+        """After NOSCRIPT: load the scripts where it came from, send once more."""
+        await self._load_scripts(key, where)
+        replies, _ = await self._send(key, commands)
         return replies
 
     async def send_durably(
@@ -224,6 +229,21 @@ class Pipelined(Executor):
     def __init__(self, client: redis.asyncio.Redis, pipeline: AutoPipeline) -> None:
         super().__init__(client, None)
         self.pipeline = pipeline
+
+    async def send(self, key: bytes, commands: Sequence[Command]) -> list[Any]:
+        # The hot path, with no coroutine between the store's and the pipeline's own.
+        replies = await self.pipeline.execute(commands)
+        if _no_script(replies):
+            return await self._again(key, commands, None)
+        return replies
+
+    async def send_durably(
+        self, key: bytes, commands: Sequence[Command]
+    ) -> tuple[list[Any], Acked]:
+        replies = await self.pipeline.execute(commands)
+        if _no_script(replies):
+            replies = await self._again(key, commands, None)
+        return replies, NOT_WAITED
 
     async def _send(self, key: bytes, commands: Sequence[Command]) -> tuple[list[Any], Where]:
         return await self.pipeline.execute(commands), None
@@ -370,7 +390,7 @@ def _no_script(replies: Sequence[Any]) -> bool:
     for reply in replies:
         if isinstance(reply, NoScriptError):
             return True
-        if isinstance(reply, list) and any(isinstance(r, NoScriptError) for r in reply):
+        if type(reply) is list and _no_script(reply):
             return True
     return False
 
