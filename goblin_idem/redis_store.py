@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
@@ -30,53 +30,14 @@ logger = logging.getLogger("goblin_idem.store")
 
 HIREDIS = autopipeline.HIREDIS
 AnyRedis = redis.asyncio.Redis | RedisCluster
+_S = TypeVar("_S", bound="_StoreConnection")
 _CLAIM_KEPT = "the claim (it stays until its lease expires)"
 
 
-class RedisStore:
-    """The GOBLIN commands on a Redis-protocol server, natively or as Lua scripts.
-
-    ``mode="native"`` sends GOBLIN.* as is; ``mode="script"`` runs the spec's Lua with
-    EVALSHA (reloading on NOSCRIPT, in a cluster on the node that answered);
-    ``mode="auto"`` asks the server once, at detection, whether it knows GOBLIN.CLAIM,
-    and `mode` then reads ``"native"`` or ``"script"``. Both modes give the
-    same replies and the same error texts; keys given to one call must share a hash slot
-    in a cluster (use a ``{tag}``).
-
-    Durability (``wait_replicas``, off by default): Redis replicates asynchronously, so a
-    claim the primary acknowledged can be lost when a replica that had not received it is
-    promoted, and the next duplicate then runs the work again. With ``wait_replicas=N``
-    every claim is followed by ``WAIT N wait_timeout_ms`` on the same connection, in one
-    pipeline (one round trip; WAIT measures the replication offset of the connection that
-    wrote). A won claim that fewer than N replicas acknowledged within ``wait_timeout_ms``
-    raises `NotReplicatedError` (a RedisError: the middleware answers 503 and runs nothing;
-    the claim stays on the primary until its lease expires). Only won claims are checked;
-    a claim that found the key held or done wrote nothing. `publish` is followed by the
-    same WAIT (after its MULTI/EXEC), so that a failover cannot lose a published response
-    and let its key run again once the claim's lease runs out; a publish that too few
-    replicas acknowledged raises `NotReplicatedError` as well (the middleware retries it
-    once, then counts ``publish_errors``). Lease renewals are not waited for. Every keyed
-    request pays the replication round trip, and while fewer than N replicas are connected
-    each claim waits the full ``wait_timeout_ms``. In a cluster these pipelines go to the
-    primary that serves the key over a plain connection (`executors.Clustered`).
-
-    Auto-pipelining (``autopipeline=True``, the default): on a single server, without
-    ``wait_replicas``, the GOBLIN commands and `publish` of every concurrent caller share
-    one connection per event loop (`AutoPipeline`), written together once per loop turn,
-    instead of a pooled redis-py connection each: about a tenth of the CPU per call. It
-    opens its own connection with the client's settings, and is skipped (everything goes
-    through redis-py) for a cluster, TLS, a credential provider, a custom connection
-    class, or without hiredis. Plain commands and mode detection always use the client.
-
-    Detection (`detect`, or the first command): the mode, the ACL user's permission for
-    every command the store sends (`StorePermissionError` names what is refused), and the
-    server's eviction policy (a WARNING when it can evict goblin-idem's keys).
-
-    Processes and loops: connections belong to the process and event loop that opened
-    them. A store used before a fork, or in a loop that has since closed, drops those
-    connections (without writing to or closing the parent's sockets) and opens new ones
-    on its first command in the child or the new loop.
-    """
+class _StoreConnection:
+    """RedisStore's link to its server: the client and the executor chosen for it, the
+    connections of this process and event loop. `RedisStore` adds detection and the
+    commands."""
 
     def __init__(
         self,
@@ -121,7 +82,7 @@ class RedisStore:
 
     @classmethod
     def from_url(
-        cls,
+        cls: type[_S],
         url: str,
         *,
         mode: Mode = "auto",
@@ -134,7 +95,7 @@ class RedisStore:
         wait_timeout_ms: int = 1000,
         autopipeline: bool = True,
         **kwargs: Any,
-    ) -> RedisStore:
+    ) -> _S:
         """A store that owns its client (closed by `aclose`).
 
         The pool waits up to `pool_timeout` for a free connection instead of failing at
@@ -178,6 +139,57 @@ class RedisStore:
             else:  # a pool passed to Redis() is not closed with it unless asked
                 await self.client.aclose(close_connection_pool=True)
 
+    def _here(self) -> None:
+        """Before any command: connections of this process and event loop (`Executor.here`)."""
+        if self._executor.here():
+            self._detection.forget()
+
+
+class RedisStore(_StoreConnection):
+    """The GOBLIN commands on a Redis-protocol server, natively or as Lua scripts.
+
+    ``mode="native"`` sends GOBLIN.* as is; ``mode="script"`` runs the spec's Lua with
+    EVALSHA (reloading on NOSCRIPT, in a cluster on the node that answered);
+    ``mode="auto"`` asks the server once, at detection, whether it knows GOBLIN.CLAIM,
+    and `mode` then reads ``"native"`` or ``"script"``. Both modes give the
+    same replies and the same error texts; keys given to one call must share a hash slot
+    in a cluster (use a ``{tag}``).
+
+    Durability (``wait_replicas``, off by default): Redis replicates asynchronously, so a
+    claim the primary acknowledged can be lost when a replica that had not received it is
+    promoted, and the next duplicate then runs the work again. With ``wait_replicas=N``
+    every claim is followed by ``WAIT N wait_timeout_ms`` on the same connection, in one
+    pipeline (one round trip; WAIT measures the replication offset of the connection that
+    wrote). A won claim that fewer than N replicas acknowledged within ``wait_timeout_ms``
+    raises `NotReplicatedError` (a RedisError: the middleware answers 503 and runs nothing;
+    the claim stays on the primary until its lease expires). Only won claims are checked;
+    a claim that found the key held or done wrote nothing. `publish` is followed by the
+    same WAIT (after its MULTI/EXEC), so that a failover cannot lose a published response
+    and let its key run again once the claim's lease runs out; a publish that too few
+    replicas acknowledged raises `NotReplicatedError` as well (the middleware retries it
+    once, then counts ``publish_errors``). Lease renewals are not waited for. Every keyed
+    request pays the replication round trip, and while fewer than N replicas are connected
+    each claim waits the full ``wait_timeout_ms``. In a cluster these pipelines go to the
+    primary that serves the key over a plain connection (`executors.Clustered`).
+
+    Auto-pipelining (``autopipeline=True``, the default): on a single server, without
+    ``wait_replicas``, the GOBLIN commands and `publish` of every concurrent caller share
+    one connection per event loop (`AutoPipeline`), written together once per loop turn,
+    instead of a pooled redis-py connection each: about a tenth of the CPU per call. It
+    opens its own connection with the client's settings, and is skipped (everything goes
+    through redis-py) for a cluster, TLS, a credential provider, a custom connection
+    class, or without hiredis. Plain commands and mode detection always use the client.
+
+    Detection (`detect`, or the first command): the mode, the ACL user's permission for
+    every command the store sends (`StorePermissionError` names what is refused), and the
+    server's eviction policy (a WARNING when it can evict goblin-idem's keys).
+
+    Processes and loops: connections belong to the process and event loop that opened
+    them. A store used before a fork, or in a loop that has since closed, drops those
+    connections (without writing to or closing the parent's sockets) and opens new ones
+    on its first command in the child or the new loop.
+    """
+
     # -- detection: the mode, the user's permissions, the eviction policy --
 
     async def detect(self) -> Mode:
@@ -204,18 +216,15 @@ class RedisStore:
             return []
         return await self._detection.notes(self)
 
-    def _here(self) -> None:
-        """Before any command: connections of this process and event loop (`Executor.here`)."""
-        if self._executor.here():
-            self._detection.forget()
-
     async def _ready(self) -> bool:
         """Whether the GOBLIN commands are native, once detection has run, on connections of
         this process and loop."""
-        self._here()
-        if not self._detection.ready():
-            await self._detection.run(self)
-        return self._detection.mode == "native"
+        detection = self._detection
+        if self._executor.here():  # `_here`, inline on the hot path
+            detection.forget()
+        if not detection.done and not detection.ready():
+            await detection.run(self)
+        return detection.mode == "native"
 
     async def _goblin(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
         """One GOBLIN command, its reply (an error reply raised, as the native one reads)."""
