@@ -14,10 +14,10 @@ replies once, whatever the topology:
   WAIT and runs a transaction pipeline in a thread of its own that breaks after a
   topology change.
 
-One NOSCRIPT policy serves them all (`Executor.send`): the scripts are loaded where the
-reply came from and the commands sent once more. `Wait` makes a write durable: WAIT follows
-it on the same connection, in the same round trip. Connections belong to the process and
-event loop that opened them (`Executor.here`).
+One NOSCRIPT policy serves them all (`Executor.send`, `Executor._again`): the scripts are
+loaded where the reply came from and the commands sent once more, once. `Wait` makes a
+write durable: WAIT follows it on the same connection, in the same round trip. Connections
+belong to the process and event loop that opened them (`Executor.here`).
 """
 
 from __future__ import annotations

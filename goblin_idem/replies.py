@@ -90,6 +90,7 @@ def unwrap(reply: Any, user: str = "<user>") -> Any:
 
 
 def renewal_reply(reply: Any, user: str) -> int | Exception:
+    """One CAEXPIRE's reply of a batch: the count, or its error returned in place."""
     if isinstance(reply, ResponseError):
         return normalize(reply, user)
     return reply if isinstance(reply, Exception) else int(reply)
