@@ -284,13 +284,14 @@ class AutoPipeline:
     def address(self) -> str:
         return self.path or f"{self.host}:{self.port}"
 
-    async def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    def execute(self, commands: Sequence[Sequence[Any]]) -> Awaitable[list[Any]]:
         """Send `commands` back to back; their replies, errors in place (only a broken or
-        timed-out connection raises)."""
+        timed-out connection raises). Without retries, the reply future itself: awaited at
+        once by its caller, with no coroutine of its own on the hot path."""
         packed = pack(commands)
         if self.retry is None:
-            return await self._send(packed, len(commands))
-        return await self.retry.call_with_retry(lambda: self._send(packed, len(commands)), _ignore)
+            return self._send(packed, len(commands))
+        return self.retry.call_with_retry(lambda: self._send(packed, len(commands)), _ignore)
 
     def _send(self, packed: bytes, count: int) -> Awaitable[list[Any]]:
         """The reply future itself on a usable connection: no coroutine per call."""

@@ -5,22 +5,13 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 from redis.exceptions import ResponseError
 
 from .errors import WRONGTYPE, invalid_expire
-from .store import (
-    CLAIMED,
-    ClaimReply,
-    KeyT,
-    as_bytes,
-    caexpire_ms,
-    check_size,
-    claim_reply,
-    claim_seconds,
-)
+from .protocol import CLAIMED, ClaimReply, KeyT
+from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds, publish_ttl
 
 __all__ = ["MemoryStore"]
 
@@ -37,16 +28,14 @@ _EVICT_PER_WRITE = 64
 _String: TypeAlias = tuple[bytes, "float | None"]
 
 
-@dataclass(slots=True)
-class _Collection:
-    """A hash or sorted set: enough for WRONGTYPE to mean what it does on Redis."""
+class _OtherType(Protocol):
+    """A value of another type (a hash, a set): no command here makes one, and every one
+    reads it as WRONGTYPE, as a server does."""
 
-    members: dict[bytes, bytes] | dict[bytes, float]
-    kind: str  # "hash" or "zset"
-    deadline: float | None = None
+    deadline: float | None
 
 
-_Entry: TypeAlias = "_String | _Collection"
+_Entry: TypeAlias = "_String | _OtherType"
 
 
 def _deadline(entry: _Entry) -> float | None:
@@ -190,9 +179,7 @@ class MemoryStore:
         self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
     ) -> int:
         """SET result PX ttl + CAEXPIRE claim, as one step."""
-        ttl = caexpire_ms(ttl_ms)
-        if ttl <= 0:
-            raise ResponseError(invalid_expire("set"))
+        ttl = publish_ttl(ttl_ms)
         await self.set(result_key, value, px=ttl)
         return await self.caexpire(claim_key, token, ttl)
 
@@ -251,23 +238,3 @@ class MemoryStore:
                 del self._data[k]
                 removed += 1
         return removed
-
-    # -- other types, so WRONGTYPE means what it does on a server --
-
-    async def hset(self, key: KeyT, field: KeyT, value: KeyT) -> int:
-        return self._collection(as_bytes(key), "hash", as_bytes(field), as_bytes(value, "value"))
-
-    async def zadd(self, key: KeyT, member: KeyT, score: float) -> int:
-        return self._collection(as_bytes(key), "zset", as_bytes(member), float(score))
-
-    def _collection(self, key: bytes, kind: str, member: bytes, value: bytes | float) -> int:
-        self._evict()
-        entry = self._live(key)
-        if entry is None:
-            entry = self._data[key] = _Collection({}, kind)
-        elif isinstance(entry, tuple) or entry.kind != kind:
-            raise ResponseError(WRONGTYPE)
-        members: dict[bytes, object] = entry.members  # type: ignore[assignment]
-        added = int(member not in members)
-        members[member] = value
-        return added

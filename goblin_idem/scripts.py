@@ -9,7 +9,9 @@ texts (``... script: ...``) are never what a caller sees.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 CLAIM_LUA = """\
 if redis.call("set", KEYS[1], ARGV[1], "NX", "EX", ARGV[2]) then
@@ -50,6 +52,12 @@ class Script:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sha", hashlib.sha1(self.body.encode()).hexdigest())
+
+    def call(self, native: bool, keys: Sequence[bytes], args: Sequence[Any]) -> tuple[Any, ...]:
+        """The command that runs it: the native GOBLIN command, or EVALSHA of the body."""
+        if native:
+            return (self.command, *keys, *args)
+        return ("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
 CLAIM = Script("goblin.claim", CLAIM_LUA)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio
 
-from goblin_idem import MemoryStore, RedisStore
+from goblin_idem import RedisStore
 from goblin_idem.native import build_module
 from goblin_idem.store import Store
-from tests.support.backends import BACKENDS, Backend, server_for
+from tests.support.backends import BACKENDS, Backend, TypedMemoryStore, server_for
 from tests.support.servers import Server, start_server
 
 
@@ -62,7 +62,7 @@ def valkey_native_server(native_module: Path) -> Iterator[Server]:
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     name: str = request.param
     if name == "memory":
-        yield Backend(name, MemoryStore())
+        yield Backend(name, TypedMemoryStore())
         return
     server = server_for(request, name)
     _, mode, *direct = name.split("-")

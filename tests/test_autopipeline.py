@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from goblin_idem import CLAIMED, RedisStore, autopipeline
-from goblin_idem import store as goblin_store
+from goblin_idem import redis_store as goblin_store
 from goblin_idem.autopipeline import MAX_DRAINING, STALL_SECONDS, AutoPipeline, pack
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_server

@@ -19,7 +19,11 @@ from redis.exceptions import RedisClusterException, ResponseError
 from goblin_idem import CLAIMED, MemoryStore, RedisStore, Store
 from goblin_idem.errors import NOT_INTEGER, WRONGTYPE
 from goblin_idem.scripts import ALL as ALL_SCRIPTS
-from tests.support.backends import Backend, assert_published_together_or_not_at_all
+from tests.support.backends import (
+    Backend,
+    TypedMemoryStore,
+    assert_published_together_or_not_at_all,
+)
 from tests.support.proxy import Proxy, resp_args
 from tests.support.servers import Server, free_port, start_cluster, start_server
 
@@ -302,7 +306,7 @@ async def test_memory_store_renewals_do_not_leak() -> None:
 
 async def test_memory_store_entries_add_nothing_for_the_garbage_collector() -> None:
     """A busy store holds many completed keys: a full collection must not walk them."""
-    store = MemoryStore()
+    store = TypedMemoryStore()
     await store.hset("h", "f", "v")  # a collection is an object; strings are not
     gc.collect()
     tracked = len(gc.get_objects())
@@ -331,7 +335,7 @@ async def test_memory_store_set_options() -> None:
 
 
 async def test_memory_store_wrongtype_on_mixed_collections() -> None:
-    store = MemoryStore()
+    store = TypedMemoryStore()
     await store.hset("h", "f", "v")
     with pytest.raises(ResponseError, match=WRONGTYPE):
         await store.zadd("h", "m", 1)

@@ -332,7 +332,7 @@ async def test_wait_replicas_in_a_cluster_follows_the_primary(cluster: Cluster) 
         assert (
             await store.publish(b"r3{" + mine + b"}", b"v", 5000, b"c3{" + mine + b"}", b"tok") == 1
         )
-        assert ("127.0.0.1", stopped.replica.port) in store._primaries
+        assert ("127.0.0.1", stopped.replica.port) in store._executor.primaries  # type: ignore[attr-defined]
     finally:
         await store.aclose()
 

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 import pytest
 import redis.asyncio
+from redis.exceptions import ResponseError
 
 from goblin_idem import MemoryStore, RedisStore
-from goblin_idem.store import Store
+from goblin_idem.errors import WRONGTYPE
+from goblin_idem.store import KeyT, Store, as_bytes
 from tests.support.servers import Server
 
 # Every store the conformance suite runs against: the embedded store; the Lua scripts on a
@@ -29,6 +31,29 @@ BACKENDS = [
 
 
 @dataclass
+class _Typed:
+    kind: str
+    deadline: float | None = None
+
+
+class TypedMemoryStore(MemoryStore):
+    """MemoryStore with HSET and ZADD (members not kept): values of other types, for WRONGTYPE."""
+
+    async def hset(self, key: KeyT, field: KeyT, value: KeyT) -> int:
+        return self._typed(as_bytes(key), "hash")
+
+    async def zadd(self, key: KeyT, member: KeyT, score: float) -> int:
+        return self._typed(as_bytes(key), "zset")
+
+    def _typed(self, key: bytes, kind: str) -> int:
+        entry = self._live(key)
+        if entry is not None and (not isinstance(entry, _Typed) or entry.kind != kind):
+            raise ResponseError(WRONGTYPE)
+        self._data[key] = entry or _Typed(kind)
+        return int(entry is None)
+
+
+@dataclass
 class Backend:
     """A store under test, plus the means to put a non-string value under a key."""
 
@@ -38,14 +63,14 @@ class Backend:
 
     async def make_hash(self, key: str | bytes) -> None:
         if self.client is None:
-            assert isinstance(self.store, MemoryStore)
+            assert isinstance(self.store, TypedMemoryStore)
             await self.store.hset(key, "field", "value")
         else:
             await self.client.hset(key, "field", "value")
 
     async def make_zset(self, key: str | bytes) -> None:
         if self.client is None:
-            assert isinstance(self.store, MemoryStore)
+            assert isinstance(self.store, TypedMemoryStore)
             await self.store.zadd(key, "member", 1.0)
         else:
             await self.client.zadd(key, {"member": 1.0})

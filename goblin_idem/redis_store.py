@@ -1,0 +1,431 @@
+"""RedisStore: the GOBLIN commands on a Redis-protocol server, natively or as Lua scripts.
+
+Each method builds its commands once and hands them to the executor chosen when the store
+is made (`executors`: the shared auto-pipelined connection, the redis-py client, or a
+cluster's primaries, with or without WAIT); `replies` turns an error reply into the text
+the native command gives; `detection` checks the server before the first command.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+import redis.asyncio
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import OutOfMemoryError, ResponseError
+
+from . import autopipeline, scripts
+from .autopipeline import AutoPipeline
+from .detection import Detection, Mode, node_name
+from .executors import Clustered, Command, Direct, Executor, Pipelined, Wait, startup_nodes
+from .protocol import CLAIMED, ClaimReply, KeyT
+from .replies import normalize, renewal_reply, unwrap
+from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds, publish_ttl
+
+__all__ = ["AnyRedis", "Mode", "RedisStore"]
+
+logger = logging.getLogger("goblin_idem.store")
+
+HIREDIS = autopipeline.HIREDIS
+AnyRedis = redis.asyncio.Redis | RedisCluster
+_S = TypeVar("_S", bound="_StoreConnection")
+_CLAIM_KEPT = "the claim (it stays until its lease expires)"
+
+
+class _StoreConnection:
+    """RedisStore's link to its server: the client and the executor chosen for it, the
+    connections of this process and event loop. `RedisStore` adds detection and the
+    commands."""
+
+    def __init__(
+        self,
+        client: AnyRedis,
+        *,
+        mode: Mode = "auto",
+        max_value_bytes: int | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+        autopipeline: bool = True,
+    ) -> None:
+        _check_options(client, mode, wait_replicas, wait_timeout_ms)
+        self.client = client
+        self.max_value_bytes = max_value_bytes
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self._owns_client = False
+        self._acl_user = str(client.get_connection_kwargs().get("username") or "default")
+        # WAIT blocks its connection, so it never goes on the shared one.
+        self._pipeline = (
+            AutoPipeline.for_client(client) if autopipeline and not wait_replicas else None
+        )
+        if (
+            autopipeline
+            and not wait_replicas
+            and not HIREDIS
+            and type(client) is redis.asyncio.Redis
+        ):
+            logger.info(
+                "goblin-idem store: auto-pipelining is off because hiredis is not installed "
+                "(pip install 'goblin-idem[fast]'); every call goes through redis-py"
+            )
+        wait = Wait(wait_replicas, wait_timeout_ms) if wait_replicas else None
+        self._executor: Executor
+        if isinstance(client, RedisCluster):
+            self._executor = Clustered(client, wait)
+        elif self._pipeline is not None:
+            self._executor = Pipelined(client, self._pipeline)
+        else:
+            self._executor = Direct(client, wait)
+        self._detection = Detection(client, mode, self._acl_user, self._executor.load_scripts)
+
+    @classmethod
+    def from_url(
+        cls: type[_S],
+        url: str,
+        *,
+        mode: Mode = "auto",
+        max_value_bytes: int | None = None,
+        cluster: bool = False,
+        max_connections: int = 256,
+        pool_timeout: float = 5.0,
+        socket_timeout: float = 5.0,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+        autopipeline: bool = True,
+        **kwargs: Any,
+    ) -> _S:
+        """A store that owns its client (closed by `aclose`).
+
+        The pool waits up to `pool_timeout` for a free connection instead of failing at
+        `max_connections`, and a socket timeout bounds how long a request can hang on a
+        store that stopped answering; both end in a store error, never a silent wait.
+        `wait_replicas`, `wait_timeout_ms` and `autopipeline` are the class's options.
+        """
+        client = _client_from_url(
+            url, cluster, max_connections, pool_timeout, socket_timeout, **kwargs
+        )
+        store = cls(
+            client,
+            mode=mode,
+            max_value_bytes=max_value_bytes,
+            wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+            autopipeline=autopipeline,
+        )
+        store._owns_client = True
+        return store
+
+    @property
+    def address(self) -> str:
+        """Where the store is: ``host:port`` or a socket path (a cluster's startup nodes)."""
+        client = self.client
+        if isinstance(client, RedisCluster):
+            return ", ".join(n.name for n in startup_nodes(client))
+        return node_name(client, None)
+
+    @property
+    def mode(self) -> Mode:
+        """``"native"`` or ``"script"``; ``"auto"`` until the first command has detected it."""
+        return self._detection.mode
+
+    async def aclose(self) -> None:
+        self._here()  # a fork's child must not close the sockets it shares with its parent
+        await self._executor.aclose()
+        if self._owns_client:
+            if isinstance(self.client, RedisCluster):
+                await self.client.aclose()
+            else:  # a pool passed to Redis() is not closed with it unless asked
+                await self.client.aclose(close_connection_pool=True)
+
+    def _here(self) -> None:
+        """Before any command: connections of this process and event loop (`Executor.here`)."""
+        if self._executor.here():
+            self._detection.forget()
+
+
+class RedisStore(_StoreConnection):
+    """The GOBLIN commands on a Redis-protocol server, natively or as Lua scripts.
+
+    ``mode="native"`` sends GOBLIN.* as is; ``mode="script"`` runs the spec's Lua with
+    EVALSHA (reloading on NOSCRIPT, in a cluster on the node that answered);
+    ``mode="auto"`` asks the server once, at detection, whether it knows GOBLIN.CLAIM,
+    and `mode` then reads ``"native"`` or ``"script"``. Both modes give the
+    same replies and the same error texts; keys given to one call must share a hash slot
+    in a cluster (use a ``{tag}``).
+
+    Durability (``wait_replicas``, off by default): Redis replicates asynchronously, so a
+    claim the primary acknowledged can be lost when a replica that had not received it is
+    promoted, and the next duplicate then runs the work again. With ``wait_replicas=N``
+    every claim is followed by ``WAIT N wait_timeout_ms`` on the same connection, in one
+    pipeline (one round trip; WAIT measures the replication offset of the connection that
+    wrote). A won claim that fewer than N replicas acknowledged within ``wait_timeout_ms``
+    raises `NotReplicatedError` (a RedisError: the middleware answers 503 and runs nothing;
+    the claim stays on the primary until its lease expires). Only won claims are checked;
+    a claim that found the key held or done wrote nothing. `publish` is followed by the
+    same WAIT (after its MULTI/EXEC), so that a failover cannot lose a published response
+    and let its key run again once the claim's lease runs out; a publish that too few
+    replicas acknowledged raises `NotReplicatedError` as well (the middleware retries it
+    once, then counts ``publish_errors``). Lease renewals are not waited for. Every keyed
+    request pays the replication round trip, and while fewer than N replicas are connected
+    each claim waits the full ``wait_timeout_ms``. In a cluster these pipelines go to the
+    primary that serves the key over a plain connection (`executors.Clustered`).
+
+    Auto-pipelining (``autopipeline=True``, the default): on a single server, without
+    ``wait_replicas``, the GOBLIN commands and `publish` of every concurrent caller share
+    one connection per event loop (`AutoPipeline`), written together once per loop turn,
+    instead of a pooled redis-py connection each: about a tenth of the CPU per call. It
+    opens its own connection with the client's settings, and is skipped (everything goes
+    through redis-py) for a cluster, TLS, a credential provider, a custom connection
+    class, or without hiredis. Plain commands and mode detection always use the client.
+
+    Detection (`detect`, or the first command): the mode, the ACL user's permission for
+    every command the store sends (`StorePermissionError` names what is refused), and the
+    server's eviction policy (a WARNING when it can evict goblin-idem's keys).
+
+    Processes and loops: connections belong to the process and event loop that opened
+    them. A store used before a fork, or in a loop that has since closed, drops those
+    connections (without writing to or closing the parent's sockets) and opens new ones
+    on its first command in the child or the new loop.
+    """
+
+    # -- detection: the mode, the user's permissions, the eviction policy --
+
+    async def detect(self) -> Mode:
+        """Check the server once, before the first command (which otherwise does it).
+
+        Resolves ``mode="auto"``; runs every command the store sends once, on probe keys of
+        its own, and raises `StorePermissionError` naming each one the server's ACL refuses
+        and the rule that allows them (the store still works as far as it is allowed: a
+        refused command raises the same error when it is sent); and reads
+        ``maxmemory-policy`` on every primary, with a WARNING for a policy that can evict
+        goblin-idem's keys, or when it cannot be read. A server that cannot be reached
+        decides nothing: the next call checks again.
+        """
+        self._here()
+        if self._detection.done:
+            return self._detection.mode
+        return await self._detection.run(self)
+
+    async def detection_notes(self) -> list[tuple[int, str]]:
+        """`detect`, with the lines it would log returned as ``(level, text)`` instead; none
+        if detection had already run. Raises as `detect` does."""
+        self._here()
+        if self._detection.done:
+            return []
+        return await self._detection.notes(self)
+
+    async def _ready(self) -> bool:
+        """Whether the GOBLIN commands are native, once detection has run, on connections of
+        this process and loop."""
+        detection = self._detection
+        if self._executor.here():  # `_here`, inline on the hot path
+            detection.forget()
+        if not detection.done and not detection.ready():
+            await detection.run(self)
+        return detection.mode == "native"
+
+    async def _goblin(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
+        """One GOBLIN command, its reply (an error reply raised, as the native one reads)."""
+        command = script.call(await self._ready(), keys, args)
+        (reply,) = await self._executor.send(keys[0], [command])
+        return unwrap(reply, self._acl_user)
+
+    # -- the four GOBLIN commands --
+
+    async def claim(
+        self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
+    ) -> ClaimReply:
+        """Atomically: SET claim_key token NX EX seconds, else GET result_key."""
+        keys = (as_bytes(claim_key), as_bytes(result_key))
+        tok = check_size(as_bytes(token, "token"), self.max_value_bytes)
+        command = scripts.CLAIM.call(await self._ready(), keys, (tok, claim_seconds(seconds)))
+        (reply,), acked = await self._executor.send_durably(keys[0], [command])
+        claimed = claim_reply(unwrap(reply, self._acl_user))
+        if claimed is CLAIMED:
+            acked.check(_CLAIM_KEPT)
+        return claimed
+
+    async def claim_unless_done(
+        self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
+    ) -> ClaimReply:
+        """CLAIM, then PTTL of the result, in one round trip (pipelined, on one connection,
+        in that order: a result published between the two is seen). See
+        `Store.claim_unless_done` for what the replies promise."""
+        ck, rk = as_bytes(claim_key), as_bytes(result_key)
+        tok = check_size(as_bytes(token, "token"), self.max_value_bytes)
+        lease = claim_seconds(seconds)
+        claim = scripts.CLAIM.call(await self._ready(), (ck, rk), (tok, lease))
+        (reply, result_ttl), acked = await self._executor.send_durably(ck, [claim, ("PTTL", rk)])
+        if isinstance(reply, OutOfMemoryError):
+            return await self._read_when_full(ck, rk, reply)
+        claimed = claim_reply(unwrap(reply, self._acl_user))
+        if claimed is not CLAIMED:
+            return claimed
+        ttl = int(unwrap(result_ttl, self._acl_user))
+        if ttl != -2:
+            survived = await self._result_survived(ck, rk, tok, lease, ttl)
+            if survived is not CLAIMED:
+                return survived
+        acked.check(_CLAIM_KEPT)
+        return CLAIMED
+
+    async def _result_survived(
+        self, ck: bytes, rk: bytes, token: bytes, lease: int, result_ttl: int
+    ) -> ClaimReply:
+        """The claim was won, yet a result is stored: the claim had been lost. Read the
+        result and keep the claim as long as the result (a lease at least, so that it never
+        expires under a run should the result have expired meanwhile): one round trip."""
+        keep = max(result_ttl, lease * 1000)
+        renew = scripts.CAEXPIRE.call(self.mode == "native", (ck,), (token, keep))
+        value, _ = await self._executor.send(ck, [("GET", rk), renew])
+        if unwrap(value, self._acl_user) is None:  # expired meanwhile: the claim is the
+            return CLAIMED  # caller's to run
+        logger.warning(
+            "goblin-idem store: the claim %s was gone while its result was stored (evicted, "
+            "or lost in a restart or failover): answered from the result instead of running "
+            "again, and the claim is retaken for the result's TTL",
+            ck.decode("latin-1"),
+        )
+        return as_bytes(value, "reply")
+
+    async def _read_when_full(self, ck: bytes, rk: bytes, refused: OutOfMemoryError) -> ClaimReply:
+        """CLAIM was refused for memory (it writes): answer from reads, which a full server
+        still serves. A stored result is the answer; a held claim is in flight; only a free
+        key has nothing to go by, and gets the refusal."""
+        value, claim_ttl = await self._executor.send(ck, [("GET", rk), ("PTTL", ck)])
+        if unwrap(value, self._acl_user) is not None:
+            return as_bytes(value, "reply")
+        if int(unwrap(claim_ttl, self._acl_user)) != -2:
+            return None
+        raise refused
+
+    async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
+        """Atomically: if GET key == expected, PEXPIRE key ms (ms <= 0 deletes)."""
+        k, e = as_bytes(key), as_bytes(expected, "expected")
+        return int(await self._goblin(scripts.CAEXPIRE, (k,), e, caexpire_ms(ms)))
+
+    async def cas(self, key: KeyT, expected: KeyT, new: KeyT) -> bool:
+        """Atomically: if GET key == expected, SET key new KEEPTTL."""
+        k, e = as_bytes(key), as_bytes(expected, "expected")
+        n = check_size(as_bytes(new, "new"), self.max_value_bytes)
+        return await self._goblin(scripts.CAS, (k,), e, n) in (b"OK", "OK", True)
+
+    async def cad(self, key: KeyT, expected: KeyT) -> int:
+        """Atomically: if GET key == expected, DEL key."""
+        k, e = as_bytes(key), as_bytes(expected, "expected")
+        return int(await self._goblin(scripts.CAD, (k,), e))
+
+    # -- compound steps, one round trip each --
+
+    async def publish(
+        self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
+    ) -> int:
+        """SET result PX ttl + CAEXPIRE claim, in one MULTI/EXEC (both keys share a slot)."""
+        rk, ck = as_bytes(result_key), as_bytes(claim_key)
+        v = check_size(as_bytes(value, "value"), self.max_value_bytes)
+        tok = as_bytes(token, "token")
+        ttl = publish_ttl(ttl_ms)
+        renew = scripts.CAEXPIRE.call(await self._ready(), (ck,), (tok, ttl))
+        transaction: list[Command] = [("MULTI",), ("SET", rk, v, "PX", ttl), renew, ("EXEC",)]
+        replies, acked = await self._executor.send_durably(ck, transaction)
+        for reply in replies:  # a refusal at MULTI time aborts the EXEC: raise the refusal
+            unwrap(reply, self._acl_user)
+        stored, renewed = replies[-1]
+        unwrap(stored, self._acl_user)
+        renewed = unwrap(renewed, self._acl_user)
+        acked.check("the published response")
+        return int(renewed)
+
+    async def caexpire_many(
+        self, renewals: Sequence[tuple[KeyT, KeyT, int]]
+    ) -> list[int | Exception]:
+        """Pipelined CAEXPIREs (not a transaction: each renewal stands alone)."""
+        if not renewals:
+            return []
+        native = await self._ready()
+        commands = [
+            scripts.CAEXPIRE.call(native, (as_bytes(key),), (as_bytes(expected), caexpire_ms(ms)))
+            for key, expected, ms in renewals
+        ]
+        replies = await self._executor.send_each(commands)
+        return [renewal_reply(r, self._acl_user) for r in replies]
+
+    # -- plain commands --
+
+    async def _plain(self, command: Awaitable[Any]) -> Any:
+        """A redis-py call (not yet started), on connections of this process and loop."""
+        self._here()
+        try:
+            return await command
+        except ResponseError as exc:
+            raise normalize(exc, self._acl_user) from None
+
+    async def get(self, key: KeyT) -> bytes | None:
+        reply = await self._plain(self.client.get(as_bytes(key)))
+        return None if reply is None else as_bytes(reply, "reply")
+
+    async def set(
+        self,
+        key: KeyT,
+        value: KeyT,
+        *,
+        ex: int | None = None,
+        px: int | None = None,
+        nx: bool = False,
+    ) -> bool:
+        v = check_size(as_bytes(value, "value"), self.max_value_bytes)
+        return bool(await self._plain(self.client.set(as_bytes(key), v, ex=ex, px=px, nx=nx)))
+
+    async def pttl(self, key: KeyT) -> int:
+        return int(await self._plain(self.client.pttl(as_bytes(key))))
+
+    async def delete(self, *keys: KeyT) -> int:
+        if not keys:
+            return 0
+        return int(await self._plain(self.client.delete(*(as_bytes(k) for k in keys))))
+
+
+def _client_from_url(
+    url: str,
+    cluster: bool,
+    max_connections: int,
+    pool_timeout: float,
+    socket_timeout: float,
+    **kwargs: Any,
+) -> AnyRedis:
+    kwargs["decode_responses"] = False
+    kwargs.setdefault("socket_connect_timeout", socket_timeout)
+    kwargs["socket_timeout"] = socket_timeout
+    if cluster:
+        return RedisCluster.from_url(url, max_connections=max_connections, **kwargs)
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=pool_timeout, **kwargs
+    )
+    return redis.asyncio.Redis(connection_pool=pool)
+
+
+def _check_options(
+    client: AnyRedis, mode: str, wait_replicas: object, wait_timeout_ms: object
+) -> None:
+    """A configuration error says what to change, at construction."""
+    if mode not in ("auto", "native", "script"):
+        raise ValueError(f"mode must be 'auto', 'native' or 'script', not {mode!r}")
+    if isinstance(wait_replicas, bool) or not isinstance(wait_replicas, int):
+        raise TypeError("wait_replicas must be an int")
+    if wait_replicas < 0:
+        raise ValueError("wait_replicas must be 0 (off) or a positive number of replicas")
+    if isinstance(wait_timeout_ms, bool) or not isinstance(wait_timeout_ms, int):
+        raise TypeError("wait_timeout_ms must be an int")
+    if wait_timeout_ms <= 0:
+        raise ValueError("wait_timeout_ms must be positive (WAIT 0 would block forever)")
+    if isinstance(client, RedisCluster):
+        kwargs = client.get_connection_kwargs()
+    else:
+        kwargs = client.connection_pool.connection_kwargs
+    if kwargs.get("decode_responses", False):
+        raise ValueError(
+            "RedisStore needs a client with decode_responses=False: "
+            "stored results are bytes and may not be UTF-8"
+        )

@@ -1,0 +1,110 @@
+"""The argument and reply rules every store shares, so that MemoryStore and RedisStore in
+either mode accept the same input and reply the same way.
+
+Arguments are checked here, in Python, before anything is sent: a bad one raises the
+ResponseError (with the exact text) that the native command would reply, and never reaches
+a Lua script, whose own error texts would differ.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Final
+
+from redis.exceptions import ResponseError
+
+from .errors import NOT_INTEGER, VALUE_TOO_LARGE, invalid_expire
+from .protocol import CLAIMED, ClaimReply
+
+__all__ = [
+    "LLONG_MAX",
+    "LLONG_MIN",
+    "as_bytes",
+    "caexpire_ms",
+    "check_size",
+    "claim_reply",
+    "claim_seconds",
+    "parse_int",
+    "publish_ttl",
+]
+
+LLONG_MAX: Final = 2**63 - 1
+LLONG_MIN: Final = -(2**63)
+_CLAIMED_WIRE: Final = b"CLAIMED"
+
+
+def as_bytes(value: object, what: str = "key") -> bytes:
+    """Keys and values are binary-safe: str is UTF-8 encoded, anything else is a bug."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"{what} must be str or bytes, not {type(value).__name__}")
+
+
+def parse_int(value: object) -> int:
+    """An int64 the way the server parses one (strict decimal, no spaces, no '+', no floats)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, (str, bytes)):
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        digits = text[1:] if text.startswith("-") else text
+        if (
+            not digits
+            or not digits.isascii()
+            or not digits.isdigit()
+            or (digits[0] == "0" and (len(digits) > 1 or text.startswith("-")))
+        ):
+            raise ResponseError(NOT_INTEGER)
+        n = int(text)
+    else:
+        raise ResponseError(NOT_INTEGER)
+    if not LLONG_MIN <= n <= LLONG_MAX:
+        raise ResponseError(NOT_INTEGER)
+    return n
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def claim_seconds(value: object) -> int:
+    """GOBLIN.CLAIM's lease: a positive integer whose deadline fits in an int64 of ms."""
+    seconds = parse_int(value)
+    if seconds <= 0 or seconds > LLONG_MAX // 1000 or seconds * 1000 > LLONG_MAX - _now_ms():
+        raise ResponseError(invalid_expire("goblin.claim"))
+    return seconds
+
+
+def caexpire_ms(value: object) -> int:
+    """GOBLIN.CAEXPIRE's ms: any integer (non-positive deletes) whose deadline fits."""
+    ms = parse_int(value)
+    if ms > 0 and ms > LLONG_MAX - _now_ms():
+        raise ResponseError(invalid_expire("goblin.caexpire"))
+    return ms
+
+
+def publish_ttl(value: object) -> int:
+    """A publish's TTL: CAEXPIRE's rule, and positive (SET PX refuses anything else)."""
+    ttl = caexpire_ms(value)
+    if ttl <= 0:
+        raise ResponseError(invalid_expire("set"))
+    return ttl
+
+
+def check_size(value: bytes, limit: int | None) -> bytes:
+    """A value over the store's `max_value_bytes` is refused as the native command does."""
+    if limit is not None and len(value) > limit:
+        raise ResponseError(VALUE_TOO_LARGE)
+    return value
+
+
+def claim_reply(reply: object) -> ClaimReply:
+    """CLAIM's reply as a store returns it: the bulk string ``CLAIMED`` is the sentinel."""
+    if reply is None:
+        return None
+    if reply == _CLAIMED_WIRE:
+        return CLAIMED
+    return as_bytes(reply, "reply")
