@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ._run import free_claim
+from .claim import free_claim
 from .errors import describe
 from .keys import KeyNames, previous_names
 from .store import CLAIMED, ClaimReply, Store

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import options
 from ._events import Events
 from ._routes import Settings
-from .claim import PUBLISH_RETRY_DELAYS, Claim, current
+from .claim import (
+    PUBLISH_RETRY_DELAYS,
+    Claim,
+    ClosingStep,
+    current,
+    free_claim,
+    publish_retried,
+    run_to_end,
+)
 from .compression import Codec
 from .errors import describe
 from .keys import KeyNames
@@ -35,7 +43,7 @@ from .record import Record, encode
 from .sealing import Sealer
 from .store import Store
 
-__all__ = ["Run", "RunConfig", "free_claim", "log_store_error"]
+__all__ = ["Run", "RunConfig", "log_store_error"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -57,8 +65,6 @@ HOP_BY_HOP = frozenset(
     }
 )
 HOP_BY_HOP_BUT_TRAILER = HOP_BY_HOP - {b"trailer"}
-
-ClosingStep = Callable[[], Coroutine[Any, Any, None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,24 +274,8 @@ class Run:
         return functools.partial(self._publish, record)
 
     async def _shielded(self, step: ClosingStep) -> None:
-        """Run a closing store step (publish, release) so that cancelling the request
-        cannot cut it short, without a task per request.
-
-        The step runs inline. If the request is cancelled while the step waits, the step
-        starts again from the beginning in a task of its own and the cancellation goes on;
-        whatever the first attempt had sent may still run, so every step is safe to repeat
-        (SET and CAEXPIRE with the same value and token, CAD with the same token) and
-        counts nothing that a repeat would count twice. A task per first run (to shield it)
-        cost about 8 us and half the garbage collections of a Redis-backed first run.
-        """
-        try:
-            await step()
-        except asyncio.CancelledError:
-            task = asyncio.ensure_future(step())
-            background = self.config.background
-            background.add(task)
-            task.add_done_callback(background.discard)
-            raise
+        """The closing step run to its end, even if the request is cancelled (run_to_end)."""
+        await run_to_end(step, self.config.background)
 
     async def _release(self) -> None:
         await self.config.watchdog.release(self.lease)
@@ -301,28 +291,23 @@ class Run:
             codec=config.codec,
             compress_above=config.compress_above,
         )
-        for delay in (*PUBLISH_RETRY_DELAYS, None):
-            try:
-                renewed = await config.store.publish(
-                    names.result, data, self.settings.ttl_ms, names.claim, self.token
-                )
-            except Exception as exc:
-                if delay is not None:
-                    await asyncio.sleep(delay)
-                    continue
-                config.report("publish_errors", names.hash)
-                log_store_error(
-                    config.store,
-                    logging.ERROR,
-                    exc,
-                    "could not publish the response for key %s; a retry after the lease "
-                    "may run the work again",
-                    names.hash,
-                )
-                return
-            if renewed != 1:
-                await self._retake()
+        try:
+            renewed = await publish_retried(
+                config.store, names, data, self.settings.ttl_ms, self.token
+            )
+        except Exception as exc:
+            config.report("publish_errors", names.hash)
+            log_store_error(
+                config.store,
+                logging.ERROR,
+                exc,
+                "could not publish the response for key %s; a retry after the lease "
+                "may run the work again",
+                names.hash,
+            )
             return
+        if renewed != 1:
+            await self._retake()
 
     async def _retake(self) -> None:
         """The claim lapsed before the result was published (the run outlived a lease the
@@ -378,16 +363,6 @@ def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None) -> None:
             "again each time it was retaken; the next duplicate's claim finds the stored "
             "response and replays it",
             names.hash,
-        )
-
-
-async def free_claim(store: Store, names: KeyNames, token: bytes) -> None:
-    """Free the claim if it still holds `token` (its lease's TTL frees it if this fails)."""
-    try:
-        await store.cad(names.claim, token)
-    except Exception as exc:
-        logger.warning(
-            "could not release key %s (its lease will expire): %s", names.hash, describe(exc)
         )
 
 

@@ -15,12 +15,14 @@ import asyncio
 import base64
 import contextvars
 import itertools
+import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
-from .errors import ClaimLostError
+from .errors import ClaimLostError, describe
+from .keys import KeyNames
 from .lease import Lease
 from .store import ClaimReply, Store
 
@@ -29,9 +31,16 @@ __all__ = [
     "Claim",
     "ClaimHolder",
     "current_claim",
+    "free_claim",
     "new_token",
     "poll_claim",
+    "publish_retried",
+    "run_to_end",
 ]
+
+logger = logging.getLogger("goblin_idem.claim")
+
+ClosingStep = Callable[[], Coroutine[Any, Any, None]]
 
 # Publishing a result is retried after these pauses (the middleware's and once's): long
 # enough to ride out a failover's promotion or a reconnect, short enough that the
@@ -145,3 +154,50 @@ async def poll_claim(
         await asyncio.sleep(poll_seconds)
         reply = await step()
     return reply
+
+
+# -- the closing steps of a claimed run, shared by the middleware and once --
+
+
+async def publish_retried(
+    store: Store, names: KeyNames, data: bytes, ttl_ms: int, token: bytes
+) -> int:
+    """`store.publish` (the result and the claim's new TTL in one MULTI/EXEC), retried after
+    PUBLISH_RETRY_DELAYS; the last attempt's error propagates. 1 if the claim still held
+    `token`, else 0 (the result is stored either way)."""
+    for delay in PUBLISH_RETRY_DELAYS:
+        try:
+            return await store.publish(names.result, data, ttl_ms, names.claim, token)
+        except Exception:
+            await asyncio.sleep(delay)
+    return await store.publish(names.result, data, ttl_ms, names.claim, token)
+
+
+async def free_claim(store: Store, names: KeyNames, token: bytes) -> None:
+    """Free the claim if it still holds `token` (its lease's TTL frees it if this fails)."""
+    try:
+        await store.cad(names.claim, token)
+    except Exception as exc:
+        logger.warning(
+            "could not release key %s (its lease will expire): %s", names.hash, describe(exc)
+        )
+
+
+async def run_to_end(step: ClosingStep, background: set[asyncio.Task[Any]]) -> None:
+    """Run a closing store step (publish, release) so that cancelling the caller cannot cut
+    it short, without a task per run.
+
+    The step runs inline. If the caller is cancelled while the step waits, the step starts
+    again from the beginning in a task of its own (kept in `background` until it ends) and
+    the cancellation goes on; whatever the first attempt had sent may still run, so every
+    step must be safe to repeat (SET and CAEXPIRE with the same value and token, CAD with the
+    same token) and count nothing that a repeat would count twice. A task per first run (to
+    shield it) cost about 8 us and half the garbage collections of a Redis-backed first run.
+    """
+    try:
+        await step()
+    except asyncio.CancelledError:
+        task = asyncio.ensure_future(step())
+        background.add(task)
+        task.add_done_callback(background.discard)
+        raise

@@ -31,7 +31,15 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from . import options
-from .claim import PUBLISH_RETRY_DELAYS, Claim, current, new_token, poll_claim
+from .claim import (
+    Claim,
+    current,
+    free_claim,
+    new_token,
+    poll_claim,
+    publish_retried,
+    run_to_end,
+)
 from .codecs import Codec, codec_for, from_stored, to_stored
 from .errors import InFlightError, describe
 from .keys import KeyNames, key_names
@@ -219,20 +227,15 @@ class _Once:
                     "codec="
                 ) from exc
         except BaseException:
-            await _shielded(self._release(lease, names, token))
+            await run_to_end(functools.partial(self._release, lease, names, token), _background)
             raise
-        await _shielded(self._publish(lease, names, token, data))
+        await run_to_end(functools.partial(self._publish, lease, names, token, data), _background)
         # What every later call gets, so the first caller sees the same (a tuple as a list).
         return from_stored(self.codec, data, self.sealer, names.result)
 
     async def _release(self, lease: Lease, names: KeyNames, token: bytes) -> None:
         await self.watchdog.release(lease)
-        try:
-            await self.store.cad(names.claim, token)
-        except Exception as exc:
-            logger.warning(
-                "could not release key %s (its lease will expire): %s", names.hash, describe(exc)
-            )
+        await free_claim(self.store, names, token)
 
     async def _publish(self, lease: Lease, names: KeyNames, token: bytes, data: bytes) -> None:
         """Store the value and give the claim the result's TTL, together (one MULTI/EXEC).
@@ -242,38 +245,23 @@ class _Once:
         which is logged as an error here; the value is still returned to this caller.
         """
         await self.watchdog.release(lease)
-        for delay in (*PUBLISH_RETRY_DELAYS, None):
-            try:
-                renewed = await self.store.publish(
-                    names.result, data, self.ttl_ms, names.claim, token
-                )
-            except Exception as exc:
-                if delay is not None:
-                    await asyncio.sleep(delay)
-                    continue
-                logger.error(
-                    "%s: could not store the result of key %s (%s); a call after the "
-                    "lease may run the work again",
-                    self.name.decode(),
-                    names.hash,
-                    describe(exc),
-                )
-                return
-            if renewed != 1:
-                # The result is stored; the next call's claim step finds it, returns it
-                # and takes the claim back. Another run may have started meanwhile.
-                logger.warning(
-                    "%s: the claim of key %s lapsed before its result was stored; another "
-                    "run may have started in the meantime",
-                    self.name.decode(),
-                    names.hash,
-                )
+        try:
+            renewed = await publish_retried(self.store, names, data, self.ttl_ms, token)
+        except Exception as exc:
+            logger.error(
+                "%s: could not store the result of key %s (%s); a call after the "
+                "lease may run the work again",
+                self.name.decode(),
+                names.hash,
+                describe(exc),
+            )
             return
-
-
-async def _shielded(step: Coroutine[Any, Any, None]) -> None:
-    """Run a closing step (publish, release) to its end even if the caller is cancelled."""
-    task = asyncio.ensure_future(step)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-    await asyncio.shield(task)
+        if renewed != 1:
+            # The result is stored; the next call's claim step finds it, returns it
+            # and takes the claim back. Another run may have started meanwhile.
+            logger.warning(
+                "%s: the claim of key %s lapsed before its result was stored; another "
+                "run may have started in the meantime",
+                self.name.decode(),
+                names.hash,
+            )
