@@ -182,6 +182,8 @@ class Run:
     by_command: dict[str, float] = field(default_factory=dict)
     check: str = ""
     cpu_us: float = 0.0  # the server process's CPU time (user + system) per request
+    gc_us: float = 0.0  # time in garbage collections per request
+    gc_full: float = 0.0  # full (generation 2) collections per 1,000 requests
     rps_ratio: float | None = None  # to the bare runs just before and after this one
     p99_ratio: float | None = None
     cpu_ratio: float | None = None  # bare CPU per request / this one's: capacity vs bare
@@ -244,6 +246,8 @@ def measure(v: Variant, args: argparse.Namespace, scenario: str, rep: int) -> Ru
         result["socket_errors"],
         after_stats["handler_calls"] - before_stats["handler_calls"],
         cpu_us=(cpu_after - cpu_before) * 1e6 / n,
+        gc_us=(after_stats["gc_us"] - before_stats["gc_us"]) / n,
+        gc_full=(after_stats["gc_full"] - before_stats["gc_full"]) * 1000 / n,
     )
     if before is not None and after is not None:
         # the second INFO is one read event and one `info` call of its own
@@ -295,14 +299,14 @@ def table(variants: list[Variant], runs: list[Run], args: argparse.Namespace) ->
     are taken to the bare app's runs on either side of it, then their median."""
     lines = [
         "| variant | scenario | req/s | p50 ms | p99 ms | req/s / bare | p99 / bare "
-        "| CPU us/req | capacity / bare | round trips/req | server reads/req | store cmds/req "
-        "| check |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| CPU us/req | capacity / bare | GC us/req | full GCs/1k req | round trips/req "
+        "| server reads/req | store cmds/req | check |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for v in variants:
         if v.broken:
             lines.append(
-                f"| {v.label} | all | - | - | - | - | - | - | - | - | - | - "
+                f"| {v.label} | all | - | - | - | - | - | - | - | - | - | - | - | - "
                 f"| does not work: {v.broken} |"
             )
             continue
@@ -321,6 +325,8 @@ def table(variants: list[Variant], runs: list[Run], args: argparse.Namespace) ->
                 "1.00x" if bare else cell([r.p99_ratio for r in mine if r.p99_ratio], ".2f") + "x",
                 cell([r.cpu_us for r in mine], ".1f"),
                 "1.00x" if bare else cell([r.cpu_ratio for r in mine if r.cpu_ratio], ".3f") + "x",
+                cell([r.gc_us for r in mine], ".1f"),
+                cell([r.gc_full for r in mine], ".1f"),
                 cell([r.round_trips for r in mine if r.round_trips is not None], ".2f"),
                 cell([r.server_reads for r in mine if r.server_reads is not None], ".2f"),
                 cell([r.commands for r in mine if r.commands is not None], ".2f"),

@@ -3,11 +3,15 @@
     python3 bench/overhead.py [--requests 20000] [--stores memory,native,script,native-direct]
                               [--encryption off,on]
     python3 bench/overhead.py --otel   # otel=False and otel=True side by side
+    python3 bench/overhead.py --app fastapi   # the HTTP benchmark's FastAPI app instead
 
 A trivial ASGI app (one body read, a 201 JSON response) is called directly, bare and
 behind IdempotencyMiddleware, by 50 concurrent tasks on uvloop; each line is the time per
 request over the bare app's and the ratio of the two, for the four scenarios of
-http_bench.py, and the garbage collections per 1,000 requests; with records sealed
+http_bench.py, and the garbage collections per 1,000 requests (young, middle and full
+generations) and the time they took; `--app fastapi` calls the FastAPI app of
+http_bench.py instead, whose heap (about 65,000 objects) makes each full collection as
+long as in the HTTP server; with records sealed
 (``encryption_keys``) and in the clear, side by side in the same run. Much less noisy
 than the HTTP benchmark, so it shows a change of a microsecond; the Redis stores run
 against a throwaway redis-server (the native one with the goblin module loaded), pinned
@@ -52,6 +56,7 @@ async def send(message: Any) -> None:
 
 
 def scope(key: bytes | None) -> dict[str, Any]:
+    """An HTTP scope of what uvicorn sends for wrk's request."""
     headers = [
         (b"host", b"127.0.0.1:8000"),
         (b"user-agent", b"wrk"),
@@ -62,10 +67,17 @@ def scope(key: bytes | None) -> dict[str, Any]:
         headers.append((b"idempotency-key", key))
     return {
         "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "scheme": "http",
         "method": "POST",
         "path": serve.PATH,
+        "raw_path": serve.PATH.encode(),
+        "root_path": "",
         "query_string": b"",
         "headers": headers,
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 50000),
     }
 
 
@@ -101,15 +113,50 @@ def variants(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     }
 
 
+class Collections:
+    """Garbage collections by generation, and the time they stopped the loop."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.seconds = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._started
+
+    def mark(self) -> tuple[list[int], float]:
+        return list(self.counts), self.seconds
+
+
+def target_app(args: argparse.Namespace) -> Asgi:
+    """The app called bare and behind the middleware."""
+    if args.app == "trivial":
+        return app
+
+    async def nothing() -> None:
+        return None
+
+    fastapi: Asgi = serve.fastapi_app([], nothing)
+    return fastapi
+
+
 async def measure(store: Any, args: argparse.Namespace) -> list[str]:
     from goblin_idem import IdempotencyMiddleware
     from goblin_idem.keys import key_names
+
+    bare_app = target_app(args)
+    seen = Collections()
 
     names = key_names(b"idem", b"", serve.INFLIGHT_KEY.encode())
     mws = {}
     for n, (label, options) in enumerate(variants(args).items()):
         # Its own namespace each, so that each replays records it sealed (or not) itself.
-        mw = IdempotencyMiddleware(app, store=store, namespace=f"v{n}", **options)
+        mw = IdempotencyMiddleware(bare_app, store=store, namespace=f"v{n}", **options)
         await store.claim(*_names(mw, names), b"holder", 3600)
         for i in range(100):
             await mw(scope(f"replay-{i}".encode()), receive, send)
@@ -119,21 +166,27 @@ async def measure(store: Any, args: argparse.Namespace) -> list[str]:
     for scenario in args.scenarios:
         extra: dict[str, list[float]] = {v: [] for v in mws}
         ratio: dict[str, list[float]] = {v: [] for v in mws}
-        collections: dict[str, list[float]] = {v: [] for v in mws}
+        collections: dict[str, list[list[float]]] = {v: [] for v in mws}
         for rep in range(args.reps):  # bare, then each variant in turn: drift hits each alike
-            bare = await drive(app, scenario, args.requests, "")
+            bare = await drive(bare_app, scenario, args.requests, "")
             for variant, mw in mws.items():
-                before = sum(s["collections"] for s in gc.get_stats())
+                counts, seconds = seen.mark()
                 mine = await drive(mw, scenario, args.requests, f"{variant}{rep}")
-                after = sum(s["collections"] for s in gc.get_stats())
+                after, after_seconds = seen.mark()
                 extra[variant].append((mine - bare) * 1e6)
                 ratio[variant].append(mine / bare)
-                collections[variant].append((after - before) * 1000 / args.requests)
+                per_1k = [(a - b) * 1000 / args.requests for a, b in zip(after, counts)]
+                gc_us = (after_seconds - seconds) * 1e6 / args.requests
+                collections[variant].append([*per_1k, gc_us])
         for variant in mws:
+            young, middle, full, gc_us = (
+                statistics.median(c[i] for c in collections[variant]) for i in range(4)
+            )
             lines.append(
                 f"{scenario:9} {variant} {statistics.median(extra[variant]):7.1f} "
                 f"us/request over bare, {statistics.median(ratio[variant]):5.2f}x bare   "
-                f"({statistics.median(collections[variant]):5.1f} GCs per 1000 requests)"
+                f"(GCs per 1000 requests: {young:5.1f} young, {middle:4.1f} middle, "
+                f"{full:4.2f} full; {gc_us:4.1f} us/request)"
             )
     return lines
 
@@ -167,6 +220,7 @@ def main() -> None:
     p.add_argument("--no-hiredis", action="store_true", help="redis-py's pure-Python parser")
     p.add_argument("--encryption", default="off,on", help="off, on, or both (off,on)")
     p.add_argument("--otel", action="store_true", help="otel=False and otel=True side by side")
+    p.add_argument("--app", choices=("trivial", "fastapi"), default="trivial")
     args = p.parse_args()
     args.scenarios = args.scenarios.split(",")
     args.encryption = args.encryption.split(",")

@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--app", choices=("starlette", "fastapi"), default="fastapi")
     p.add_argument("--no-hiredis", action="store_true")
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after startup")
     p.add_argument("--out", type=Path, help="keep the collapsed stacks here")
     args = p.parse_args()
     # what http_bench's helpers read from their own arguments
