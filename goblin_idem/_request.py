@@ -17,7 +17,7 @@ from starlette.types import Message, Receive, Scope
 from .keys import KeyNames, credential_header, credentials_scope, key_names
 from .record import fingerprint
 
-__all__ = ["BodyTooLarge", "Identity", "read_body", "replay_receive"]
+__all__ = ["BodyTooLarge", "Identity", "ReplayReceive", "read_body"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -101,16 +101,21 @@ async def read_body(receive: Receive, content_length: bytes | None, limit: int) 
             return b"".join(chunks)
 
 
-def replay_receive(body: bytes, receive: Receive) -> Receive:
+class ReplayReceive:
     """The request body, already read, as one message; then the client's own receive (so
-    an app waiting for http.disconnect still sees it)."""
-    sent = False
+    an app waiting for http.disconnect still sees it). One object where a closure was four
+    (function and cells): it lives as long as the request, and every object a request keeps
+    across its store round trips brings the next garbage collection nearer."""
 
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
+    __slots__ = ("body", "receive")
+
+    def __init__(self, body: bytes | None, receive: Receive) -> None:
+        self.body = body
+        self.receive = receive
+
+    async def __call__(self) -> Message:
+        body = self.body
+        if body is not None:
+            self.body = None
             return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
+        return await self.receive()

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,7 @@ class RunConfig:
     fingerprint_headers: frozenset[str]  # lowercase names the key covers (for Vary)
     background: set[asyncio.Task[Any]]
     warned: set[str]
+    lease_lost: Callable[[Lease], None]  # told by a run's lease, once, when it is lost
 
     @classmethod
     def from_options(
@@ -116,11 +117,8 @@ class RunConfig:
             frozenset(h.decode("latin-1") for h in fingerprint_headers),
             set(),
             set(),
+            functools.partial(_report_lost, report),
         )
-
-    def lease_lost(self, lease: Lease) -> None:
-        """Told by the lease, once, when its claim is found lost."""
-        self.report("lease_lost", lease.label)
 
 
 @dataclass(eq=False, slots=True)
@@ -155,6 +153,7 @@ class Run:
     keep: bool = True  # False: release the key at the end, store nothing
     trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
     finished: bool = False  # the closing step has started
+    data: bytes = b""  # the record the closing step publishes, encoded
 
     async def __call__(self, scope: Scope, receive: Receive) -> None:
         """Run the app once, holding the claim's lease, and close with one store step."""
@@ -201,7 +200,7 @@ class Run:
                     self.chunks.clear()
             if not message.get("more_body", False) and self.trailers is None and not self.finished:
                 self.finished = True  # inline, as the hot path: no coroutine for it
-                await self._shielded(self._closing_step())
+                await run_to_end(self._closing_step(), self.config.background)
         else:
             message = await self._other(message)
         await self._send(message)
@@ -254,10 +253,11 @@ class Run:
     async def _finish(self) -> None:
         if not self.finished:
             self.finished = True
-            await self._shielded(self._closing_step())
+            await run_to_end(self._closing_step(), self.config.background)
 
     def _closing_step(self) -> ClosingStep:
-        """Publish the response, or release the key (a 5xx not stored); counted here, once."""
+        """Publish the response, or release the key (a 5xx not stored); counted here, once.
+        Run to its end by `run_to_end`, even if the request is cancelled meanwhile."""
         config, names = self.config, self.names
         if not self.keep:
             config.report("released", names.hash)
@@ -271,29 +271,27 @@ class Run:
             if "vary" not in config.warned:
                 _warn_vary(headers, names, config)
             record = Record(self.status, headers, body, self.fp, trailers=self.trailers)
-        return functools.partial(self._publish, record)
-
-    async def _shielded(self, step: ClosingStep) -> None:
-        """The closing step run to its end, even if the request is cancelled (run_to_end)."""
-        await run_to_end(step, self.config.background)
-
-    async def _release(self) -> None:
-        await self.config.watchdog.release(self.lease)
-        await free_claim(self.config.store, self.names, self.token)
-
-    async def _publish(self, record: Record) -> None:
-        config, names = self.config, self.names
-        await config.watchdog.release(self.lease)
-        data = encode(
+        # Encoded now, kept as bytes (which the garbage collector never tracks): the record,
+        # its header list and tuples are freed before the publish waits for the store.
+        self.data = encode(
             record,
             sealer=config.sealer,
             name=names.result,
             codec=config.codec,
             compress_above=config.compress_above,
         )
+        return self._publish
+
+    async def _release(self) -> None:
+        await self.config.watchdog.release(self.lease)
+        await free_claim(self.config.store, self.names, self.token)
+
+    async def _publish(self) -> None:
+        config, names = self.config, self.names
+        await config.watchdog.release(self.lease)
         try:
             renewed = await publish_retried(
-                config.store, names, data, self.settings.ttl_ms, self.token
+                config.store, names, self.data, self.settings.ttl_ms, self.token
             )
         except Exception as exc:
             config.report("publish_errors", names.hash)
@@ -340,6 +338,11 @@ class Run:
                     return
                 await asyncio.sleep(delay)
         _log_retaken(names, token, holder)
+
+
+def _report_lost(report: Events, lease: Lease) -> None:
+    """A run's lease was found lost (told once by the lease): counted as lease_lost."""
+    report("lease_lost", lease.label)
 
 
 def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import redis.asyncio
@@ -58,25 +58,41 @@ MAX_DRAINING = 3
 
 
 def pack(commands: Sequence[Sequence[Any]]) -> bytes:
-    """Commands in RESP, ready to write: arrays of bulk strings (bytes, str or int args)."""
-    out: list[bytes] = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if isinstance(arg, bytes):
-                data = arg
-            elif isinstance(arg, str):
-                data = arg.encode()
-            elif isinstance(arg, int) and not isinstance(arg, bool):
-                data = b"%d" % arg
-            else:
-                raise DataError(f"invalid argument type {type(arg).__name__}")
-            out += (b"$%d\r\n" % len(data), data, b"\r\n")
+    """Commands in RESP, ready to write: arrays of bulk strings (bytes, str, int or float
+    arguments, a float written as redis-py writes it)."""
+    try:
+        if len(commands) == 1:
+            return _pack_command(tuple(commands[0]))
+        return b"".join([_pack_command(tuple(command)) for command in commands])
+    except TypeError as exc:  # a bool, None, or another type no server command takes
+        raise DataError(f"invalid argument: {exc}") from None
+
+
+def _pack_in_python(command: tuple[Any, ...]) -> bytes:
+    """One command in RESP (hiredis's pack_command does the same in C)."""
+    out = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        if isinstance(arg, bytes | memoryview):
+            data = bytes(arg)
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, int | float) and not isinstance(arg, bool):
+            data = repr(arg).encode()
+        else:
+            raise TypeError(f"{type(arg).__name__} is not str, int, float or bytes")
+        out += (b"$%d\r\n" % len(data), data, b"\r\n")
     return b"".join(out)
 
 
+_pack_command: Callable[[tuple[Any, ...]], bytes] = (
+    hiredis.pack_command if HIREDIS else _pack_in_python
+)
+
+
 class _Waiter:
-    """A caller's place in the reply queue."""
+    """A caller's place in the reply queue. Its reply list is made when the first reply
+    comes: one object less kept alive while the caller waits, and every such object brings
+    the next garbage collection nearer."""
 
     __slots__ = ("count", "deadline", "future", "replies", "sent")
 
@@ -85,7 +101,7 @@ class _Waiter:
         self.count = count
         self.sent = sent
         self.deadline = 0.0
-        self.replies: list[Any] = []
+        self.replies: list[Any] | None = None
 
 
 class _Connection(asyncio.Protocol):
@@ -123,15 +139,19 @@ class _Connection(asyncio.Protocol):
         try:
             while (reply := self.reader.gets()) is not False:
                 head = waiting[0]
-                head.replies.append(reply)
-                if len(head.replies) == head.count:
+                replies = head.replies
+                if replies is None:
+                    replies = head.replies = [reply]
+                else:
+                    replies.append(reply)
+                if len(replies) == head.count:
                     waiting.popleft()
                     if self.expired:
                         self.expired -= 1
                     else:
                         self.reply_time += (now - head.sent - self.reply_time) / 16
                         if not head.future.done():  # its caller may have been cancelled
-                            head.future.set_result(head.replies)
+                            head.future.set_result(replies)
             if self.retired and self.expired == len(waiting):
                 self.fail(RedisConnectionError("Connection retired after a stall."))
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for

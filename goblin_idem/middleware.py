@@ -29,7 +29,7 @@ from . import _routes, options
 from ._answers import Answers
 from ._events import Counters, Events
 from ._previous import previous_reply
-from ._request import BodyTooLarge, Identity, read_body, replay_receive
+from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
 from ._routes import RoutePolicy, Routes, Settings, idempotent
 from ._run import Run, RunConfig, log_store_error
 from .claim import new_token, poll_claim
@@ -261,12 +261,17 @@ class IdempotencyMiddleware:
             return
         names, fp = self.identity.identify(scope, checked, body)
         token = new_token()
-        claim = self.store.claim_unless_done
         try:
-            reply = await claim(names.claim, names.result, token, settings.lease_seconds)
+            reply = await self.store.claim_unless_done(
+                names.claim, names.result, token, settings.lease_seconds
+            )
             if reply is None and self.wait_ms > 0:
                 step = functools.partial(
-                    claim, names.claim, names.result, token, settings.lease_seconds
+                    self.store.claim_unless_done,
+                    names.claim,
+                    names.result,
+                    token,
+                    settings.lease_seconds,
                 )
                 reply = await poll_claim(step, self.wait_ms / 1000, self.poll_interval)
             if reply is CLAIMED and self.previous_key_names:
@@ -277,12 +282,12 @@ class IdempotencyMiddleware:
             # by accident (fail_open decides).
             if not isinstance(exc, LOGGED_WITHOUT_TRACEBACK):
                 logger.exception("unexpected error from the store for key %s", names.hash)
-            await self._store_failed(exc, scope, replay_receive(body, receive), send, names)
+            await self._store_failed(exc, scope, ReplayReceive(body, receive), send, names)
             return
         if reply is CLAIMED:
             self.events("claimed", names.hash)
             run = Run(self.runs, send, names, token, fp, settings)
-            await run(scope, replay_receive(body, receive))
+            await run(scope, ReplayReceive(body, receive))
         elif reply is None:
             await self.answers.in_flight(send, names)
         else:

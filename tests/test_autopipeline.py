@@ -22,7 +22,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from goblin_idem import CLAIMED, RedisStore, autopipeline
 from goblin_idem import redis_store as goblin_store
-from goblin_idem.autopipeline import MAX_DRAINING, STALL_SECONDS, AutoPipeline, pack
+from goblin_idem.autopipeline import (
+    MAX_DRAINING,
+    STALL_SECONDS,
+    AutoPipeline,
+    _pack_in_python,
+    pack,
+)
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_server
 
@@ -50,13 +56,19 @@ def pipeline_of(store: RedisStore) -> AutoPipeline:
 
 
 def test_pack_is_resp_and_refuses_what_redis_py_refuses() -> None:
-    assert pack([("SET", b"k\r\n", 5), ("GET", "é")]) == (
+    commands = [("SET", b"k\r\n", 5), ("GET", "é"), ("INCRBYFLOAT", "f", 1.5)]
+    expected = (
         b"*3\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$1\r\n5\r\n*2\r\n$3\r\nGET\r\n$2\r\n\xc3\xa9\r\n"
+        b"*3\r\n$11\r\nINCRBYFLOAT\r\n$1\r\nf\r\n$3\r\n1.5\r\n"
     )
-    with pytest.raises(DataError):
-        pack([("SET", "k", True)])
-    with pytest.raises(DataError):
-        pack([("SET", "k", 1.5)])
+    assert pack(commands) == expected
+    # hiredis packs in C; the Python packer (without hiredis) writes the same bytes
+    assert b"".join(_pack_in_python(c) for c in commands) == expected
+    for refused in (True, None, object()):  # redis-py's encoder refuses these too
+        with pytest.raises(DataError):
+            pack([("SET", "k", refused)])
+        with pytest.raises(TypeError):
+            _pack_in_python(("SET", "k", refused))
 
 
 async def test_concurrent_calls_share_writes_and_get_their_own_replies(
