@@ -175,7 +175,9 @@ async def measure(store: Any, args: argparse.Namespace) -> list[str]:
                 after, after_seconds = seen.mark()
                 extra[variant].append((mine - bare) * 1e6)
                 ratio[variant].append(mine / bare)
-                per_1k = [(a - b) * 1000 / args.requests for a, b in zip(after, counts)]
+                per_1k = [
+                    (a - b) * 1000 / args.requests for a, b in zip(after, counts, strict=True)
+                ]
                 gc_us = (after_seconds - seconds) * 1e6 / args.requests
                 collections[variant].append([*per_1k, gc_us])
         for variant in mws:
