@@ -119,6 +119,12 @@ class MemoryStore:
         self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
     ) -> ClaimReply:
         """SET claim_key token NX EX seconds, else GET result_key, as one step."""
+        return self._claim(claim_key, result_key, token, seconds)
+
+    # The steps themselves are plain methods, so that a compound step (claim_unless_done,
+    # publish) is one coroutine, not one per command it is made of.
+
+    def _claim(self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int) -> ClaimReply:
         ck, rk = as_bytes(claim_key), as_bytes(result_key)
         tok = as_bytes(token, "token")
         lease = claim_seconds(seconds)
@@ -132,7 +138,7 @@ class MemoryStore:
         self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
     ) -> ClaimReply:
         """CLAIM where a stored result wins over a free claim, as one step (see Store)."""
-        reply = await self.claim(claim_key, result_key, token, seconds)  # awaits nothing
+        reply = self._claim(claim_key, result_key, token, seconds)
         if reply is not CLAIMED:
             return reply
         ck, rk = as_bytes(claim_key), as_bytes(result_key)
@@ -147,6 +153,9 @@ class MemoryStore:
         return value
 
     async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
+        return self._caexpire(key, expected, ms)
+
+    def _caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
         k, e = as_bytes(key), as_bytes(expected, "expected")
         ttl = caexpire_ms(ms)
         if self._string(k) != e:
@@ -179,9 +188,10 @@ class MemoryStore:
         self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
     ) -> int:
         """SET result PX ttl + CAEXPIRE claim, as one step."""
+        rk, v = as_bytes(result_key), as_bytes(value, "value")
         ttl = publish_ttl(ttl_ms)
-        await self.set(result_key, value, px=ttl)
-        return await self.caexpire(claim_key, token, ttl)
+        self._put(rk, v, time.monotonic() + ttl / 1000)  # SET result value PX ttl
+        return self._caexpire(claim_key, token, ttl)
 
     async def caexpire_many(
         self, renewals: Sequence[tuple[KeyT, KeyT, int]]

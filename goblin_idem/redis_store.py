@@ -216,19 +216,30 @@ class RedisStore(_StoreConnection):
             return []
         return await self._detection.notes(self)
 
-    async def _ready(self) -> bool:
-        """Whether the GOBLIN commands are native, once detection has run, on connections of
-        this process and loop."""
+    def _native(self) -> bool | None:
+        """Whether the GOBLIN commands are native, when that is known without waiting
+        (detection has run; connections of this process and loop); None: ``await
+        self._ready()``. Checked inline so that a command costs no coroutine of its own."""
         detection = self._detection
         if self._executor.here():  # `_here`, inline on the hot path
             detection.forget()
         if not detection.done and not detection.ready():
-            await detection.run(self)
+            return None
         return detection.mode == "native"
+
+    async def _ready(self) -> bool:
+        """Whether the GOBLIN commands are native, once detection has run, on connections of
+        this process and loop."""
+        native = self._native()
+        if native is None:
+            await self._detection.run(self)
+            native = self._detection.mode == "native"
+        return native
 
     async def _goblin(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
         """One GOBLIN command, its reply (an error reply raised, as the native one reads)."""
-        command = script.call(await self._ready(), keys, args)
+        native = self._native()
+        command = script.call(await self._ready() if native is None else native, keys, args)
         (reply,) = await self._executor.send(keys[0], [command])
         return unwrap(reply, self._acl_user)
 
@@ -256,7 +267,10 @@ class RedisStore(_StoreConnection):
         ck, rk = as_bytes(claim_key), as_bytes(result_key)
         tok = check_size(as_bytes(token, "token"), self.max_value_bytes)
         lease = claim_seconds(seconds)
-        claim = scripts.CLAIM.call(await self._ready(), (ck, rk), (tok, lease))
+        native = self._native()
+        if native is None:
+            native = await self._ready()
+        claim = scripts.CLAIM.call(native, (ck, rk), (tok, lease))
         (reply, result_ttl), acked = await self._executor.send_durably(ck, [claim, ("PTTL", rk)])
         if isinstance(reply, OutOfMemoryError):
             return await self._read_when_full(ck, rk, reply)
@@ -327,7 +341,10 @@ class RedisStore(_StoreConnection):
         v = check_size(as_bytes(value, "value"), self.max_value_bytes)
         tok = as_bytes(token, "token")
         ttl = publish_ttl(ttl_ms)
-        renew = scripts.CAEXPIRE.call(await self._ready(), (ck,), (tok, ttl))
+        native = self._native()
+        if native is None:
+            native = await self._ready()
+        renew = scripts.CAEXPIRE.call(native, (ck,), (tok, ttl))
         transaction: list[Command] = [("MULTI",), ("SET", rk, v, "PX", ttl), renew, ("EXEC",)]
         replies, acked = await self._executor.send_durably(ck, transaction)
         for reply in replies:  # a refusal at MULTI time aborts the EXEC: raise the refusal

@@ -992,7 +992,7 @@ async def test_any_failure_of_the_store_step_is_a_503_not_a_500() -> None:
     """A client library's own bug (not a RedisError) still means "the claim is in doubt"."""
 
     class Broken(MemoryStore):
-        async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        async def claim_unless_done(self, *args: Any, **kwargs: Any) -> Any:
             raise AttributeError("'NoneType' object has no attribute 'writelines'")
 
     handler = Handler()
