@@ -322,7 +322,7 @@ class Clustered(Executor):
 
         MOVED (in any reply; inside a MULTI it answers the queued command and EXEC fails with
         EXECABORT, so nothing ran) refreshes the cluster client's slot table and sends to
-        the new owner; ASK sends to the named node after ASKING, once; a connection error
+        the new owner; ASK sends to the named node after ASKING (`_asking`), once; a connection error
         refreshes the slot table, and is retried only if another node now owns the slot (a
         claim that did reach the old primary then reads as in flight, never as won). At
         most `MAX_REDIRECTS` sends. Keys of more than one slot are refused as redis-py
@@ -353,13 +353,16 @@ class Clustered(Executor):
         raise ResponseError("too many cluster redirections (the slot table keeps changing)")
 
     async def _attempt(self, node: Address, commands: Sequence[Command], asking: bool) -> Outcome:
-        """One send of a group to `node` (after ASKING, for an ASK): its replies, or the lost
-        connection or timeout, for `_together` to judge."""
+        """One send of a group to `node` (each command after ASKING, for an ASK): its replies,
+        or the lost connection or timeout, for `_together` to judge."""
         try:
-            replies = await self._group(node, [("ASKING",), *commands] if asking else commands)
+            if not asking:
+                return await self._group(node, commands)
+            sent = _asking(commands)
+            replies = await self._group(node, sent)
         except _LOST as exc:
             return exc
-        return replies[1:] if asking else replies
+        return [r for r, command in zip(replies, sent, strict=True) if command is not _ASKING]
 
     async def _group(self, node: Address, commands: Sequence[Command]) -> list[Any]:
         """`commands` on one connection of `node`, in one round trip; errors in place."""
@@ -597,6 +600,26 @@ def _redirect(key: bytes, replies: Sequence[Any]) -> AskError | None:
     if redirect is not None and redirect.slot_id != key_slot(key):
         raise _cross_slot()
     return redirect
+
+
+_ASKING: Final = ("ASKING",)
+
+
+def _asking(commands: Sequence[Command]) -> list[Command]:
+    """`commands` for the node an ASK named: ASKING before each one, as it lasts for one
+    command only, except inside a MULTI, where the ASKING before MULTI lasts until EXEC."""
+    out: list[Command] = []
+    queued = False
+    for command in commands:
+        name = str(command[0]).upper()
+        if not queued:
+            out.append(_ASKING)
+        out.append(command)
+        if name == "MULTI":
+            queued = True
+        elif name in ("EXEC", "DISCARD"):
+            queued = False
+    return out
 
 
 def _cross_slot() -> RedisClusterException:
