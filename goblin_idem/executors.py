@@ -322,12 +322,14 @@ class Clustered(Executor):
 
         MOVED (in any reply; inside a MULTI it answers the queued command and EXEC fails with
         EXECABORT, so nothing ran) refreshes the cluster client's slot table and sends to
-        the new owner; ASK sends to the named node after ASKING (`_asking`), once; a connection error
-        refreshes the slot table, and is retried only if another node now owns the slot (a
-        claim that did reach the old primary then reads as in flight, never as won). At
-        most `MAX_REDIRECTS` sends. Keys of more than one slot are refused as redis-py
-        refuses them (RedisClusterException), whether the server said CROSSSLOT or
-        redirected one of the commands elsewhere.
+        the new owner; ASK sends to the named node after ASKING (`_asking`), once; a
+        connection error refreshes the slot table, and is retried only if another node now
+        owns the slot (a claim that did reach the old primary then reads as in flight, never
+        as won). At most `MAX_REDIRECTS` sends. Keys of more than one slot are refused as
+        redis-py refuses them (RedisClusterException), whether the server said CROSSSLOT or
+        redirected one of the commands elsewhere. TRYAGAIN (a multi-key command during a
+        slot's migration, its keys split between the two nodes) ran nothing and comes back
+        in place.
         """
         ask: Address | None = None
         for _ in range(MAX_REDIRECTS):

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster
-from redis.credentials import UsernamePasswordCredentialProvider
 from redis.crc import key_slot
+from redis.credentials import UsernamePasswordCredentialProvider
 
 from goblin_idem import CLAIMED, RedisStore
 from goblin_idem.autopipeline import AutoPipeline
