@@ -60,11 +60,13 @@ class FailoverResult:
     counters: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     unresolved_keys: int = 0
+    executor: str = ""  # how the store reached the cluster (executors.ClusterPipelined, ...)
 
     def figures(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "wait_replicas": self.wait_replicas,
+            "executor": self.executor,
             "keys": self.keys,
             "keys_on_failed_shard": self.keys_on_victim,
             "requests": self.requests,
@@ -117,6 +119,7 @@ async def failover_under_load(
                 socket_timeout=1.0,
                 address_remap=lambda addr: real if tuple(addr) == announced else addr,
             )
+            result.executor = type(store._executor).__name__
             tally = Tally()
             mw = IdempotencyMiddleware(
                 handler, store=store, lease_seconds=lease, on_event=tally.on_event
