@@ -10,9 +10,8 @@ starts one throwaway redis-server per Redis variant (a 3-primary Redis Cluster f
 ``goblin-cluster-*`` variants, which run only when named in ``--variants``) and one uvicorn
 server per variant, all on free 127.0.0.1 ports, and runs wrk against each: every scenario,
 every variant in turn with a run of the bare app before and after each (bare A bare B bare
-...), `--reps` times;
-the table shows medians. Uvicorn is pinned to core 0, wrk and the redis-servers to core 1.
-Every process it starts is stopped by PID at the end.
+...), `--reps` times; the table shows medians. Uvicorn is pinned to core 0, wrk and the
+redis-servers to core 1. Every process it starts is stopped by PID at the end.
 
 Each run is checked, so an error is never timed as a success: replays and in-flight
 duplicates must not run the handler, in-flight duplicates must all get 409, and the
