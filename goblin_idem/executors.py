@@ -467,8 +467,14 @@ class ClusterPipelined(Clustered):
         return None if settings is None else cls(client, settings)
 
     async def send(self, key: bytes, commands: Sequence[Command]) -> list[Any]:
-        # The hot path: the slot table read in place, the node's pipeline's own future
-        # awaited here; redirects, lost connections and NOSCRIPT leave it for `_together`.
+        """`commands` back to back on the shared connection of the primary that serves
+        `key`, in one write (a MULTI ... EXEC among them runs there as one transaction);
+        their replies, errors in place.
+
+        The hot path: the slot table read in place, the pipeline's own future awaited here.
+        A reply that is an error, or a lost connection or timeout (whether the commands ran
+        is then unknown), hands this first attempt to `_together`, which follows redirects
+        and decides whether a resend is safe; NOSCRIPT then as in `Executor.send`."""
         client = self.client
         if client._initialize:  # redis-py flagged its slot table stale (or unread)
             await self._initialize()
@@ -487,11 +493,6 @@ class ClusterPipelined(Clustered):
         if _no_script(replies):
             return await self._again(key, commands, where)
         return replies
-
-    async def send_durably(
-        self, key: bytes, commands: Sequence[Command]
-    ) -> tuple[list[Any], Acked]:
-        return await self.send(key, commands), NOT_WAITED
 
     async def _send(self, key: bytes, commands: Sequence[Command]) -> tuple[list[Any], Where]:
         return await self._together(key, commands)

@@ -13,8 +13,9 @@ key is requested once more: a key whose claim or result the failover lost runs a
 already ran again under the load). A second run is *explained* when the middleware reported a
 failed publish for that key (``publish_errors``: the documented publish-failure case);
 every other second run is a *silent loss*: an acknowledged write the failover dropped.
-In a cluster, RedisStore publishes with MULTI/EXEC over a plain connection of the key's
-primary, so the counts are replication loss only.
+In a cluster, RedisStore publishes with MULTI/EXEC over one connection of the key's primary
+(the shared one, or a plain redis-py one with ``wait_replicas``), so the counts are
+replication loss only.
 """
 
 from __future__ import annotations
