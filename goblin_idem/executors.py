@@ -76,7 +76,7 @@ Address: TypeAlias = tuple[str, int]
 #: wherever the store's client routes the key.
 Where: TypeAlias = Address | None
 #: What a group sent to a node ended in: its replies, or the lost connection or timeout.
-Outcome: TypeAlias = "list[Any] | BaseException"
+Outcome: TypeAlias = list[Any] | BaseException
 
 #: Redirects a cluster send follows before it gives up (the slot table keeps changing).
 MAX_REDIRECTS: Final = 5
