@@ -6,11 +6,12 @@ One command runs everything and prints a Markdown table (see README.md):
 
 It makes its own environment (bench/.venv, from bench/requirements.txt; the peers are
 installed there only) and re-runs itself inside it. Then it builds the goblin server module,
-starts one throwaway redis-server per Redis variant and one uvicorn server per variant, all
-on free 127.0.0.1 ports, and runs wrk against each: every scenario, every variant in turn
-with a run of the bare app before and after each (bare A bare B bare ...), `--reps` times;
-the table shows medians. Uvicorn is pinned to core 0, wrk and the redis-servers to core 1.
-Every process it starts is stopped by PID at the end.
+starts one throwaway redis-server per Redis variant (a 3-primary Redis Cluster for the
+``goblin-cluster-*`` variants, which run only when named in ``--variants``) and one uvicorn
+server per variant, all on free 127.0.0.1 ports, and runs wrk against each: every scenario,
+every variant in turn with a run of the bare app before and after each (bare A bare B bare
+...), `--reps` times; the table shows medians. Uvicorn is pinned to core 0, wrk and the
+redis-servers to core 1. Every process it starts is stopped by PID at the end.
 
 Each run is checked, so an error is never timed as a success: replays and in-flight
 duplicates must not run the handler, in-flight duplicates must all get 409, and the
@@ -110,7 +111,7 @@ class Variant:
     label: str
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
-    redis: Any = None  # tests.support.servers.Server
+    redis: Any = None  # tests.support.servers.Server, or a Cluster for the cluster variants
     broken: str = ""  # why this variant could not be measured
 
     def stats(self) -> dict[str, int]:
@@ -125,7 +126,7 @@ def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
     cmd = ["taskset", "-c", "0", sys.executable, str(BENCH / "serve.py"), v.name]
     cmd += ["--port", str(v.port), "--app", args.app]
     if v.redis is not None:
-        cmd += ["--redis-url", v.redis.url]
+        cmd += ["--redis-url", nodes(v.redis)[0].url]
     if args.no_hiredis:
         cmd.append("--no-hiredis")
     if args.gc_freeze:
@@ -189,16 +190,23 @@ class Run:
     cpu_ratio: float | None = None  # bare CPU per request / this one's: capacity vs bare
 
 
-def redis_snapshot(server: Any) -> tuple[int, dict[str, int]]:
-    """(read events processed, calls per command) in one INFO call."""
-    with server.sync_client() as client:
-        info = client.execute_command("INFO", "stats", "commandstats")
-    calls = {
-        k.removeprefix("cmdstat_"): int(v["calls"])
-        for k, v in info.items()
-        if k.startswith("cmdstat_")
-    }
-    return int(info["total_reads_processed"]), calls
+def nodes(redis: Any) -> list[Any]:
+    """The servers of a variant's store: one, or every node of a cluster."""
+    return list(getattr(redis, "servers", [redis]))
+
+
+def redis_snapshot(redis: Any) -> tuple[int, dict[str, int]]:
+    """(read events processed, calls per command) in one INFO call per server, summed."""
+    reads, calls = 0, dict[str, int]()
+    for server in nodes(redis):
+        with server.sync_client() as client:
+            info = client.execute_command("INFO", "stats", "commandstats")
+        reads += int(info["total_reads_processed"])
+        for k, v in info.items():
+            if k.startswith("cmdstat_"):
+                name = k.removeprefix("cmdstat_")
+                calls[name] = calls.get(name, 0) + int(v["calls"])
+    return reads, calls
 
 
 def cpu_seconds(pid: int) -> float:
@@ -250,8 +258,8 @@ def measure(v: Variant, args: argparse.Namespace, scenario: str, rep: int) -> Ru
         gc_full=(after_stats["gc_full"] - before_stats["gc_full"]) * 1000 / n,
     )
     if before is not None and after is not None:
-        # the second INFO is one read event and one `info` call of its own
-        run.server_reads = (after[0] - before[0] - 1) / n
+        # the second INFO is one read event and one `info` call of its own, per server
+        run.server_reads = (after[0] - before[0] - len(nodes(v.redis))) / n
         run.round_trips = run.server_reads
         if "store_calls" in after_stats:  # a store that batches: count its calls
             run.round_trips = (after_stats["store_calls"] - before_stats["store_calls"]) / n
@@ -400,7 +408,7 @@ def parse_args() -> argparse.Namespace:
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     args.variants = ["bare", *(v for v in args.variants if v != "bare")]
     for name in args.variants:
-        if name not in serve.VARIANTS:
+        if name not in serve.ALL_VARIANTS:
             p.error(f"unknown variant {name!r}")
     for s in args.scenarios:
         if s not in SCENARIOS:
@@ -417,6 +425,10 @@ def labels() -> dict[str, str]:
         "goblin-script": "goblin-idem, Redis script mode",
         "goblin-native": "goblin-idem, Redis native mode",
         "goblin-native-direct": "goblin-idem, Redis native, autopipeline=False",
+        "goblin-cluster-native": "goblin-idem, Redis Cluster (3 primaries), native mode",
+        "goblin-cluster-script": "goblin-idem, Redis Cluster (3 primaries), script mode",
+        "goblin-cluster-direct": "goblin-idem, Redis Cluster (3 primaries), native, "
+        "autopipeline=False",
         "asgi-idempotency-header": f"asgi-idempotency-header {version('asgi-idempotency-header')}"
         " (Redis)",
         "fastapi-idempotency": f"fastapi-idempotency {version('fastapi-idempotency')}"
@@ -426,12 +438,12 @@ def labels() -> dict[str, str]:
 
 def main() -> None:
     args = parse_args()
-    for tool in ("wrk", "taskset", "redis-server"):
+    for tool in ("wrk", "taskset", "redis-server", "redis-cli"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found (Debian: apt-get install -y wrk redis-server)")
     from goblin_idem.native import build_module
     from tests.support.procs import stop
-    from tests.support.servers import free_port, start_server
+    from tests.support.servers import free_port, start_cluster, start_server
 
     names = labels()
     variants = [Variant(n, names[n]) for n in args.variants]
@@ -447,10 +459,14 @@ def main() -> None:
         for v in variants:
             if v.name in serve.REDIS_VARIANTS:
                 mods = [str(module)] if v.name in serve.NATIVE_VARIANTS and module else []
-                v.redis = start_server("redis", modules=mods)
+                if v.name in serve.CLUSTER_VARIANTS:  # 3 primaries, no replicas
+                    v.redis = start_cluster("redis", masters=3, modules=mods)
+                else:
+                    v.redis = start_server("redis", modules=mods)
                 servers.append(v.redis)
-                pin(v.redis.pid, 1)
-                with v.redis.sync_client() as c:
+                for server in nodes(v.redis):
+                    pin(server.pid, 1)
+                with nodes(v.redis)[0].sync_client() as c:
                     redis_version = c.info("server")["redis_version"]
             start_app(v, args, free_port)
             if not v.broken:

@@ -32,13 +32,20 @@ VARIANTS = (
     "asgi-idempotency-header",
     "fastapi-idempotency",
 )
+# On a local 3-primary Redis Cluster (--redis-url names one of its nodes); not in the
+# default run, which would take too long with them (name them in --variants).
+# goblin-cluster-direct: native mode through redis-py (autopipeline=False), for comparison.
+CLUSTER_VARIANTS = ("goblin-cluster-native", "goblin-cluster-script", "goblin-cluster-direct")
+ALL_VARIANTS = (*VARIANTS, *CLUSTER_VARIANTS)
 REDIS_VARIANTS = frozenset(
     {"goblin-script", "goblin-native", "goblin-native-direct", "asgi-idempotency-header"}
+) | frozenset(CLUSTER_VARIANTS)
+NATIVE_VARIANTS = frozenset(
+    {"goblin-native", "goblin-native-direct", "goblin-cluster-native", "goblin-cluster-direct"}
 )
-NATIVE_VARIANTS = frozenset({"goblin-native", "goblin-native-direct"})
 
 STATS = {"handler_calls": 0}
-PIPELINE: list[Any] = []  # the auto-pipelined store's shared connection, if any
+PIPELINE: list[Any] = []  # the auto-pipelined store's shared connections (one per primary)
 
 Prepare = Callable[[], Awaitable[None]]
 
@@ -69,18 +76,37 @@ def current_stats() -> dict[str, int]:
     write, so the server's read count is not its number of round trips)."""
     stats = {**STATS, **GC}
     if PIPELINE:
-        stats["connections_opened"] = getattr(PIPELINE[0], "opened", -1)
+        stats["connections_opened"] = sum(getattr(p, "opened", -1) for p in PIPELINE)
     return stats
 
 
 def count_store_calls(store: Any) -> None:
-    """Count each call into RedisStore's shared connection as one round trip."""
-    pipeline = store._pipeline
-    if pipeline is None:
+    """Count each call into RedisStore's shared connection (a cluster store's: each
+    primary's, as it is made) as one round trip."""
+    from goblin_idem.executors import ClusterPipelined
+
+    executor = store._executor
+    if isinstance(executor, ClusterPipelined):
+        STATS["store_calls"] = 0
+        make = executor._pipeline_for
+
+        def counted_pipeline(address: tuple[str, int]) -> Any:
+            fresh = address not in executor.pipelines
+            pipeline = make(address)
+            if fresh:
+                count_calls(pipeline)
+            return pipeline
+
+        executor._pipeline_for = counted_pipeline  # type: ignore[method-assign]
         return
+    if store._pipeline is not None:
+        STATS["store_calls"] = 0
+        count_calls(store._pipeline)
+
+
+def count_calls(pipeline: Any) -> None:
     PIPELINE.append(pipeline)
     execute = pipeline.execute
-    STATS["store_calls"] = 0
 
     def counted(commands: Any) -> Any:
         # a plain function handing back the pipeline's own awaitable: counting must not add
@@ -110,11 +136,13 @@ def goblin(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare
     if variant == "goblin-memory":
         store = MemoryStore()
     else:
-        # goblin-native-direct: every call through redis-py (the store before auto-pipelining)
+        # goblin-native-direct, goblin-cluster-direct: every call through redis-py (the
+        # store before auto-pipelining)
         store = RedisStore.from_url(
             url,
-            mode="script" if variant == "goblin-script" else "native",
-            autopipeline=variant != "goblin-native-direct",
+            mode="script" if variant.endswith("-script") else "native",
+            autopipeline=not variant.endswith("-direct"),
+            cluster=variant.startswith("goblin-cluster-"),
             **redis_kwargs(no_hiredis),
         )
         count_store_calls(store)
@@ -175,7 +203,7 @@ def middleware_for(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any],
         return asgi_idempotency_header(url, no_hiredis)
     if variant == "fastapi-idempotency":
         return fastapi_idempotency()
-    raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
+    raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(ALL_VARIANTS)}")
 
 
 def starlette_app(middleware: list[Any], prepare: Prepare) -> Any:
@@ -224,7 +252,7 @@ def fastapi_app(middleware: list[Any], prepare: Prepare) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("variant", choices=VARIANTS)
+    parser.add_argument("variant", choices=ALL_VARIANTS)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--redis-url", default="")
     parser.add_argument("--app", choices=("starlette", "fastapi"), default="starlette")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import redis.asyncio
@@ -299,6 +299,26 @@ class AutoPipeline:
         if pool.connection_class is redis.asyncio.UnixDomainSocketConnection:
             return cls(path=kwargs["path"], **common)
         return None
+
+    @staticmethod
+    def settings_of(kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The constructor's settings but the address, from a redis-py client's connection
+        keywords (a cluster client's `get_connection_kwargs()`: one pipeline per node is
+        then made with each node's host and port); None where they cannot be honoured (TLS,
+        a credential provider, a custom connection class, no hiredis)."""
+        if not HIREDIS or kwargs.get("credential_provider") is not None:
+            return None
+        if kwargs.get("connection_class", redis.asyncio.Connection) is not redis.asyncio.Connection:
+            return None
+        return {
+            "username": kwargs.get("username"),
+            "password": kwargs.get("password"),
+            "db": int(kwargs.get("db") or 0),
+            "client_name": kwargs.get("client_name"),
+            "socket_timeout": kwargs.get("socket_timeout"),
+            "socket_connect_timeout": kwargs.get("socket_connect_timeout"),
+            "retry": kwargs.get("retry"),
+        }
 
     @property
     def address(self) -> str:

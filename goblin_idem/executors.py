@@ -7,11 +7,17 @@ replies once, whatever the topology:
 - `Pipelined`: a single server, over the connection every concurrent caller shares
   (`AutoPipeline`): about a tenth of redis-py's CPU per call.
 - `Direct`: a single server, through the redis-py client (its pool and its retries).
-- `Clustered`: a cluster. One command goes through the cluster client, which routes it and
-  follows redirects; commands that must share one connection (a MULTI/EXEC, a write and
-  its WAIT) go over a plain connection to the primary that serves their slot, following
-  MOVED and ASK itself, because redis-py's async cluster client cannot route a keyless
-  WAIT and runs a transaction pipeline in a thread of its own that breaks after a
+- `ClusterPipelined`: a cluster, over one shared `AutoPipeline` per primary: every command,
+  alone or in a group, goes to the pipeline of the primary that serves its key's slot (the
+  cluster client's slot table, read without a network call), and `Clustered._together`
+  follows MOVED and ASK and decides when a lost connection may be retried.
+- `Clustered`: a cluster through redis-py, where the shared pipelines cannot be used (TLS,
+  a credential provider, no hiredis, ``autopipeline=False``, or ``wait_replicas``, whose
+  WAIT would block a shared connection). One command goes through the cluster client, which
+  routes it and follows redirects; commands that must share one connection (a MULTI/EXEC, a
+  write and its WAIT) go over a plain connection to the primary that serves their slot,
+  through the same redirect loop, because redis-py's async cluster client cannot route a
+  keyless WAIT and runs a transaction pipeline in a thread of its own that breaks after a
   topology change.
 
 One NOSCRIPT policy serves them all (`Executor.send`, `Executor._again`): the scripts are
@@ -33,7 +39,15 @@ import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterCrossSlotError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -41,14 +55,33 @@ from . import scripts
 from .autopipeline import AutoPipeline
 from .errors import NotReplicatedError
 
-__all__ = ["NOT_WAITED", "Acked", "Clustered", "Command", "Direct", "Executor", "Pipelined", "Wait"]
+__all__ = [
+    "NOT_WAITED",
+    "Acked",
+    "ClusterPipelined",
+    "Clustered",
+    "Command",
+    "Direct",
+    "Executor",
+    "Pipelined",
+    "Wait",
+]
 
 logger = logging.getLogger("goblin_idem.store")
 
 Command: TypeAlias = tuple[Any, ...]
-#: Where a reply came from, for NOSCRIPT: a plain client of one node, or None for wherever
-#: the store's client routes the key.
-Where: TypeAlias = redis.asyncio.Redis | None
+#: A cluster node's (host, port), as the cluster client's slot table names it.
+Address: TypeAlias = tuple[str, int]
+#: Where a reply came from, for NOSCRIPT: the cluster node that answered, or None for
+#: wherever the store's client routes the key.
+Where: TypeAlias = Address | None
+#: What a group sent to a node ended in: its replies, or the lost connection or timeout.
+Outcome: TypeAlias = list[Any] | BaseException
+
+#: Redirects a cluster send follows before it gives up (the slot table keeps changing).
+MAX_REDIRECTS: Final = 5
+#: A lost connection or a timeout: whether the commands ran is unknown.
+_LOST: Final = (RedisConnectionError, RedisTimeoutError, OSError)
 
 _forks = 0  # how many forks made this process (a child counts one more than its parent)
 # Connections a fork's child inherited: never closed or used there, only kept from the
@@ -266,50 +299,85 @@ class Pipelined(Executor):
 
 
 class Clustered(Executor):
-    """A cluster: one command through the cluster client, several on one connection to the
-    primary of their slot (a plain client per primary, with the cluster client's settings)."""
+    """A cluster through redis-py: one command through the cluster client, several on one
+    connection to the primary of their slot (a plain client per primary, with the cluster
+    client's settings).
+
+    `_together` is the one redirect loop of both cluster executors; `_group` says how a
+    group reaches a node (here a redis-py pipeline, in `ClusterPipelined` the node's shared
+    `AutoPipeline`)."""
 
     client: RedisCluster
 
     def __init__(self, client: RedisCluster, wait: Wait | None) -> None:
         super().__init__(client, wait)
-        self.primaries: dict[tuple[str, int], redis.asyncio.Redis] = {}
+        self.primaries: dict[Address, redis.asyncio.Redis] = {}
 
-    async def _together(self, key: bytes, commands: Sequence[Command]) -> tuple[list[Any], Where]:
-        """`commands` on one connection of the primary that serves `key`.
+    async def _together(
+        self, key: bytes, commands: Sequence[Command], tried: tuple[Address, Outcome] | None = None
+    ) -> tuple[list[Any], Where]:
+        """`commands` on one connection of the primary that serves `key`; `tried` is a first
+        attempt already made (the node it went to, what it ended in), taken as this loop's
+        first.
 
-        MOVED refreshes the cluster client's slot table and sends to the new owner; ASK
-        sends to the named node after ASKING; a connection error refreshes the slot table,
-        and is retried only if another node now owns the slot (a claim that did reach the
-        old primary then reads as in flight, never as won).
+        MOVED (in any reply; inside a MULTI it answers the queued command and EXEC fails with
+        EXECABORT, so nothing ran) refreshes the cluster client's slot table and sends to
+        the new owner; ASK sends to the named node after ASKING (`_asking`), once; a
+        connection error refreshes the slot table, and is retried only if another node now
+        owns the slot (a claim that did reach the old primary then reads as in flight, never
+        as won). At most `MAX_REDIRECTS` sends. Keys of more than one slot are refused as
+        redis-py refuses them (RedisClusterException), whether the server said CROSSSLOT or
+        redirected one of the commands elsewhere. TRYAGAIN (a multi-key command during a
+        slot's migration, its keys split between the two nodes) ran nothing and comes back
+        in place.
         """
-        ask: tuple[str, int] | None = None
-        for _ in range(5):
-            node = ask or await self._primary_for(key)
-            client = self._primary_client(node)
-            try:
-                replies = await _pipelined(client, [("ASKING",), *commands] if ask else commands)
-            except (RedisConnectionError, RedisTimeoutError, OSError):
+        ask: Address | None = None
+        for _ in range(MAX_REDIRECTS):
+            if tried is not None:
+                (node, outcome), tried = tried, None
+            else:
+                node = ask or await self._primary_for(key)
+                outcome = await self._attempt(node, commands, asking=ask is not None)
+            if isinstance(outcome, BaseException):
                 await self._refresh_slots()
                 if ask is None and await self._primary_for(key) != node:
                     continue
-                raise
-            replies = replies[1:] if ask else replies
-            redirect = next((r for r in replies if isinstance(r, AskError)), None)
+                raise outcome
             ask = None
+            redirect = _redirect(key, outcome)
+            if redirect is None:
+                return outcome, node
             if isinstance(redirect, MovedError):
                 await self._refresh_slots()
-            elif redirect is not None:
+            else:
                 remapped = self.client.nodes_manager.remap_host_port(redirect.host, redirect.port)
                 ask = (str(remapped[0]), int(remapped[1]))
-            else:
-                return replies, client
         raise ResponseError("too many cluster redirections (the slot table keeps changing)")
 
-    async def _primary_for(self, key: bytes) -> tuple[str, int]:
-        await self.client.initialize()  # a no-op unless redis-py flagged the layout stale
+    async def _attempt(self, node: Address, commands: Sequence[Command], asking: bool) -> Outcome:
+        """One send of a group to `node` (each command after ASKING, for an ASK): its replies,
+        or the lost connection or timeout, for `_together` to judge."""
+        try:
+            if not asking:
+                return await self._group(node, commands)
+            sent = _asking(commands)
+            replies = await self._group(node, sent)
+        except _LOST as exc:
+            return exc
+        return [r for r, command in zip(replies, sent, strict=True) if command is not _ASKING]
+
+    async def _group(self, node: Address, commands: Sequence[Command]) -> list[Any]:
+        """`commands` on one connection of `node`, in one round trip; errors in place."""
+        return await _pipelined(self._primary_client(node), commands)
+
+    async def _primary_for(self, key: bytes) -> Address:
+        if self.client._initialize:  # redis-py flagged its slot table stale (or unread)
+            await self._initialize()
         node = self._node_of(key)
         return str(node.host), int(node.port)
+
+    async def _initialize(self) -> None:
+        await self.client.initialize()  # a no-op unless the layout is (still) stale
 
     def _node_of(self, key: bytes) -> Any:
         node = self.client.get_node_from_key(key)  # type: ignore[arg-type]
@@ -325,7 +393,7 @@ class Clustered(Executor):
                 "could not refresh the cluster slot table: %s: %s", type(exc).__name__, exc
             )
 
-    def _primary_client(self, address: tuple[str, int]) -> redis.asyncio.Redis:
+    def _primary_client(self, address: Address) -> redis.asyncio.Redis:
         """A plain client of one primary, with the cluster client's connection settings and
         no retries of its own (a retry belongs to `_together`, which knows the topology)."""
         client = self.primaries.get(address)
@@ -345,11 +413,14 @@ class Clustered(Executor):
         return client
 
     async def _load_scripts(self, key: bytes | None, where: Where) -> None:
+        loads: list[Command] = [("SCRIPT", "LOAD", script.body) for script in scripts.ALL]
+        if where is not None:  # the node that answered NOSCRIPT, over the same kind of link
+            for reply in await self._group(where, loads):
+                if isinstance(reply, Exception):
+                    raise reply
+            return
+        nodes = self.client.get_primaries() if key is None else [self._node_of(key)]
         for script in scripts.ALL:
-            if where is not None:
-                await where.execute_command("SCRIPT LOAD", script.body)  # type: ignore[no-untyped-call]
-                continue
-            nodes = self.client.get_primaries() if key is None else [self._node_of(key)]
             for node in nodes:
                 await self.client.execute_command("SCRIPT LOAD", script.body, target_nodes=node)
 
@@ -372,6 +443,138 @@ class Clustered(Executor):
             await primary.aclose()
 
 
+class ClusterPipelined(Clustered):
+    """A cluster over one shared `AutoPipeline` per primary (made on first use, with the
+    cluster client's connection settings): every command, alone or in a group, goes to the
+    pipeline of the primary that serves its key's slot, and a call costs what it costs on a
+    single server. Never with WAIT, which would block a shared connection for everyone.
+
+    The slot table is the cluster client's (`get_node_from_key`, no network call); redis-py
+    keeps it current for its own commands, `_together` refreshes it on MOVED or a lost
+    connection. A primary that left the slot table has its pipeline closed at the refresh
+    that saw it go."""
+
+    def __init__(self, client: RedisCluster, settings: dict[str, Any]) -> None:
+        super().__init__(client, None)
+        self.settings = settings
+        self.pipelines: dict[Address, AutoPipeline] = {}
+
+    @classmethod
+    def for_client(cls, client: RedisCluster) -> ClusterPipelined | None:
+        """One for `client`, or None where a shared pipeline cannot honour its connection
+        settings (TLS, a credential provider, a custom connection class, no hiredis)."""
+        settings = AutoPipeline.settings_of(client.get_connection_kwargs())
+        return None if settings is None else cls(client, settings)
+
+    async def send(self, key: bytes, commands: Sequence[Command]) -> list[Any]:
+        """`commands` back to back on the shared connection of the primary that serves
+        `key`, in one write (a MULTI ... EXEC among them runs there as one transaction);
+        their replies, errors in place.
+
+        The hot path: the slot table read in place, the pipeline's own future awaited here.
+        A reply that is an error, or a lost connection or timeout (whether the commands ran
+        is then unknown), hands this first attempt to `_together`, which follows redirects
+        and decides whether a resend is safe; NOSCRIPT then as in `Executor.send`."""
+        client = self.client
+        if client._initialize:  # redis-py flagged its slot table stale (or unread)
+            await self._initialize()
+        node = self._node_of(key)
+        address = (node.host, node.port)
+        pipeline = self.pipelines.get(address) or self._pipeline_for(address)
+        try:
+            replies = await pipeline.execute(commands)
+        except _LOST as exc:
+            outcome: Outcome = exc
+        else:
+            if _clean(replies):
+                return replies
+            outcome = replies
+        replies, where = await self._together(key, commands, (address, outcome))
+        if _no_script(replies):
+            return await self._again(key, commands, where)
+        return replies
+
+    async def _send(self, key: bytes, commands: Sequence[Command]) -> tuple[list[Any], Where]:
+        return await self._together(key, commands)
+
+    async def _group(self, node: Address, commands: Sequence[Command]) -> list[Any]:
+        return await self._pipeline_for(node).execute(commands)
+
+    def _pipeline_for(self, address: Address) -> AutoPipeline:
+        pipeline = self.pipelines.get(address)
+        if pipeline is None:
+            host, port = address
+            pipeline = self.pipelines[address] = AutoPipeline(host=host, port=port, **self.settings)
+        return pipeline
+
+    async def _each(self, commands: Sequence[Command]) -> list[Any]:
+        """Commands of any keys: grouped by the primary of each key's slot, one pipelined
+        write per primary, all at once; replies in the callers' order. A command that was
+        redirected, or whose primary's connection was lost, goes through `_together` alone
+        (with what its group met as the first attempt), its error in place."""
+        if self.client._initialize:
+            await self._initialize()
+        groups: dict[Address, list[int]] = {}
+        for i, command in enumerate(commands):
+            node = self._node_of(_key_of(command))
+            groups.setdefault((node.host, node.port), []).append(i)
+        outcomes = await asyncio.gather(
+            *(self._attempt(a, [commands[i] for i in group], False) for a, group in groups.items())
+        )
+        replies: list[Any] = [None] * len(commands)
+        again: list[tuple[int, Address, Outcome]] = []
+        for (address, group), outcome in zip(groups.items(), outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                again += [(i, address, outcome) for i in group]
+                continue
+            for i, reply in zip(group, outcome, strict=True):
+                if isinstance(reply, AskError):
+                    again.append((i, address, [reply]))
+                else:
+                    replies[i] = reply
+        if again:
+            redone = await asyncio.gather(
+                *(self._alone(commands[i], (address, outcome)) for i, address, outcome in again)
+            )
+            for (i, _, _), reply in zip(again, redone, strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _alone(self, command: Command, tried: tuple[Address, Outcome]) -> Any:
+        """One command of `_each` through the redirect loop: its reply, or its error."""
+        try:
+            (reply,), _ = await self._together(_key_of(command), [command], tried)
+        except Exception as exc:
+            return exc
+        return reply
+
+    async def _initialize(self) -> None:
+        await super()._initialize()
+        await self._close_unused()
+
+    async def _refresh_slots(self) -> None:
+        await super()._refresh_slots()
+        await self._close_unused()
+
+    async def _close_unused(self) -> None:
+        """Close the pipelines of nodes that no longer serve slots as primaries (failed,
+        demoted, removed): their calls in flight fail as a lost connection would."""
+        serving = {(str(n.host), int(n.port)) for n in self.client.get_primaries()}
+        for address in [a for a in self.pipelines if a not in serving]:
+            await self.pipelines.pop(address).aclose()
+
+    def forget(self) -> list[object]:
+        pipelines, self.pipelines = list(self.pipelines.values()), {}
+        dropped: list[object] = [c for p in pipelines for c in p.forget()]
+        return [*dropped, *super().forget()]
+
+    async def aclose(self) -> None:
+        pipelines, self.pipelines = list(self.pipelines.values()), {}
+        for pipeline in pipelines:
+            await pipeline.aclose()
+        await super().aclose()
+
+
 def startup_nodes(client: RedisCluster) -> list[Any]:
     return list(client.nodes_manager.startup_nodes.values())
 
@@ -383,6 +586,66 @@ async def _pipelined(client: Any, commands: Sequence[Command]) -> list[Any]:
         pipe.execute_command(*command)
     replies: list[Any] = await pipe.execute(raise_on_error=False)
     return replies
+
+
+def _redirect(key: bytes, replies: Sequence[Any]) -> AskError | None:
+    """The first MOVED or ASK among `replies` (MovedError is an AskError), if any.
+
+    Raises RedisClusterException for commands whose keys span slots: the server refused
+    them with CROSSSLOT, or redirected one of them away from `key`'s slot (nothing the
+    redirect loop could fix)."""
+    redirect: AskError | None = None
+    for reply in replies:
+        if isinstance(reply, AskError):
+            redirect = redirect or reply
+        elif isinstance(reply, ClusterCrossSlotError):
+            raise _cross_slot()
+    if redirect is not None and redirect.slot_id != key_slot(key):
+        raise _cross_slot()
+    return redirect
+
+
+_ASKING: Final = ("ASKING",)
+
+
+def _asking(commands: Sequence[Command]) -> list[Command]:
+    """`commands` for the node an ASK named: ASKING before each one, as it lasts for one
+    command only, except inside a MULTI, where the ASKING before MULTI lasts until EXEC."""
+    out: list[Command] = []
+    queued = False
+    for command in commands:
+        name = str(command[0]).upper()
+        if not queued:
+            out.append(_ASKING)
+        out.append(command)
+        if name == "MULTI":
+            queued = True
+        elif name in ("EXEC", "DISCARD"):
+            queued = False
+    return out
+
+
+def _cross_slot() -> RedisClusterException:
+    return RedisClusterException(
+        "the keys of one call must map to the same key slot (share a {hash tag})"
+    )
+
+
+def _clean(replies: Sequence[Any]) -> bool:
+    """No error reply, and no NOSCRIPT inside an EXEC's reply: nothing to redirect or redo."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            return False
+        if type(reply) is list and _no_script(reply):
+            return False
+    return True
+
+
+def _key_of(command: Command) -> bytes:
+    """The key of a command that stands alone: after a script's sha and key count, else the
+    first argument (every command `send_each` is given: the CAEXPIREs of renewals)."""
+    key = command[3] if str(command[0]).upper() in ("EVALSHA", "EVAL") else command[1]
+    return key if isinstance(key, bytes) else str(key).encode()
 
 
 def _no_script(replies: Sequence[Any]) -> bool:

@@ -19,7 +19,16 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from . import autopipeline, scripts
 from .autopipeline import AutoPipeline
 from .detection import Detection, Mode, node_name
-from .executors import Clustered, Command, Direct, Executor, Pipelined, Wait, startup_nodes
+from .executors import (
+    Clustered,
+    ClusterPipelined,
+    Command,
+    Direct,
+    Executor,
+    Pipelined,
+    Wait,
+    startup_nodes,
+)
 from .protocol import CLAIMED, ClaimReply, KeyT
 from .replies import normalize, renewal_reply, unwrap
 from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds, publish_ttl
@@ -56,16 +65,11 @@ class _StoreConnection:
         self.wait_timeout_ms = wait_timeout_ms
         self._owns_client = False
         self._acl_user = str(client.get_connection_kwargs().get("username") or "default")
-        # WAIT blocks its connection, so it never goes on the shared one.
-        self._pipeline = (
-            AutoPipeline.for_client(client) if autopipeline and not wait_replicas else None
-        )
-        if (
-            autopipeline
-            and not wait_replicas
-            and not HIREDIS
-            and type(client) is redis.asyncio.Redis
-        ):
+        # WAIT blocks its connection, so it never goes on a shared one.
+        shared = autopipeline and not wait_replicas
+        cluster = isinstance(client, RedisCluster)
+        self._pipeline = AutoPipeline.for_client(client) if shared and not cluster else None
+        if shared and not HIREDIS and (cluster or type(client) is redis.asyncio.Redis):
             logger.info(
                 "goblin-idem store: auto-pipelining is off because hiredis is not installed "
                 "(pip install 'goblin-idem[fast]'); every call goes through redis-py"
@@ -73,7 +77,8 @@ class _StoreConnection:
         wait = Wait(wait_replicas, wait_timeout_ms) if wait_replicas else None
         self._executor: Executor
         if isinstance(client, RedisCluster):
-            self._executor = Clustered(client, wait)
+            fast = ClusterPipelined.for_client(client) if shared else None
+            self._executor = fast or Clustered(client, wait)
         elif self._pipeline is not None:
             self._executor = Pipelined(client, self._pipeline)
         else:
@@ -172,13 +177,15 @@ class RedisStore(_StoreConnection):
     each claim waits the full ``wait_timeout_ms``. In a cluster these pipelines go to the
     primary that serves the key over a plain connection (`executors.Clustered`).
 
-    Auto-pipelining (``autopipeline=True``, the default): on a single server, without
-    ``wait_replicas``, the GOBLIN commands and `publish` of every concurrent caller share
-    one connection per event loop (`AutoPipeline`), written together once per loop turn,
-    instead of a pooled redis-py connection each: about a tenth of the CPU per call. It
-    opens its own connection with the client's settings, and is skipped (everything goes
-    through redis-py) for a cluster, TLS, a credential provider, a custom connection
-    class, or without hiredis. Plain commands and mode detection always use the client.
+    Auto-pipelining (``autopipeline=True``, the default): without ``wait_replicas``, the
+    GOBLIN commands and `publish` of every concurrent caller share one connection per event
+    loop (`AutoPipeline`), written together once per loop turn, instead of a pooled redis-py
+    connection each: about a tenth of the CPU per call. In a cluster there is one such
+    connection per primary, and each call goes to the one of its key's slot
+    (`executors.ClusterPipelined`, which follows MOVED and ASK). It opens its own
+    connections with the client's settings, and is skipped (everything goes through
+    redis-py) for TLS, a credential provider, a custom connection class, or without
+    hiredis. Plain commands and mode detection always use the client.
 
     Detection (`detect`, or the first command): the mode, the ACL user's permission for
     every command the store sends (`StorePermissionError` names what is refused), and the

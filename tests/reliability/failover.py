@@ -13,8 +13,9 @@ key is requested once more: a key whose claim or result the failover lost runs a
 already ran again under the load). A second run is *explained* when the middleware reported a
 failed publish for that key (``publish_errors``: the documented publish-failure case);
 every other second run is a *silent loss*: an acknowledged write the failover dropped.
-In a cluster, RedisStore publishes with MULTI/EXEC over a plain connection of the key's
-primary, so the counts are replication loss only.
+In a cluster, RedisStore publishes with MULTI/EXEC over one connection of the key's primary
+(the shared one, or a plain redis-py one with ``wait_replicas``), so the counts are
+replication loss only.
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ class FailoverResult:
     counters: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     unresolved_keys: int = 0
+    executor: str = ""  # how the store reached the cluster (executors.ClusterPipelined, ...)
 
     def figures(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "wait_replicas": self.wait_replicas,
+            "executor": self.executor,
             "keys": self.keys,
             "keys_on_failed_shard": self.keys_on_victim,
             "requests": self.requests,
@@ -117,6 +120,7 @@ async def failover_under_load(
                 socket_timeout=1.0,
                 address_remap=lambda addr: real if tuple(addr) == announced else addr,
             )
+            result.executor = type(store._executor).__name__
             tally = Tally()
             mw = IdempotencyMiddleware(
                 handler, store=store, lease_seconds=lease, on_event=tally.on_event
