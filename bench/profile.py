@@ -1,6 +1,6 @@
 """Where a request's time goes: py-spy samples one variant's server while wrk drives it.
 
-    python3 bench/profile.py goblin-native new [--seconds 10] [--out stacks.txt]
+    python3 bench/profile.py goblin-native new [--seconds 10] [--out stacks.txt] [--native]
 
 Same servers, pinning and scenarios as http_bench.py. py-spy (in bench/.venv) records the
 uvicorn process; the summary lists the functions with the most samples, inclusive and
@@ -38,6 +38,7 @@ def summarize(stacks: Path, top: int) -> str:
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     total = 0
+    collecting = 0  # samples inside the garbage collector (seen with --native only)
     for line in stacks.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack:
@@ -47,8 +48,13 @@ def summarize(stacks: Path, top: int) -> str:
         total += n
         for name in set(frames):
             inclusive[name] += n
-        if frames:
-            own[frames[-1]] += n
+        if "gc_collect_main" in stack:
+            collecting += n
+            own["(garbage collector)"] += n
+            continue
+        python = [f for f in frames if ".py:" in f]  # with --native, C frames are left out
+        if python:
+            own[python[-1]] += n
     if not total:
         return "no samples"
 
@@ -59,7 +65,8 @@ def summarize(stacks: Path, top: int) -> str:
         f"{total} samples; self time in goblin_idem {share('goblin_idem/'):.1f}%, "
         f"redis-py {share('redis/'):.1f}%, hiredis {share('hiredis'):.1f}%, "
         f"starlette {share('starlette/'):.1f}%, fastapi {share('fastapi/'):.1f}%, "
-        f"uvicorn {share('uvicorn/'):.1f}%, asyncio {share('asyncio/'):.1f}%",
+        f"uvicorn {share('uvicorn/'):.1f}%, asyncio {share('asyncio/'):.1f}%; "
+        f"inside the garbage collector {100 * collecting / total:.1f}%",
         "",
         "inclusive %  function",
     ]
@@ -82,6 +89,11 @@ def main() -> None:
     p.add_argument("--no-hiredis", action="store_true")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after startup")
     p.add_argument("--out", type=Path, help="keep the collapsed stacks here")
+    p.add_argument(
+        "--native",
+        action="store_true",
+        help="C frames too: the garbage collector's time shows as its own (gc_collect_main)",
+    )
     args = p.parse_args()
     # what http_bench's helpers read from their own arguments
     args.threads, args.connections, args.replay_keys = 1, 50, 200
@@ -116,7 +128,8 @@ def main() -> None:
                 str(args.seconds),
                 "--format",
                 "raw",
-                "--nonblocking",
+                # native unwinding needs the process stopped while it is sampled
+                *(["--native"] if args.native else ["--nonblocking"]),
                 "--output",
                 str(out),
             ],

@@ -83,10 +83,12 @@ def current_stats() -> dict[str, int]:
 def count_store_calls(store: Any) -> None:
     """Count each call into RedisStore's shared connection (a cluster store's: each
     primary's, as it is made) as one round trip."""
-    from goblin_idem.executors import ClusterPipelined
+    from goblin_idem import executors
 
     executor = store._executor
-    if isinstance(executor, ClusterPipelined):
+    # getattr: PYTHONPATH may name a release without the cluster fast path
+    cluster_pipelined = getattr(executors, "ClusterPipelined", None)
+    if cluster_pipelined is not None and isinstance(executor, cluster_pipelined):
         STATS["store_calls"] = 0
         make = executor._pipeline_for
 
