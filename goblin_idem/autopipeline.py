@@ -278,21 +278,13 @@ class AutoPipeline:
     @classmethod
     def for_client(cls, client: object) -> AutoPipeline | None:
         """One with `client`'s connection settings, or None where it could not honour them."""
-        if not HIREDIS or type(client) is not redis.asyncio.Redis:
+        if type(client) is not redis.asyncio.Redis:
             return None
         pool = client.connection_pool
         kwargs = pool.connection_kwargs
-        if kwargs.get("credential_provider") is not None:
+        common = cls.settings_of(kwargs)
+        if common is None:
             return None
-        common: dict[str, Any] = {
-            "username": kwargs.get("username"),
-            "password": kwargs.get("password"),
-            "db": int(kwargs.get("db") or 0),
-            "client_name": kwargs.get("client_name"),
-            "socket_timeout": kwargs.get("socket_timeout"),
-            "socket_connect_timeout": kwargs.get("socket_connect_timeout"),
-            "retry": kwargs.get("retry"),
-        }
         if pool.connection_class is redis.asyncio.Connection:
             host = kwargs.get("host") or "localhost"
             return cls(host=host, port=int(kwargs.get("port") or 6379), **common)
@@ -304,11 +296,10 @@ class AutoPipeline:
     def settings_of(kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
         """The constructor's settings but the address, from a redis-py client's connection
         keywords (a cluster client's `get_connection_kwargs()`: one pipeline per node is
-        then made with each node's host and port); None where they cannot be honoured (TLS,
-        a credential provider, a custom connection class, no hiredis)."""
+        then made with each node's host and port); None where they cannot be honoured (a
+        credential provider, no hiredis). The connection class (TLS, a custom one) is the
+        caller's to check."""
         if not HIREDIS or kwargs.get("credential_provider") is not None:
-            return None
-        if kwargs.get("connection_class", redis.asyncio.Connection) is not redis.asyncio.Connection:
             return None
         return {
             "username": kwargs.get("username"),

@@ -463,7 +463,10 @@ class ClusterPipelined(Clustered):
     def for_client(cls, client: RedisCluster) -> ClusterPipelined | None:
         """One for `client`, or None where a shared pipeline cannot honour its connection
         settings (TLS, a credential provider, a custom connection class, no hiredis)."""
-        settings = AutoPipeline.settings_of(client.get_connection_kwargs())
+        kwargs = client.get_connection_kwargs()
+        if kwargs.get("connection_class", redis.asyncio.Connection) is not redis.asyncio.Connection:
+            return None  # TLS, or a connection class of the application's
+        settings = AutoPipeline.settings_of(kwargs)
         return None if settings is None else cls(client, settings)
 
     async def send(self, key: bytes, commands: Sequence[Command]) -> list[Any]:

@@ -22,7 +22,7 @@ from redis.credentials import UsernamePasswordCredentialProvider
 from goblin_idem import CLAIMED, RedisStore
 from goblin_idem.autopipeline import AutoPipeline
 from goblin_idem.executors import Clustered, ClusterPipelined
-from tests.reliability.cluster import failover, settled_cluster, shards, wait_settled
+from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.support.servers import KINDS, Cluster, Server, start_cluster
 
 MODES = ("script", "native")
@@ -45,15 +45,6 @@ def fast(store: RedisStore) -> ClusterPipelined:
     executor = store._executor
     assert isinstance(executor, ClusterPipelined), type(executor)
     return executor
-
-
-def owner(store: RedisStore, key: bytes) -> int:
-    """The port of the primary that serves `key`, as the store's slot table says."""
-    client = store.client
-    assert isinstance(client, RedisCluster)
-    node = client.get_node_from_key(key)  # type: ignore[arg-type]
-    assert node is not None
-    return int(node.port)
 
 
 def server_at(cluster: Cluster, port: int) -> Server:
@@ -99,6 +90,16 @@ def end_migration(cluster: Cluster, dst: Server, slot: int) -> None:
     for server in cluster.servers[: cluster.masters]:
         with server.sync_client() as c:
             c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+
+def move_slot_of(cluster: Cluster, store: RedisStore, key: bytes) -> tuple[Server, Server]:
+    """Move `key`'s slot, with `key`, from its primary to another one: (from, to). The
+    store's slot table still names the old owner."""
+    src = server_at(cluster, primary_of(store, key))
+    dst = next(s for s in cluster.servers[: cluster.masters] if s.port != src.port)
+    begin_migration(src, dst, key_slot(key), [key])
+    end_migration(cluster, dst, key_slot(key))
+    return src, dst
 
 
 def asking_get(server: Server, key: bytes) -> Any:
@@ -177,37 +178,27 @@ async def test_moved_after_a_slot_moved_is_followed(cluster_mode: tuple[Cluster,
         executor = fast(store)
         c, r = keys_of("moving")
         assert await store.claim_unless_done(c, r, b"t", 30) is CLAIMED
-        src = server_at(cluster, owner(store, c))
-        dst = next(s for s in cluster.servers[: cluster.masters] if s.port != src.port)
-        slot = key_slot(c)
-        begin_migration(src, dst, slot, [c])
-        end_migration(cluster, dst, slot)
-        assert owner(store, c) == src.port  # the store's table does not know yet
+        src, dst = move_slot_of(cluster, store, c)
+        assert primary_of(store, c) == src.port  # the store's table does not know yet
         # The old owner answers MOVED; the store refreshes its table and sends to the new.
         assert await store.caexpire(c, b"t", 60_000) == 1
-        assert owner(store, c) == dst.port
+        assert primary_of(store, c) == dst.port
         with dst.sync_client() as d:
             assert d.get(c) == b"t" and d.pttl(c) > 30_000
         # A MULTI/EXEC met by MOVED (before EXECABORT), and renewals in one call.
         other_c, other_r = keys_of("moving-again")
         assert await store.claim(other_c, other_r, b"t", 30) is CLAIMED
-        moved_too = server_at(cluster, owner(store, other_c))
-        target = next(s for s in cluster.servers[: cluster.masters] if s.port != moved_too.port)
-        begin_migration(moved_too, target, key_slot(other_c), [other_c])
-        end_migration(cluster, target, key_slot(other_c))
+        _, target = move_slot_of(cluster, store, other_c)
         assert await store.publish(other_r, b"v", 60_000, other_c, b"t") == 1
         with target.sync_client() as d:
             assert d.get(other_r) == b"v" and d.pttl(other_c) > 30_000
         # Renewals, one of them on a slot that moved since: MOVED for it alone, followed.
         third_c, third_r = keys_of("moving-renewed")
         assert await store.claim(third_c, third_r, b"t", 30) is CLAIMED
-        third = server_at(cluster, owner(store, third_c))
-        to = next(s for s in cluster.servers[: cluster.masters] if s.port != third.port)
-        begin_migration(third, to, key_slot(third_c), [third_c])
-        end_migration(cluster, to, key_slot(third_c))
+        _, to = move_slot_of(cluster, store, third_c)
         renewed = [(k, b"t", 50_000) for k in (c, third_c, other_c)]
         assert await store.caexpire_many(renewed) == [1, 1, 1]
-        assert owner(store, third_c) == to.port
+        assert primary_of(store, third_c) == to.port
         with to.sync_client() as d:
             assert 40_000 < d.pttl(third_c) <= 50_000
         assert {a for a in executor.pipelines} >= {("127.0.0.1", dst.port)}
@@ -224,7 +215,7 @@ async def test_ask_during_a_migration_is_followed(cluster_mode: tuple[Cluster, s
         c, r = keys_of("asked")
         assert await store.claim(c, r, b"t", 30) is CLAIMED
         assert await store.publish(r, b"v", 60_000, c, b"t") == 1
-        src = server_at(cluster, owner(store, c))
+        src = server_at(cluster, primary_of(store, c))
         dst = next(s for s in cluster.servers[: cluster.masters] if s.port != src.port)
         begin_migration(src, dst, key_slot(c), [c, r])
         # The source lacks the keys: ASK; the store asks the importing node, once per call.
@@ -240,7 +231,7 @@ async def test_ask_during_a_migration_is_followed(cluster_mode: tuple[Cluster, s
         assert await store.cad(c, b"t") == 1
         assert asking_get(dst, c) is None
         # ASK never changes the slot table: the slot is still the source's until it ends.
-        assert owner(store, c) == src.port
+        assert primary_of(store, c) == src.port
         assert ("127.0.0.1", dst.port) in executor.pipelines
         with src.sync_client() as s:  # nothing was written on the source
             assert s.execute_command("CLUSTER", "COUNTKEYSINSLOT", key_slot(c)) == 0
@@ -268,7 +259,7 @@ async def test_renewals_go_as_one_write_per_primary_in_the_callers_order(
         for tag in tags:
             c, r = keys_of(tag)
             assert await store.claim(c, r, b"t", 30) is CLAIMED
-        assert len({owner(store, keys_of(t)[0]) for t in tags}) == 3
+        assert len({primary_of(store, keys_of(t)[0]) for t in tags}) == 3
         writes = count_writes(executor)
         renewals = [
             (keys_of(t)[0], b"t" if i % 3 else b"not-the-token", 90_000) for i, t in enumerate(tags)
@@ -277,7 +268,7 @@ async def test_renewals_go_as_one_write_per_primary_in_the_callers_order(
         assert replies == [0 if i % 3 == 0 else 1 for i in range(len(tags))]
         assert sorted(writes.values()) == [1, 1, 1]
         for i, tag in enumerate(tags):
-            with server_at(cluster, owner(store, keys_of(tag)[0])).sync_client() as c:
+            with server_at(cluster, primary_of(store, keys_of(tag)[0])).sync_client() as c:
                 ttl = c.pttl(keys_of(tag)[0])
             assert (ttl > 60_000) == (i % 3 != 0), (tag, ttl)
     finally:
@@ -335,7 +326,7 @@ async def test_a_failover_moves_the_calls_and_closes_the_old_primarys_pipeline()
             victim = shards(cluster)[0]
             assert victim.replica is not None
             tags = [f"fo-{i}" for i in range(40)]
-            mine = next(t for t in tags if owner(store, keys_of(t)[0]) == victim.primary.port)
+            mine = next(t for t in tags if primary_of(store, keys_of(t)[0]) == victim.primary.port)
             for tag in tags:
                 assert await store.claim(*keys_of(tag), b"t", 30) is CLAIMED
             old = ("127.0.0.1", victim.primary.port)
@@ -344,7 +335,7 @@ async def test_a_failover_moves_the_calls_and_closes_the_old_primarys_pipeline()
             await asyncio.to_thread(wait_settled, cluster)
             # The old primary, now a replica, answers MOVED: followed to the new primary.
             assert await store.caexpire(keys_of(mine)[0], b"t", 60_000) == 1
-            assert owner(store, keys_of(mine)[0]) == victim.replica.port
+            assert primary_of(store, keys_of(mine)[0]) == victim.replica.port
             assert old not in executor.pipelines and old_pipeline._conn is None
             assert ("127.0.0.1", victim.replica.port) in executor.pipelines
             assert await store.caexpire_many([(keys_of(t)[0], b"t", 60_000) for t in tags]) == [

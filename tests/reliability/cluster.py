@@ -12,8 +12,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
+from goblin_idem import RedisStore
 from tests.support.servers import Cluster, Server, start_cluster
 
 
@@ -165,3 +167,12 @@ def wait_replica_via(replica: Server, port: int, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"replica did not reconnect through port {port}: {info}")
         time.sleep(0.05)
+
+
+def primary_of(store: RedisStore, key: bytes) -> int:
+    """The port of the primary that serves `key`, as the store's slot table says."""
+    client = store.client
+    assert isinstance(client, RedisCluster)
+    node = client.get_node_from_key(key)  # type: ignore[arg-type]
+    assert node is not None
+    return int(node.port)

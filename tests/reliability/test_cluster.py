@@ -31,7 +31,7 @@ from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore
 from goblin_idem.errors import NotReplicatedError
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
-from tests.reliability.cluster import failover, settled_cluster, shards, wait_settled
+from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.reliability.failover import FailoverResult, failover_under_load
 from tests.reliability.report import FULL, pick, record
 from tests.support.backends import assert_published_together_or_not_at_all
@@ -53,14 +53,6 @@ async def _initialized(store: RedisStore) -> None:
     client = store.client
     assert isinstance(client, RedisCluster)
     await client.initialize()
-
-
-def _primary_of(store: RedisStore, key: bytes) -> int:
-    client = store.client
-    assert isinstance(client, RedisCluster)
-    node = client.get_node_from_key(key)  # type: ignore[arg-type]
-    assert node is not None
-    return int(node.port)
 
 
 async def _exercise(
@@ -93,7 +85,7 @@ async def test_cluster_spreads_keys_over_every_primary(cluster: Cluster, mode: s
         duration = time.monotonic() - started
         replays = [await send_once(mw, k) for k in keys]
         per_primary: Counter[int] = Counter(
-            _primary_of(store, key_names(namespace.encode(), b"", k.encode()).claim) for k in keys
+            primary_of(store, key_names(namespace.encode(), b"", k.encode()).claim) for k in keys
         )
         stored = 0
         for shard in shards(cluster):
@@ -294,21 +286,19 @@ async def test_wait_replicas_in_a_cluster_follows_the_primary(cluster: Cluster) 
         keys = [f"wc-{i}".encode() for i in range(60)]
         for k in keys:
             assert await store.claim(b"c{" + k + b"}", b"r{" + k + b"}", b"tok", 30) is CLAIMED
-            shard = by_port[_primary_of(store, b"c{" + k + b"}")]
+            shard = by_port[primary_of(store, b"c{" + k + b"}")]
             assert shard.replica is not None
             with shard.replica.sync_client() as r:  # the claim was acknowledged there
                 r.execute_command("READONLY")
                 assert r.get(b"c{" + k + b"}") == b"tok"
-        assert len({_primary_of(store, b"c{" + k + b"}") for k in keys}) == 3
+        assert len({primary_of(store, b"c{" + k + b"}") for k in keys}) == 3
 
         # One shard's replica stops: its claims fail (WAIT ran on the connection that
         # wrote; on any other connection it would have been satisfied), the others go on.
         stopped = layout[0]
         assert stopped.replica is not None
-        mine = next(k for k in keys if _primary_of(store, b"c{" + k + b"}") == stopped.primary.port)
-        other = next(
-            k for k in keys if _primary_of(store, b"c{" + k + b"}") != stopped.primary.port
-        )
+        mine = next(k for k in keys if primary_of(store, b"c{" + k + b"}") == stopped.primary.port)
+        other = next(k for k in keys if primary_of(store, b"c{" + k + b"}") != stopped.primary.port)
         os.kill(stopped.replica.pid, signal.SIGSTOP)
         try:
             with pytest.raises(NotReplicatedError):
@@ -323,7 +313,7 @@ async def test_wait_replicas_in_a_cluster_follows_the_primary(cluster: Cluster) 
         await asyncio.to_thread(failover, stopped.replica)
         await asyncio.to_thread(wait_settled, cluster)
         assert await store.claim(b"c3{" + mine + b"}", b"r3{" + mine + b"}", b"tok", 30) is CLAIMED
-        assert _primary_of(store, b"c3{" + mine + b"}") == stopped.replica.port
+        assert primary_of(store, b"c3{" + mine + b"}") == stopped.replica.port
         with stopped.primary.sync_client() as r:  # now the replica of that shard
             r.execute_command("READONLY")
             assert r.get(b"c3{" + mine + b"}") == b"tok"
@@ -487,8 +477,8 @@ async def test_cluster_publish_after_a_node_failure_is_a_store_error() -> None:
         await client.initialize()
         dead, live = small.servers[2], small.servers[:2]
         keys = [f"n{i}".encode() for i in range(100)]
-        on_dead = next(k for k in keys if _primary_of(store, b"c{" + k + b"}") == dead.port)
-        alive = next(k for k in keys if _primary_of(store, b"c{" + k + b"}") != dead.port)
+        on_dead = next(k for k in keys if primary_of(store, b"c{" + k + b"}") == dead.port)
+        alive = next(k for k in keys if primary_of(store, b"c{" + k + b"}") != dead.port)
         claim, result = b"c{" + alive + b"}", b"r{" + alive + b"}"
         assert await store.claim(claim, result, b"t", 30) is CLAIMED
         _require_full_coverage(small.servers, False)
@@ -497,7 +487,7 @@ async def test_cluster_publish_after_a_node_failure_is_a_store_error() -> None:
             await store.claim(b"c{" + on_dead + b"}", b"r{" + on_dead + b"}", b"t", 30)
 
         assert await store.publish(result, b"v1", 5000, claim, b"t") == 1
-        owner = next(s for s in live if s.port == _primary_of(store, claim))
+        owner = next(s for s in live if s.port == primary_of(store, claim))
         with owner.sync_client() as r:
             assert r.get(result) == b"v1" and 4000 < r.pttl(claim) <= 5000
 
