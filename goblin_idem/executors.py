@@ -373,11 +373,15 @@ class Clustered(Executor):
     async def _primary_for(self, key: bytes) -> Address:
         if self.client._initialize:  # redis-py flagged its slot table stale (or unread)
             await self._initialize()
-        node = self._node_of(key)
-        return str(node.host), int(node.port)
+        return self._address_of(key)
 
     async def _initialize(self) -> None:
         await self.client.initialize()  # a no-op unless the layout is (still) stale
+
+    def _address_of(self, key: bytes) -> Address:
+        """The primary that serves `key`, by the slot table as it stands (no network call)."""
+        node = self._node_of(key)
+        return str(node.host), int(node.port)
 
     def _node_of(self, key: bytes) -> Any:
         node = self.client.get_node_from_key(key)  # type: ignore[arg-type]
@@ -481,8 +485,7 @@ class ClusterPipelined(Clustered):
         client = self.client
         if client._initialize:  # redis-py flagged its slot table stale (or unread)
             await self._initialize()
-        node = self._node_of(key)
-        address = (node.host, node.port)
+        address = self._address_of(key)
         pipeline = self.pipelines.get(address) or self._pipeline_for(address)
         try:
             replies = await pipeline.execute(commands)
@@ -519,8 +522,7 @@ class ClusterPipelined(Clustered):
             await self._initialize()
         groups: dict[Address, list[int]] = {}
         for i, command in enumerate(commands):
-            node = self._node_of(_key_of(command))
-            groups.setdefault((node.host, node.port), []).append(i)
+            groups.setdefault(self._address_of(_key_of(command)), []).append(i)
         outcomes = await asyncio.gather(
             *(self._attempt(a, [commands[i] for i in group], False) for a, group in groups.items())
         )

@@ -76,7 +76,7 @@ class _StoreConnection:
             )
         wait = Wait(wait_replicas, wait_timeout_ms) if wait_replicas else None
         self._executor: Executor
-        if isinstance(client, RedisCluster):
+        if isinstance(client, RedisCluster):  # narrows the client's type, as `cluster` cannot
             fast = ClusterPipelined.for_client(client) if shared else None
             self._executor = fast or Clustered(client, wait)
         elif self._pipeline is not None:
@@ -223,30 +223,19 @@ class RedisStore(_StoreConnection):
             return []
         return await self._detection.notes(self)
 
-    def _native(self) -> bool | None:
-        """Whether the GOBLIN commands are native, when that is known without waiting
-        (detection has run; connections of this process and loop); None: ``await
-        self._ready()``. Checked inline so that a command costs no coroutine of its own."""
+    async def _ready(self) -> bool:
+        """Whether the GOBLIN commands are native, once detection has run, on connections of
+        this process and loop."""
         detection = self._detection
         if self._executor.here():  # `_here`, inline on the hot path
             detection.forget()
         if not detection.done and not detection.ready():
-            return None
+            await detection.run(self)
         return detection.mode == "native"
-
-    async def _ready(self) -> bool:
-        """Whether the GOBLIN commands are native, once detection has run, on connections of
-        this process and loop."""
-        native = self._native()
-        if native is None:
-            await self._detection.run(self)
-            native = self._detection.mode == "native"
-        return native
 
     async def _goblin(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
         """One GOBLIN command, its reply (an error reply raised, as the native one reads)."""
-        native = self._native()
-        command = script.call(await self._ready() if native is None else native, keys, args)
+        command = script.call(await self._ready(), keys, args)
         (reply,) = await self._executor.send(keys[0], [command])
         return unwrap(reply, self._acl_user)
 
@@ -274,10 +263,7 @@ class RedisStore(_StoreConnection):
         ck, rk = as_bytes(claim_key), as_bytes(result_key)
         tok = check_size(as_bytes(token, "token"), self.max_value_bytes)
         lease = claim_seconds(seconds)
-        native = self._native()
-        if native is None:
-            native = await self._ready()
-        claim = scripts.CLAIM.call(native, (ck, rk), (tok, lease))
+        claim = scripts.CLAIM.call(await self._ready(), (ck, rk), (tok, lease))
         (reply, result_ttl), acked = await self._executor.send_durably(ck, [claim, ("PTTL", rk)])
         if isinstance(reply, OutOfMemoryError):
             return await self._read_when_full(ck, rk, reply)
@@ -348,10 +334,7 @@ class RedisStore(_StoreConnection):
         v = check_size(as_bytes(value, "value"), self.max_value_bytes)
         tok = as_bytes(token, "token")
         ttl = publish_ttl(ttl_ms)
-        native = self._native()
-        if native is None:
-            native = await self._ready()
-        renew = scripts.CAEXPIRE.call(native, (ck,), (tok, ttl))
+        renew = scripts.CAEXPIRE.call(await self._ready(), (ck,), (tok, ttl))
         transaction: list[Command] = [("MULTI",), ("SET", rk, v, "PX", ttl), renew, ("EXEC",)]
         replies, acked = await self._executor.send_durably(ck, transaction)
         for reply in replies:  # a refusal at MULTI time aborts the EXEC: raise the refusal
