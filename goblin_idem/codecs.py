@@ -29,8 +29,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from .record import RecordError
-from .sealing import Sealer, SealError
+from .record import Format, RecordError
+from .sealing import Sealer, SealError, sealed_key_id
 
 __all__ = ["Codec", "DataclassCodec", "JsonCodec", "PydanticCodec", "codec_for"]
 
@@ -79,6 +79,17 @@ def from_stored(codec: Codec, data: bytes, sealer: Sealer | None = None, name: b
         raise RecordError(
             f"the stored value cannot be decoded: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def stored_format(data: bytes) -> Format:
+    """What a stored value's clear bytes say (its version, and a sealed one's key id),
+    without opening it; RecordError if they are not a stored value's."""
+    head = data[:3]
+    if head == _HEAD:
+        return Format(VERSION)
+    if head == _SEALED_HEAD:
+        return Format(SEALED, True, sealed_key_id(data[3:]))
+    raise RecordError(f"not a version {VERSION} or {SEALED} goblin-idem stored value")
 
 
 class JsonCodec:

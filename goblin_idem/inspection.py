@@ -14,6 +14,10 @@ reads both keys and their TTLs, and says which state the key is in:
   reads, or a sealed record that the configured keys do not open; the middleware answers
   such a key with 503 and never runs it again.
 
+A key of a `once` function (``--namespace once --scope <its name>``) holds the function's
+return value instead of a response: shown as completed, with the value's size (never the
+value), or as unreadable if the configured keys do not open it.
+
 Every record shows its format version; a sealed one also the id of the key that sealed it
 and whether the configured keys (``$GOBLIN_IDEM_ENCRYPTION_KEYS``) open it. A sealed
 record's headers are shown only when asked (``--reveal``); its body never is.
@@ -28,6 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
+from . import codecs
 from .keys import KeyNames, key_names, names_of
 from .record import Format, Record, RecordError, decode, format_of
 from .sealing import Sealer
@@ -76,6 +81,7 @@ class KeyState:
     result_ttl_ms: int | None = None
     result_bytes: int | None = None  # size of the stored record
     record: Record | None = None
+    value_bytes: int | None = None  # a `once` function's value: its size, opened
     error: str | None = None  # why the result could not be read
     note: str | None = None
     format: Format | None = None  # the record's clear bytes: version, sealed, key id
@@ -86,7 +92,7 @@ class KeyState:
         """Whether the configured keys open a sealed record (None: not sealed)."""
         if self.format is None or not self.format.sealed:
             return None
-        return self.record is not None
+        return self.record is not None or self.value_bytes is not None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready view (bytes as latin-1 text, so nothing is lost)."""
@@ -105,6 +111,7 @@ class KeyState:
             if rec is None or not self.revealed
             else [[n.decode("latin-1"), v.decode("latin-1")] for n, v in rec.headers],
             "body_bytes": None if rec is None else len(rec.body),
+            "value_bytes": self.value_bytes,
             "error": self.error,
             "note": self.note,
             "format": None if fmt is None else fmt.version,
@@ -191,6 +198,8 @@ def _completed(
     reveal: bool,
 ) -> KeyState:
     """A claim and a result: the record read (or why it cannot be)."""
+    if data[: len(codecs.MAGIC)] == codecs.MAGIC:
+        return _completed_value(names, token, claim_ttl, data, result_ttl, sealer)
     fmt = _format_or_none(data)
     try:
         record = decode(data, sealer=sealer, name=names.result)
@@ -220,6 +229,57 @@ def _completed(
         format=fmt,
         revealed=reveal or not (fmt is not None and fmt.sealed),
     )
+
+
+def _completed_value(
+    names: KeyNames,
+    token: bytes,
+    claim_ttl: int | None,
+    data: bytes,
+    result_ttl: int | None,
+    sealer: Sealer | None,
+) -> KeyState:
+    """A `once` function's stored value (its own format): its size, opened if sealed."""
+    fmt: Format | None = None
+    try:
+        fmt = codecs.stored_format(data)
+        value = codecs.from_stored(_Payload(), data, sealer, names.result)
+    except RecordError as exc:
+        note = "calls with this key raise RecordError and never run the function"
+        if fmt is not None and fmt.sealed and sealer is None:
+            note += "; set $GOBLIN_IDEM_ENCRYPTION_KEYS to check whether your keys open it"
+        return KeyState(
+            names,
+            UNREADABLE,
+            token,
+            claim_ttl,
+            result_ttl,
+            len(data),
+            error=str(exc),
+            note=note,
+            format=fmt,
+        )
+    return KeyState(
+        names,
+        COMPLETED,
+        token,
+        claim_ttl,
+        result_ttl,
+        len(data),
+        value_bytes=len(value),
+        note="a value stored by once: calls with this key return it without running",
+        format=fmt,
+    )
+
+
+class _Payload:
+    """The codec that leaves a stored value's payload as bytes (its size is what is shown)."""
+
+    def encode(self, value: bytes) -> bytes:
+        return value
+
+    def decode(self, data: bytes) -> bytes:
+        return data
 
 
 def _format_or_none(data: bytes) -> Format | None:
@@ -268,6 +328,8 @@ def format_state(state: KeyState) -> str:
         if fmt.key_id is not None:
             lines.append(("key id", fmt.key_id.hex()))
             lines.append(("opens", "yes" if state.opens else "no, with the configured keys"))
+    if state.value_bytes is not None:
+        lines.append(("value", f"{state.value_bytes} bytes"))
     rec = state.record
     if rec is not None:
         lines.append(("status", str(rec.status)))

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store
+from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store, once
 from goblin_idem.inspection import (
     COMPLETED,
     FREE,
@@ -31,6 +31,7 @@ from goblin_idem.inspection import (
     names_for_hash,
 )
 from goblin_idem.keys import key_names
+from goblin_idem.sealing import Sealer, key_id
 from tests.support.servers import Server, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,6 +188,44 @@ async def test_by_hash_unreadable_and_orphaned_results() -> None:
     assert "answered from the result" in format_state(state)
 
 
+async def test_a_once_value_is_completed_not_an_unreadable_record() -> None:
+    """A `once` function's key holds its return value, not an HTTP record: completed, with
+    the value's size; a sealed one opens with the keys that sealed it, and only with them."""
+    store, secret = MemoryStore(), os.urandom(32)
+
+    @once(store, key=lambda event: event, name="jobs.charge")
+    async def charge(event: str) -> dict[str, str]:
+        return {"charge": "ch_1", "event": event}
+
+    @once(store, key=lambda event: event, name="jobs.sealed", encryption_keys=[secret])
+    async def sealed(event: str) -> dict[str, str]:
+        return {"charge": "ch_2"}
+
+    await charge("evt-1")
+    await sealed("evt-2")
+
+    state = await inspect_key(store, "evt-1", scope="jobs.charge", namespace="once")
+    assert state.state == COMPLETED and state.error is None and state.record is None
+    assert state.value_bytes == len(b'{"charge":"ch_1","event":"evt-1"}')
+    assert state.format is not None and not state.format.sealed and state.opens is None
+    text = format_state(state)
+    assert f"value        {state.value_bytes} bytes" in text and "ch_1" not in text
+
+    unopened = await inspect_key(store, "evt-2", scope="jobs.sealed", namespace="once")
+    assert unopened.state == UNREADABLE and unopened.opens is False
+    assert unopened.format is not None and unopened.format.key_id == key_id(secret)
+    assert unopened.note is not None and "$GOBLIN_IDEM_ENCRYPTION_KEYS" in unopened.note
+    opened = await inspect_key(
+        store, "evt-2", scope="jobs.sealed", namespace="once", sealer=Sealer([secret])
+    )
+    assert opened.state == COMPLETED and opened.opens is True
+    assert opened.value_bytes == len(b'{"charge":"ch_2"}')
+    wrong = await inspect_key(
+        store, "evt-2", scope="jobs.sealed", namespace="once", sealer=Sealer([os.urandom(32)])
+    )
+    assert wrong.state == UNREADABLE and wrong.error is not None and "key id" in wrong.error
+
+
 # -- the command, on a real redis-server -------------------------------------------------------
 
 
@@ -247,6 +286,16 @@ async def test_cli_states_on_redis(redis_server: Server, redis_store: RedisStore
     assert doc["state"] == "in flight" and doc["token"] == "777:cafe"
     assert doc["claim_key"] == busy.claim.decode("latin-1")
     assert 0 < doc["claim_ttl_ms"] <= 30_000
+
+    @once(redis_store, key=lambda event: event, name="jobs.charge")
+    async def charge(event: str) -> dict[str, str]:
+        return {"charge": "ch_1"}
+
+    await charge("evt-1")
+    value = cli("--url", url, "evt-1", "--namespace", "once", "--scope", "jobs.charge")
+    assert value.returncode == 0, value.stderr
+    assert "state        completed\n" in value.stdout
+    assert "value        17 bytes" in value.stdout  # {"charge":"ch_1"}
 
     assert cli("--url", url).returncode == 2  # neither KEY nor --hash
     down = cli("--url", f"redis://127.0.0.1:{free_port()}/0", "k")
