@@ -131,6 +131,8 @@ def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
         cmd.append("--no-hiredis")
     if args.gc_freeze:
         cmd.append("--gc-freeze")
+    if args.gc_threshold is not None:
+        cmd += ["--gc-threshold", str(args.gc_threshold)]
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
     v.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -380,6 +382,7 @@ def environment(args: argparse.Namespace, redis_version: str) -> str:
         f"{version('httptools')}), one worker, {args.app} {version(args.app)}; "
         f"redis-py {version('redis')} with {parser}; redis-server {redis_version}; "
         f"wrk {wrk_version}{'; gc.freeze() after startup' if args.gc_freeze else ''}"
+        f"{'' if args.gc_threshold is None else f'; gc.set_threshold({args.gc_threshold}, ...)'}"
         f"\nwrk -t{args.threads} -c{args.connections} -d{args.duration}s per run, "
         f"{args.reps} repetitions, scenarios then variants in turn, the bare app between "
         "each two (bare A bare B bare), medians"
@@ -402,6 +405,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--app", choices=("starlette", "fastapi"), default="fastapi")
     p.add_argument("--no-hiredis", action="store_true", help="redis-py's pure-Python parser")
     p.add_argument("--gc-freeze", action="store_true", help="servers gc.freeze() after startup")
+    p.add_argument(
+        "--gc-threshold",
+        type=int,
+        help="servers set the collector's first threshold (default 700; 0: no collections)",
+    )
     p.add_argument("--json", type=Path, help="also write every run's figures here")
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
