@@ -197,14 +197,32 @@ def _completed(
     sealer: Sealer | None,
     reveal: bool,
 ) -> KeyState:
-    """A claim and a result: the record read (or why it cannot be)."""
-    if data[: len(codecs.MAGIC)] == codecs.MAGIC:
-        return _completed_value(names, token, claim_ttl, data, result_ttl, sealer)
-    fmt = _format_or_none(data)
+    """A claim and a result: the record read, or a `once` function's value (a format of
+    its own, shown by its size), or why it cannot be read."""
+    once_value = data[: len(codecs.MAGIC)] == codecs.MAGIC
+    fmt: Format | None = None
     try:
+        if once_value:
+            fmt = codecs.stored_format(data)
+            value = codecs.from_stored(_Payload(), data, sealer, names.result)
+            return KeyState(
+                names,
+                COMPLETED,
+                token,
+                claim_ttl,
+                result_ttl,
+                len(data),
+                value_bytes=len(value),
+                note="a value stored by once: calls with this key return it without running",
+                format=fmt,
+            )
+        fmt = _format_or_none(data)
         record = decode(data, sealer=sealer, name=names.result)
     except RecordError as exc:
-        note = "the middleware answers requests with this key with 503 and never runs them"
+        if once_value:
+            note = "calls with this key raise RecordError and never run the function"
+        else:
+            note = "the middleware answers requests with this key with 503 and never runs them"
         if fmt is not None and fmt.sealed and sealer is None:
             note += "; set $GOBLIN_IDEM_ENCRYPTION_KEYS to check whether your keys open it"
         return KeyState(
@@ -228,47 +246,6 @@ def _completed(
         record,
         format=fmt,
         revealed=reveal or not (fmt is not None and fmt.sealed),
-    )
-
-
-def _completed_value(
-    names: KeyNames,
-    token: bytes,
-    claim_ttl: int | None,
-    data: bytes,
-    result_ttl: int | None,
-    sealer: Sealer | None,
-) -> KeyState:
-    """A `once` function's stored value (its own format): its size, opened if sealed."""
-    fmt: Format | None = None
-    try:
-        fmt = codecs.stored_format(data)
-        value = codecs.from_stored(_Payload(), data, sealer, names.result)
-    except RecordError as exc:
-        note = "calls with this key raise RecordError and never run the function"
-        if fmt is not None and fmt.sealed and sealer is None:
-            note += "; set $GOBLIN_IDEM_ENCRYPTION_KEYS to check whether your keys open it"
-        return KeyState(
-            names,
-            UNREADABLE,
-            token,
-            claim_ttl,
-            result_ttl,
-            len(data),
-            error=str(exc),
-            note=note,
-            format=fmt,
-        )
-    return KeyState(
-        names,
-        COMPLETED,
-        token,
-        claim_ttl,
-        result_ttl,
-        len(data),
-        value_bytes=len(value),
-        note="a value stored by once: calls with this key return it without running",
-        format=fmt,
     )
 
 
