@@ -220,7 +220,7 @@ def _completed(
         record = decode(data, sealer=sealer, name=names.result)
     except RecordError as exc:
         if once_value:
-            note = "calls with this key raise RecordError and never run the function"
+            note = "calls with this key raise goblin_idem.record.RecordError and never run"
         else:
             note = "the middleware answers requests with this key with 503 and never runs them"
         if fmt is not None and fmt.sealed and sealer is None:
