@@ -61,18 +61,15 @@ def to_stored(codec: Codec, value: Any, sealer: Sealer | None = None, name: byte
 def from_stored(codec: Codec, data: bytes, sealer: Sealer | None = None, name: bytes = b"") -> Any:
     """The value stored as `data` under `name`; RecordError if it is not a value this
     version can read, or a sealed one that the configured keys do not open."""
-    head = data[:3]
-    if head == _HEAD:
+    if not stored_format(data).sealed:
         payload = data[3:]
-    elif head == _SEALED_HEAD:
-        if sealer is None:
-            raise RecordError("the stored value is sealed, and no encryption_keys are configured")
+    elif sealer is None:
+        raise RecordError("the stored value is sealed, and no encryption_keys are configured")
+    else:
         try:
             payload = sealer.open(data[3:], _SEALED_HEAD + name)
         except SealError as exc:
             raise RecordError(f"the stored value does not open: {exc}") from None
-    else:
-        raise RecordError(f"not a version {VERSION} or {SEALED} goblin-idem stored value")
     try:
         return codec.decode(payload)
     except (ValueError, TypeError, KeyError) as exc:

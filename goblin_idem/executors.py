@@ -486,9 +486,8 @@ class ClusterPipelined(Clustered):
         if client._initialize:  # redis-py flagged its slot table stale (or unread)
             await self._initialize()
         address = self._address_of(key)
-        pipeline = self.pipelines.get(address) or self._pipeline_for(address)
         try:
-            replies = await pipeline.execute(commands)
+            replies = await self._pipeline_for(address).execute(commands)
         except _LOST as exc:
             outcome: Outcome = exc
         else:
