@@ -107,6 +107,22 @@ async def test_server_errors_are_not_stored(store: Store, status: int) -> None:
     assert handler.runs == 2
 
 
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+async def test_redirects_that_repeat_the_request_release_the_key(store: Store, status: int) -> None:
+    """307 and 308 send the same request elsewhere: the key is released. 301, 302 and 303
+    are the request's outcome (a client follows them with a GET), stored and replayed."""
+    handler = Handler(status=status, headers=[(b"location", b"/elsewhere")], chunks=[b""])
+    mw = IdempotencyMiddleware(handler, store=store)
+    assert (await request(mw, key="k")).status == status
+    again = await request(mw, key="k")
+    if status in (307, 308):
+        assert again.header("idempotent-replayed") is None
+        assert handler.runs == 2 and mw.counters.released == 2
+    else:
+        assert again.status == status and again.header("idempotent-replayed") == b"true"
+        assert handler.runs == 1 and mw.counters.released == 0
+
+
 async def test_store_server_errors_option_stores_5xx(store: Store) -> None:
     handler = Handler(status=500)
     mw = IdempotencyMiddleware(handler, store=store, store_server_errors=True)
