@@ -518,6 +518,36 @@ async def test_response_too_large_is_delivered_but_not_replayed(store: Store) ->
     assert handler.runs == 1 and mw.counters.too_large == 1
 
 
+async def test_a_response_of_exactly_max_response_bytes_replays_whole(store: Store) -> None:
+    """The limit is inclusive: 1000 bytes (in two chunks) of a 1000-byte limit replay, one
+    byte more does not."""
+    handler = Handler(chunks=[b"x" * 600, b"y" * 400])
+    mw = IdempotencyMiddleware(handler, store=store, max_response_bytes=1000)
+    first = await request(mw, key="k-at")
+    again = await request(mw, key="k-at")
+    assert again.header("idempotent-replayed") == b"true"
+    assert again.body == first.body == b"x" * 600 + b"y" * 400
+    assert again.header("content-length") == b"1000"
+    handler.chunks = [b"x" * 600, b"y" * 401]
+    assert len((await request(mw, key="k-over")).body) == 1001
+    over = await request(mw, key="k-over")
+    assert over.status == 409 and problem(over)["type"].endswith(":not-replayable")
+    assert handler.runs == 2 and mw.counters.too_large == 1
+
+
+async def test_a_mismatch_under_a_not_replayable_key_is_422(store: Store) -> None:
+    """Another request under a key whose response was too large to store is a client bug
+    (422 key-reused), not a duplicate to be told the work is done (409 not-replayable)."""
+    handler = Handler(chunks=[b"x" * 2000])
+    mw = IdempotencyMiddleware(handler, store=store, max_response_bytes=1000)
+    assert (await request(mw, key="k", body=b"a")).status == 201
+    other = await request(mw, key="k", body=b"b")
+    assert other.status == 422 and problem(other)["type"].endswith(":key-reused")
+    same = await request(mw, key="k", body=b"a")
+    assert same.status == 409 and problem(same)["type"].endswith(":not-replayable")
+    assert handler.runs == 1 and (mw.counters.mismatch, mw.counters.not_replayable) == (1, 1)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     chunks=st.lists(st.binary(max_size=300), min_size=1, max_size=5),
