@@ -6,7 +6,8 @@ reference back to the middleware, it holds the claim's lease while the app runs,
 the response through as it streams and keeps a copy, and closes with one store step:
 publish the response (the result and the claim's new TTL in one MULTI/EXEC) before the
 client gets the message that ends it, or release the key (CAD with the run's token) if
-the app failed. What happens is reported through the config's one event function.
+the app failed or sent the client elsewhere (`_is_outcome`). What happens is reported
+through the config's one event function.
 """
 
 from __future__ import annotations
