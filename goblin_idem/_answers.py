@@ -35,6 +35,7 @@ class Answers:
     max_body_bytes: int
     retry_after: bytes
     sealer: Sealer | None
+    require_sealed: bool  # a record in the clear is answered as unreadable
 
     # -- a request refused: nothing claimed, nothing run --
 
@@ -92,7 +93,9 @@ class Answers:
         request under the same key, 409 for a response too large to have been stored,
         503 for a record this process cannot read)."""
         try:
-            record = decode(data, sealer=self.sealer, name=names.result)
+            record = decode(
+                data, sealer=self.sealer, name=names.result, require_sealed=self.require_sealed
+            )
         except RecordError as exc:
             await self._unreadable(exc, send, names)
             return
@@ -119,9 +122,11 @@ class Answers:
 
     async def _unreadable(self, exc: RecordError, send: Send, names: KeyNames) -> None:
         """A stored record this process cannot read: a newer release's format, a sealed
-        record no configured key opens, or damaged bytes. The work it records happened, so
-        it is never run again (whatever fail_open says); the key stays answered 503 until
-        a process that reads it answers, or the result expires."""
+        record no configured key opens, damaged bytes, or with `require_sealed` a record in
+        the clear (forged by someone who can write to the store, or written by a process
+        still without keys: not replayed either way). The work may have happened, so it is
+        never run again (whatever fail_open says); the key stays answered 503 until a
+        process that reads it answers, or the result expires."""
         self.report("unreadable", names.hash)
         logger.error(
             "key %s: the stored response cannot be read, answering 503: %s", names.hash, exc

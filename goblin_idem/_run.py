@@ -6,7 +6,8 @@ reference back to the middleware, it holds the claim's lease while the app runs,
 the response through as it streams and keeps a copy, and closes with one store step:
 publish the response (the result and the claim's new TTL in one MULTI/EXEC) before the
 client gets the message that ends it, or release the key (CAD with the run's token) if
-the app failed. What happens is reported through the config's one event function.
+the app failed or sent the client elsewhere (`_is_outcome`). What happens is reported
+through the config's one event function.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class Run:
         if kind == "http.response.start":
             self.status = message["status"]
             self.headers = list(message.get("headers", ()))
-            self.keep = self.status < 500 or self.config.store_server_errors
+            self.keep = _is_outcome(self.status, self.config.store_server_errors)
             if message.get("trailers", False):
                 self.trailers = []
         elif kind == "http.response.body":
@@ -256,7 +257,7 @@ class Run:
             await run_to_end(self._closing_step(), self.config.background)
 
     def _closing_step(self) -> ClosingStep:
-        """Publish the response, or release the key (a 5xx not stored); counted here, once.
+        """Publish the response, or release the key (see `_is_outcome`); counted here, once.
         Run to its end by `run_to_end`, even if the request is cancelled meanwhile."""
         config, names = self.config, self.names
         if not self.keep:
@@ -338,6 +339,21 @@ class Run:
                     return
                 await asyncio.sleep(delay)
         _log_retaken(names, token, holder)
+
+
+def _is_outcome(status: int, store_server_errors: bool) -> bool:
+    """Whether a response of `status` is the request's outcome, to be stored and replayed;
+    if not, the key is released (counted as `released`) and a retry runs the app again.
+
+    A 5xx says the work may not have happened (unless `store_server_errors`). A 307 or 308
+    says it has not happened here: the client is to repeat the request, method and body
+    unchanged, at another URL (a moved route, FastAPI's trailing-slash redirect), and a
+    client that follows it with the same key must find the key free there. A 301, 302 or
+    303 is an outcome (303 See Other is the usual answer to a POST that created something):
+    a client follows it with a GET, another request."""
+    if status >= 500:
+        return store_server_errors
+    return status != 307 and status != 308
 
 
 def _report_lost(report: Events, lease: Lease) -> None:

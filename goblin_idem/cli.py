@@ -96,6 +96,11 @@ def _add_inspect(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="show a sealed record's headers (opened with $GOBLIN_IDEM_ENCRYPTION_KEYS)",
     )
+    parser.add_argument(
+        "--require-sealed",
+        action="store_true",
+        help="show a record in the clear as a middleware with require_sealed=True answers it",
+    )
     parser.set_defaults(func=_inspect)
     return parser
 
@@ -120,6 +125,7 @@ async def _inspect_url(store: RedisStore, args: argparse.Namespace, scope: str) 
             names=names,
             sealer=options.sealer(None),
             reveal=args.reveal,
+            require_sealed=args.require_sealed,
         )
     finally:
         await store.aclose()

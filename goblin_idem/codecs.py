@@ -9,7 +9,8 @@ where the payload is the codec's bytes. A sealed value's associated data is its 
 head bytes and the name of the result key it is stored under, so a value copied under
 another key, or altered, does not open (as the middleware's records). A reader refuses any
 other version (RecordError) rather than guess, so the format can evolve; a value in the
-clear is read whatever the keys, so encryption can be turned on without a flag day. A value
+clear is read whatever the keys, so encryption can be turned on without a flag day (and
+refused with ``require_sealed``, once no value in the clear is left). A value
 starts with b"GO" and a version byte, so it can never be the wire reply ``CLAIMED``.
 
 `to_stored` and `from_stored` are the one place a return value becomes stored bytes and
@@ -58,10 +59,23 @@ def to_stored(codec: Codec, value: Any, sealer: Sealer | None = None, name: byte
     return _SEALED_HEAD + sealer.seal(codec.encode(value), _SEALED_HEAD + name)
 
 
-def from_stored(codec: Codec, data: bytes, sealer: Sealer | None = None, name: bytes = b"") -> Any:
+def from_stored(
+    codec: Codec,
+    data: bytes,
+    sealer: Sealer | None = None,
+    name: bytes = b"",
+    *,
+    require_sealed: bool = False,
+) -> Any:
     """The value stored as `data` under `name`; RecordError if it is not a value this
-    version can read, or a sealed one that the configured keys do not open."""
+    version can read, a sealed one that the configured keys do not open, or with
+    `require_sealed` one in the clear (which anyone who can write to the store can write)."""
     if not stored_format(data).sealed:
+        if require_sealed:
+            raise RecordError(
+                "the stored value is in the clear, and require_sealed=True refuses values "
+                "that are not sealed"
+            )
         payload = data[3:]
     elif sealer is None:
         raise RecordError("the stored value is sealed, and no encryption_keys are configured")

@@ -11,8 +11,8 @@ reads both keys and their TTLs, and says which state the key is in:
 - completed, not replayable: the run finished but its response was too large to store;
   duplicates get 409 ``not-replayable``.
 - completed, unreadable: the result key holds bytes that are not a record this version
-  reads, or a sealed record that the configured keys do not open; the middleware answers
-  such a key with 503 and never runs it again.
+  reads, a sealed record that the configured keys do not open, or (``--require-sealed``)
+  a record in the clear; the middleware answers such a key with 503 and never runs it again.
 
 A key of a `once` function (``--namespace once --scope <its name>``) holds the function's
 return value instead of a response: shown as completed, with the value's size (never the
@@ -142,13 +142,15 @@ async def inspect_key(
     names: KeyNames | None = None,
     sealer: Sealer | None = None,
     reveal: bool = False,
+    require_sealed: bool = False,
 ) -> KeyState:
     """Read the state of `key` as the middleware sees it for callers in `scope`.
 
     `scope` is what the middleware scoped the key by: by default the request's
     Authorization header value (empty for anonymous callers). Give `names` instead of a
     key to inspect a key hash taken from a log line (see `names_for_hash`). A sealed record
-    is opened with `sealer`; its headers are shown only if `reveal`.
+    is opened with `sealer`; its headers are shown only if `reveal`. With `require_sealed`,
+    a record in the clear is shown as unreadable, as such a middleware answers it.
     """
     if names is None:
         if key is None:
@@ -165,7 +167,7 @@ async def inspect_key(
         if claim_ttl == -1:
             note = "the claim has no TTL: nothing will ever free it (delete it by hand)"
         return KeyState(names, IN_FLIGHT, token, claim_ttl, note=note)
-    return _completed(names, token, claim_ttl, data, result_ttl, sealer, reveal)
+    return _completed(names, token, claim_ttl, data, result_ttl, sealer, reveal, require_sealed)
 
 
 def _free(names: KeyNames, data: bytes | None, result_ttl: int | None, *, hint: bool) -> KeyState:
@@ -196,6 +198,7 @@ def _completed(
     result_ttl: int | None,
     sealer: Sealer | None,
     reveal: bool,
+    require_sealed: bool,
 ) -> KeyState:
     """A claim and a result: the record read, or a `once` function's value (a format of
     its own, shown by its size), or why it cannot be read."""
@@ -204,7 +207,9 @@ def _completed(
     try:
         if once_value:
             fmt = codecs.stored_format(data)
-            value = codecs.from_stored(_Payload(), data, sealer, names.result)
+            value = codecs.from_stored(
+                _Payload(), data, sealer, names.result, require_sealed=require_sealed
+            )
             return KeyState(
                 names,
                 COMPLETED,
@@ -217,7 +222,7 @@ def _completed(
                 format=fmt,
             )
         fmt = _format_or_none(data)
-        record = decode(data, sealer=sealer, name=names.result)
+        record = decode(data, sealer=sealer, name=names.result, require_sealed=require_sealed)
     except RecordError as exc:
         if once_value:
             note = "calls with this key raise goblin_idem.record.RecordError and never run"

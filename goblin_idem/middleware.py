@@ -99,6 +99,7 @@ class IdempotencyMiddleware:
         close_store: bool = True,
         otel: bool = False,
         encryption_keys: Sequence[bytes] | Sealer | None = None,
+        require_sealed: bool = False,
         compression: str | None = "zlib",
         compress_above_bytes: int = 1024,
         previous_key_names: bool = False,
@@ -157,6 +158,7 @@ class IdempotencyMiddleware:
             fingerprint_headers=self.fingerprint_headers,
         )
         self.sealer = self.runs.sealer
+        self.require_sealed = options.require_sealed(require_sealed, self.sealer)
         self.identity = Identity(
             self.namespace, self.scope_of, self.fingerprint_headers, self.header_name
         )
@@ -167,6 +169,7 @@ class IdempotencyMiddleware:
             self.max_body_bytes,
             self.retry_after,
             self.sealer,
+            self.require_sealed,
         )
 
     @property

@@ -70,6 +70,7 @@ def once(
     wait_seconds: float = 0,
     name: str | None = None,
     encryption_keys: Sequence[bytes] | Sealer | None = None,
+    require_sealed: bool = False,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
     """Run the decorated ``async def`` at most once per key (see the module docstring).
 
@@ -80,13 +81,15 @@ def once(
     key, so two functions never share a claim. The return value is stored with `codec`
     (default: by the return annotation, see goblin_idem.codecs), sealed and bound to its
     store key as the middleware's records are when `encryption_keys` (or
-    ``$GOBLIN_IDEM_ENCRYPTION_KEYS``) gives keys.
+    ``$GOBLIN_IDEM_ENCRYPTION_KEYS``) gives keys; with `require_sealed`, a stored value in
+    the clear raises RecordError instead of being returned (README: Encryption at rest).
     """
     the_store = _checked(store, key, codec, wait_seconds, name)
     ttl_seconds = options.whole_number("ttl_seconds", ttl_seconds, minimum=1)
     lease_seconds = options.whole_number("lease_seconds", lease_seconds, minimum=1)
     ns = options.namespace(namespace)
     sealer = options.sealer(encryption_keys)
+    sealed_only = options.require_sealed(require_sealed, sealer)
 
     def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         if not inspect.iscoroutinefunction(func):
@@ -107,6 +110,7 @@ def once(
             lease_seconds,
             float(wait_seconds),
             sealer,
+            sealed_only,
             Watchdog.for_store(the_store),
         )
 
@@ -170,6 +174,7 @@ class _Once:
     lease_seconds: int
     wait_seconds: float
     sealer: Sealer | None
+    require_sealed: bool  # a stored value in the clear raises RecordError
     watchdog: Watchdog  # the store's, shared
 
     def names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyNames:
@@ -204,7 +209,9 @@ class _Once:
                 retry_after=RETRY_AFTER,
             )
         if reply is not CLAIMED:
-            return from_stored(self.codec, reply, self.sealer, names.result)
+            return from_stored(
+                self.codec, reply, self.sealer, names.result, require_sealed=self.require_sealed
+            )
         return await self._run(args, kwargs, names, token)
 
     async def _run(

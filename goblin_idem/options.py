@@ -28,6 +28,7 @@ __all__ = [
     "namespace",
     "patterns",
     "polling",
+    "require_sealed",
     "sealer",
     "store",
     "whole_number",
@@ -198,6 +199,19 @@ def sealer(value: object) -> Sealer | None:
         return Sealer(value)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"encryption_keys{where}: {exc}") from None
+
+
+def require_sealed(value: object, sealer: Sealer | None) -> bool:
+    """`require_sealed`: stored values in the clear are refused. Without keys nothing is
+    sealed, so every stored value would be refused: a configuration error."""
+    required = flag("require_sealed", value)
+    if required and sealer is None:
+        raise ValueError(
+            "require_sealed=True refuses every stored value that is not sealed, and no "
+            f"encryption keys are configured: pass encryption_keys=[key, ...] or set "
+            f"${ENV_VAR}, or turn require_sealed off"
+        )
+    return required
 
 
 def codec(value: object) -> _compression.Codec | None:

@@ -21,10 +21,10 @@ Version 1 is written for a response in the clear with no trailers, and version 2
 that declared HTTP trailers (``trailers: True`` in its ASGI response start), exactly as
 earlier releases wrote them, so that they read what this one writes while both share a
 store; version 3 only when the record is sealed or its body compressed. A reader meets a
-version it does not know (or a sealed record it cannot open) with an error, and the
-middleware answers that key 503 and never runs it again. Every record starts with b"GI"
-and a version byte, so it can never be mistaken for the wire reply ``CLAIMED`` of a won
-claim.
+version it does not know (or a sealed record it cannot open, or with `require_sealed` one
+in the clear) with an error, and the middleware answers that key 503 and never runs it
+again. Every record starts with b"GI" and a version byte, so it can never be mistaken for
+the wire reply ``CLAIMED`` of a won claim.
 """
 
 from __future__ import annotations
@@ -162,10 +162,14 @@ def format_of(data: bytes) -> Format:
     return Format(data[2], True, sealed_key_id(data[_ENVELOPE.size :]))
 
 
-def decode(data: bytes, *, sealer: Sealer | None = None, name: bytes = b"") -> Record:
-    """The record in `data`, opened with `sealer` for the store key `name` if sealed."""
+def decode(
+    data: bytes, *, sealer: Sealer | None = None, name: bytes = b"", require_sealed: bool = False
+) -> Record:
+    """The record in `data`, opened with `sealer` for the store key `name` if sealed. With
+    `require_sealed`, a record in the clear is refused: anyone who can write to the store
+    can write one, and only a sealed record proves it was written by a key holder."""
     try:
-        if data[:3] in _V1_V2:  # the replay path of most records: as earlier releases read
+        if data[:3] in _V1_V2 and not require_sealed:  # the replay path of most records
             _, version, flags, status, fp, count = _HEAD.unpack_from(data, 0)
             headers, pos = _decode_fields(data, _HEAD.size, count)
             trailers = None
@@ -177,6 +181,11 @@ def decode(data: bytes, *, sealer: Sealer | None = None, name: bytes = b"") -> R
             )
         fmt = format_of(data)
         if not fmt.sealed:
+            if require_sealed:
+                raise RecordError(
+                    f"written in the clear (format version {fmt.version}), and "
+                    "require_sealed=True refuses records that are not sealed"
+                )
             return _decode_payload(data[_ENVELOPE.size :])
         if sealer is None:
             raise RecordError(

@@ -336,3 +336,28 @@ def test_cli_names_the_store_it_could_not_reach() -> None:
     assert down.returncode == 1
     assert f"could not read the store at 127.0.0.1:{port}: ConnectionError: " in down.stderr
     assert "Connection refused" in down.stderr
+
+
+async def test_cli_require_sealed_shows_a_record_in_the_clear_as_answered(
+    redis_server: Server, redis_store: RedisStore
+) -> None:
+    assert (await post(protected(redis_store), "k-plain")).status_code == 201
+    plain = cli("--url", redis_server.url, "k-plain")
+    assert "state        completed\n" in plain.stdout and "format       version 1\n" in plain.stdout
+    strict = cli("--url", redis_server.url, "k-plain", "--require-sealed")
+    assert strict.returncode == 0, strict.stderr
+    assert "state        completed, unreadable\n" in strict.stdout
+    assert "written in the clear (format version 1)" in strict.stdout
+    assert "answers requests with this key with 503" in strict.stdout
+
+    @once(redis_store, key=lambda event: event, name="jobs.plain")
+    async def charge(event: str) -> dict[str, str]:
+        return {"charge": "ch_1"}
+
+    await charge("evt-1")
+    value = cli("--url", redis_server.url, "evt-1", "--namespace", "once", "--scope", "jobs.plain")
+    assert "state        completed\n" in value.stdout
+    args = ("--namespace", "once", "--scope", "jobs.plain", "--require-sealed")
+    refused = cli("--url", redis_server.url, "evt-1", *args)
+    assert "state        completed, unreadable\n" in refused.stdout
+    assert "in the clear, and require_sealed=True refuses" in refused.stdout

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis.asyncio
 
-from goblin_idem import Lock, LockError, LockNotOwnedError, RedisStore, Store, Watchdog
+from goblin_idem import Lock, LockError, LockNotOwnedError, MemoryStore, RedisStore, Store, Watchdog
 from tests.support.backends import Backend
 from tests.support.procs import APPS, spawn, stop
 from tests.support.servers import Server
@@ -40,6 +40,31 @@ async def test_renewal_keeps_a_long_holder(store: Store) -> None:
         lock.check()
     assert lock.watchdog.renewals >= 3
     assert await store.get("long") is None
+
+
+async def test_the_first_renewal_of_a_3_s_lease_comes_at_a_third_of_it() -> None:
+    """The schedule, read from the store: when PTTL jumps back up, the renewal happened
+    (3 s - PTTL) before the read, whenever the read itself ran. A renewal at a third of
+    the lease lands at 1 s (later only by the loop's lag), one at half of it at 1.5 s;
+    the bounds keep 400 ms for lag and still tell them apart."""
+    store = MemoryStore()
+    dog = Watchdog(store)
+    await store.set("leased", "t", px=3000)
+    start = time.monotonic()
+    lease = dog.hold("leased", "t", 3000)
+    try:
+        last = await store.pttl("leased")
+        while time.monotonic() - start < 5:
+            await asyncio.sleep(0.02)
+            ttl = await store.pttl("leased")
+            if ttl > last:
+                break
+            last = ttl
+        renewed_at = time.monotonic() - start - (3000 - ttl) / 1000
+    finally:
+        await dog.release(lease)
+    assert dog.renewals == 1
+    assert 0.8 <= renewed_at <= 1.4, renewed_at
 
 
 async def test_lost_lock_raises_lock_not_owned(store: Store) -> None:

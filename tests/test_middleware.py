@@ -107,6 +107,22 @@ async def test_server_errors_are_not_stored(store: Store, status: int) -> None:
     assert handler.runs == 2
 
 
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+async def test_redirects_that_repeat_the_request_release_the_key(store: Store, status: int) -> None:
+    """307 and 308 send the same request elsewhere: the key is released. 301, 302 and 303
+    are the request's outcome (a client follows them with a GET), stored and replayed."""
+    handler = Handler(status=status, headers=[(b"location", b"/elsewhere")], chunks=[b""])
+    mw = IdempotencyMiddleware(handler, store=store)
+    assert (await request(mw, key="k")).status == status
+    again = await request(mw, key="k")
+    if status in (307, 308):
+        assert again.header("idempotent-replayed") is None
+        assert handler.runs == 2 and mw.counters.released == 2
+    else:
+        assert again.status == status and again.header("idempotent-replayed") == b"true"
+        assert handler.runs == 1 and mw.counters.released == 0
+
+
 async def test_store_server_errors_option_stores_5xx(store: Store) -> None:
     handler = Handler(status=500)
     mw = IdempotencyMiddleware(handler, store=store, store_server_errors=True)
@@ -500,6 +516,36 @@ async def test_response_too_large_is_delivered_but_not_replayed(store: Store) ->
     assert again.status == 409 and again.header("retry-after") is None
     assert problem(again)["type"] == "urn:goblin-idem:problem:not-replayable"
     assert handler.runs == 1 and mw.counters.too_large == 1
+
+
+async def test_a_response_of_exactly_max_response_bytes_replays_whole(store: Store) -> None:
+    """The limit is inclusive: 1000 bytes (in two chunks) of a 1000-byte limit replay, one
+    byte more does not."""
+    handler = Handler(chunks=[b"x" * 600, b"y" * 400])
+    mw = IdempotencyMiddleware(handler, store=store, max_response_bytes=1000)
+    first = await request(mw, key="k-at")
+    again = await request(mw, key="k-at")
+    assert again.header("idempotent-replayed") == b"true"
+    assert again.body == first.body == b"x" * 600 + b"y" * 400
+    assert again.header("content-length") == b"1000"
+    handler.chunks = [b"x" * 600, b"y" * 401]
+    assert len((await request(mw, key="k-over")).body) == 1001
+    over = await request(mw, key="k-over")
+    assert over.status == 409 and problem(over)["type"].endswith(":not-replayable")
+    assert handler.runs == 2 and mw.counters.too_large == 1
+
+
+async def test_a_mismatch_under_a_not_replayable_key_is_422(store: Store) -> None:
+    """Another request under a key whose response was too large to store is a client bug
+    (422 key-reused), not a duplicate to be told the work is done (409 not-replayable)."""
+    handler = Handler(chunks=[b"x" * 2000])
+    mw = IdempotencyMiddleware(handler, store=store, max_response_bytes=1000)
+    assert (await request(mw, key="k", body=b"a")).status == 201
+    other = await request(mw, key="k", body=b"b")
+    assert other.status == 422 and problem(other)["type"].endswith(":key-reused")
+    same = await request(mw, key="k", body=b"a")
+    assert same.status == 409 and problem(same)["type"].endswith(":not-replayable")
+    assert handler.runs == 1 and (mw.counters.mismatch, mw.counters.not_replayable) == (1, 1)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

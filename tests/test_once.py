@@ -305,6 +305,35 @@ async def test_sealed_values_are_bound_to_their_key_and_rotate(store: Store) -> 
     assert runs == ["a", "c"]
 
 
+async def test_require_sealed_refuses_a_value_in_the_clear(store: Store) -> None:
+    """A value in the clear (stored before keys, or by anyone who can write to the store)
+    raises RecordError with require_sealed, and nothing runs; a sealed one is returned."""
+    key = b"k" * 32
+    runs: list[str] = []
+
+    def charge(keys: list[bytes], **options: bool) -> Any:
+        @once(store, key=lambda event: event, name="strict", encryption_keys=keys, **options)
+        async def run(event: str) -> dict[str, str]:
+            runs.append(event)
+            return {"card": f"4242-{event}"}
+
+        return run
+
+    assert await charge([])("plain") == {"card": "4242-plain"}
+    forged = key_names(b"once", b"strict", b"forged")
+    await store.claim(forged.claim, forged.result, b"x", 60)
+    await store.set(forged.result, b'GO\x01{"card":"forged"}', ex=60)
+    assert await charge([key])("forged") == {"card": "forged"}  # what the option is for
+    strict = charge([key], require_sealed=True)
+    for event in ("plain", "forged"):
+        with pytest.raises(RecordError, match="in the clear, and require_sealed=True refuses"):
+            await strict(event)
+    assert await strict("sealed") == await strict("sealed") == {"card": "4242-sealed"}
+    assert runs == ["plain", "sealed"]
+    with pytest.raises(ValueError, match="no encryption keys are configured"):
+        once(store, key=lambda n: n, encryption_keys=[], require_sealed=True)
+
+
 # -- the lease ----------------------------------------------------------------------------------
 
 

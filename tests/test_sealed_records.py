@@ -18,6 +18,7 @@ import redis.asyncio
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
+from goblin_idem.compression import codec as make_codec
 from goblin_idem.keys import key_names
 from goblin_idem.record import Record, RecordError, decode, encode, fingerprint, format_of
 from goblin_idem.sealing import Sealer, SealError, key_id, keys_from_env
@@ -158,6 +159,51 @@ async def test_plain_records_stay_readable_once_encryption_is_on(store: RedisSto
     assert (await request(IdempotencyMiddleware(app, store=store), key="k-p")).status == 201
     replay = await request(sealed(app, store, [K1]), key="k-p")
     assert replay.status == 201 and replay.body == SECRET and app.runs == 1
+
+
+async def test_require_sealed_answers_a_record_in_the_clear_503_and_runs_nothing(
+    store: RedisStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Records in the clear under every format (a process without keys, or anyone who can
+    write to the store): replayed with keys alone, 503 with require_sealed, never run."""
+    app = App()
+    plain = IdempotencyMiddleware(app, store=store)
+    assert (await request(plain, key="k-plain", body=FP_BODY)).status == 201
+    fp = fingerprint("POST", "/", b"", FP_BODY)
+    await put(store, "k-forged-v1", shipped_v1(fp, b'{"paid":true}'))
+    await put(store, "k-forged-v2", shipped_v2(fp, b'{"paid":true}'))
+    rec = Record(201, [], b'{"paid":true}' * 100, fp)
+    await put(store, "k-forged-v3", encode(rec, codec=make_codec("zlib"), compress_above=0))
+    assert (await request(sealed(app, store, [K1]), key="k-sealed")).status == 201
+    forged = ["k-forged-v1", "k-forged-v2", "k-forged-v3"]
+    replays = sealed(app, store, [K1])
+    for key in forged:  # what require_sealed is for: these replay as the store says
+        assert (await request(replays, key=key, body=FP_BODY)).status in (200, 201)
+
+    caplog.set_level(logging.ERROR, "goblin_idem.middleware")
+    mw = sealed(app, store, [K1], require_sealed=True, fail_open=True)
+    for key in ["k-plain", *forged]:
+        refused = await request(mw, key=key, body=FP_BODY)
+        assert refused.status == 503 and unreadable(refused.body), key
+        assert refused.header("retry-after") == b"1"
+    assert (await request(mw, key="k-sealed")).header("idempotent-replayed") == b"true"
+    assert app.runs == 2 and mw.counters.unreadable == 4 and mw.counters.replayed == 1
+    assert any(
+        key_names(b"idem", b"", b"k-forged-v3").hash in r.getMessage()
+        and "written in the clear (format version 3)" in r.getMessage()
+        and "require_sealed=True" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_require_sealed_without_keys_says_what_to_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GOBLIN_IDEM_ENCRYPTION_KEYS", raising=False)
+    for keys in ([], None):
+        with pytest.raises(ValueError, match=r"pass encryption_keys=\[key, \.\.\.\] or set \$GO"):
+            IdempotencyMiddleware(App(), encryption_keys=keys, require_sealed=True)
+    with pytest.raises(TypeError, match="require_sealed must be True or False"):
+        IdempotencyMiddleware(App(), encryption_keys=[K1], require_sealed="yes")  # type: ignore[arg-type]
+    assert IdempotencyMiddleware(App(), encryption_keys=[K1], require_sealed=True).require_sealed
 
 
 def test_sealer_outside_the_middleware() -> None:
