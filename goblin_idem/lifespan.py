@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
+from . import _log
 from .errors import StorePermissionError, describe
 from .memory import MemoryStore
 from .store import RedisStore
@@ -36,19 +37,9 @@ def startup_logger() -> logging.Logger:
     """Where the startup line goes: goblin-idem's logger once the application configured
     logging for it; else the server's own log if it has one (uvicorn's default logging
     shows INFO there, and nothing of a library's INFO lines)."""
-    if _own_handlers(logger) or logging.getLogger().handlers:
+    if _log.configured(logger.name):
         return logger
-    server = logging.getLogger("uvicorn.error")
-    return server if server.hasHandlers() else logger
-
-
-def _own_handlers(log: logging.Logger) -> bool:
-    current: logging.Logger | None = log
-    while current is not None and current.name != "root":
-        if current.handlers:
-            return True
-        current = current.parent if current.propagate else None
-    return False
+    return _log.server_log() or logger
 
 
 async def run_lifespan(
