@@ -27,8 +27,13 @@ _FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 def configured(name: str) -> bool:
     """Whether a handler of the application's takes the lines of logger `name`: one on
-    that logger or on the way up from it to the root logger, this module's aside."""
-    log: logging.Logger | None = logging.getLogger(name)
+    that logger or on the way up from it to the root logger, this module's aside.
+
+    Called while a handler's lock is held, so it takes no lock of logging's: a logging
+    (re)configuration holds logging's lock while it takes each handler's."""
+    log = logging.Logger.manager.loggerDict.get(name)
+    if not isinstance(log, logging.Logger):  # not created yet: nothing of its own
+        log = logging.root
     while log is not None:
         if any(not isinstance(handler, _Handler) for handler in log.handlers):
             return True
@@ -55,7 +60,7 @@ class _Handler(logging.Handler):
                 return
             server = server_log()
             if server is not None:
-                if server.isEnabledFor(record.levelno):
+                if record.levelno >= server.getEffectiveLevel():  # no lock taken
                     named = copy.copy(record)  # the server's format may not show the name
                     named.msg, named.args = f"{record.name}: {record.getMessage()}", None
                     server.handle(named)
