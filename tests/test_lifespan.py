@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +25,16 @@ from starlette.middleware import Middleware
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
-from tests.support.procs import APPS, http_status, output_of, spawn, uvicorn_args, wait_http
+from tests.support.procs import (
+    APPS,
+    ROOT,
+    http_status,
+    output_of,
+    spawn,
+    stop,
+    uvicorn_args,
+    wait_http,
+)
 from tests.support.servers import Server, free_port, start_server
 
 # -- the app under uvicorn, with its default logging --------------------------------------
@@ -141,6 +152,27 @@ def test_refused_options_fail_startup_with_lifespan_on() -> None:
     assert proc.returncode == 3, err
     assert REFUSED["store"] in err
     assert "Application startup failed. Exiting." in err
+
+
+def test_refused_options_fail_startup_under_granian() -> None:
+    """Granian, too, goes on without a lifespan that raises, and stops for one that fails."""
+    args = ["-m", "granian", "--interface", "asgi", "--host", "127.0.0.1"]
+    args += ["--port", str(free_port()), "--workers", "1", f"{APPS}.misconfigured_app:app"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FRAMEWORK": "starlette", "BAD": "store"}
+    proc = subprocess.Popen(  # granian logs to stdout
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        out = proc.communicate(timeout=30)[0].decode()
+    finally:
+        stop(proc)  # SIGTERM: granian stops its worker too
+    assert proc.returncode != 0, out
+    assert f"[ERROR] {REFUSED['store']}" in out
 
 
 def test_with_lifespan_off_every_request_fails_with_the_message() -> None:
