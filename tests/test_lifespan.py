@@ -108,7 +108,7 @@ def test_check_store_false_starts_and_answers_503() -> None:
     assert "starting anyway (check_store=False): those requests get 503" in err
 
 
-# -- options refused while the app builds its middleware: under uvicorn's defaults ---------
+# -- options refused while the app builds its middleware, under real servers ---------------
 
 REFUSED = {  # what misconfigured_app's BAD gives the middleware, and the message
     "store": "IdempotencyMiddleware: TypeError: store must be a Store, not a URL string: "
