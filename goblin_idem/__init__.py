@@ -1,5 +1,6 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
 
+from . import _log
 from .claim import Claim, current_claim
 from .codecs import Codec
 from .errors import (
@@ -51,3 +52,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_log.install()  # goblin-idem's lines in the server's log, until the app configures logging

@@ -6,7 +6,8 @@ that refuses a command goblin-idem sends, fails startup with a message that name
 unless ``check_store=False``. Shutdown runs after the app's own (which may still use the
 store). An app that does not take part in the lifespan (Django's ASGI handler raises for
 it) is answered by the middleware alone, as uvicorn's ``--lifespan auto`` would. A server
-that offers no lifespan gets none of this: the store is then checked on first use.
+that offers no lifespan gets none of this: the store is then checked on first use. Options
+refused while an app built the middleware fail the startup too (`Refused`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
+from . import _log
 from .errors import StorePermissionError, describe
 from .memory import MemoryStore
 from .store import RedisStore
@@ -23,7 +25,7 @@ from .store import RedisStore
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
 
-__all__ = ["run_lifespan", "startup_logger"]
+__all__ = ["Refused", "run_lifespan", "startup_logger"]
 
 logger = logging.getLogger("goblin_idem.lifespan")
 # What the app sends once it will not use the store again: the store is closed first.
@@ -36,19 +38,9 @@ def startup_logger() -> logging.Logger:
     """Where the startup line goes: goblin-idem's logger once the application configured
     logging for it; else the server's own log if it has one (uvicorn's default logging
     shows INFO there, and nothing of a library's INFO lines)."""
-    if _own_handlers(logger) or logging.getLogger().handlers:
+    if _log.configured(logger.name):
         return logger
-    server = logging.getLogger("uvicorn.error")
-    return server if server.hasHandlers() else logger
-
-
-def _own_handlers(log: logging.Logger) -> bool:
-    current: logging.Logger | None = log
-    while current is not None and current.name != "root":
-        if current.handlers:
-            return True
-        current = current.parent if current.propagate else None
-    return False
+    return _log.server_log() or logger
 
 
 async def run_lifespan(
@@ -88,6 +80,24 @@ async def run_lifespan(
         pass
     await _shutdown(mw)
     await send({"type": "lifespan.shutdown.complete"})
+
+
+class Refused:
+    """What a middleware serves as when its options were refused while an app built it:
+    the lifespan's startup fails with the error's message, which the server logs before
+    it exits (in every lifespan mode that runs the startup); any other scope raises the
+    error (a server that runs no lifespan answers each request with a 500 and logs it)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.traceback = error.__traceback__  # as refused, however often it is raised
+        self.message = f"IdempotencyMiddleware: {describe(error)}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            raise self.error.with_traceback(self.traceback)
+        if (await receive())["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.failed", "message": self.message})
 
 
 def _first(message: Message, receive: Receive) -> Receive:

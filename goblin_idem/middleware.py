@@ -18,9 +18,11 @@ import asyncio
 import functools
 import logging
 import re
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from types import FrameType
+from typing import Any, Concatenate, ParamSpec
 
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -40,7 +42,7 @@ from .keys import (
     valid_key,
 )
 from .lease import Watchdog
-from .lifespan import run_lifespan
+from .lifespan import Refused, run_lifespan
 from .openapi import document_openapi
 from .sealing import Sealer
 from .store import CLAIMED, Store
@@ -53,6 +55,45 @@ logger = logging.getLogger("goblin_idem.middleware")
 # a store call is logged with its traceback. Every one of them is answered as an outage.
 LOGGED_WITHOUT_TRACEBACK = (RedisError, OSError, asyncio.TimeoutError)
 _serving: weakref.WeakKeyDictionary[Any, IdempotencyMiddleware] = weakref.WeakKeyDictionary()
+_P = ParamSpec("_P")
+
+
+def _refused_at_startup(
+    init: Callable[Concatenate[IdempotencyMiddleware, _P], None],
+) -> Callable[Concatenate[IdempotencyMiddleware, _P], None]:
+    """Options refused while a Starlette or FastAPI app builds its middleware fail the
+    server's startup, not each request. The app builds it in its first call, which under a
+    server with a lifespan is the lifespan's: an error raised there reads as "lifespan
+    unsupported" to uvicorn's and granian's default mode, which then start the app and
+    answer 500 to every request. So there the middleware keeps the error and serves as
+    `Refused`; built anywhere else (wrapping an app by hand) it raises at once."""
+
+    @functools.wraps(init)
+    def checked(self: IdempotencyMiddleware, /, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except Exception as exc:
+            if not _built_by_an_app():
+                raise
+            self._app = Refused(exc)  # never a scope's app: every call goes to it
+
+    return checked
+
+
+def _built_by_an_app() -> bool:
+    """Whether a Starlette (or FastAPI) app's `build_middleware_stack` is building this
+    middleware: the method in which both build it (Starlette 0.37 to 1.x, FastAPI 0.110
+    on), from their first call."""
+    from starlette.applications import Starlette
+
+    frame: FrameType | None = sys._getframe(2)  # above `checked`
+    while frame is not None:
+        if frame.f_code.co_name == "build_middleware_stack" and isinstance(
+            frame.f_locals.get("self"), Starlette
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class IdempotencyMiddleware:
@@ -70,6 +111,7 @@ class IdempotencyMiddleware:
       unprotected instead).
     """
 
+    @_refused_at_startup
     def __init__(
         self,
         app: ASGIApp,
@@ -210,6 +252,9 @@ class IdempotencyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("app") is not self._app:
+            if isinstance(self._app, Refused):
+                await self._app(scope, receive, send)
+                return
             self._adopt(scope.get("app"))
         if scope["type"] != "http" or scope["method"] not in self.methods:
             if scope["type"] == "lifespan":

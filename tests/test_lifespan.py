@@ -1,15 +1,17 @@
 """The middleware in the ASGI lifespan: the store checked at startup (one log line that
 uvicorn's default logging shows, a failed startup for a store that cannot be used), closed
-at shutdown, around an app's own lifespan or in place of a missing one; and the public way
-from the app object to the middleware and its counters."""
+at shutdown, around an app's own lifespan or in place of a missing one; options refused
+while an app builds its middleware fail the startup too; and the public way from the app
+object to the middleware and its counters."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
-import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,10 +20,21 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
-from tests.support.procs import APPS, spawn, stop, uvicorn_args, wait_http
+from tests.support.procs import (
+    APPS,
+    ROOT,
+    http_status,
+    output_of,
+    spawn,
+    stop,
+    uvicorn_args,
+    wait_http,
+)
 from tests.support.servers import Server, free_port, start_server
 
 # -- the app under uvicorn, with its default logging --------------------------------------
@@ -30,18 +43,6 @@ from tests.support.servers import Server, free_port, start_server
 def serve(port: int, **env: str) -> subprocess.Popen[bytes]:
     """`lifespan_app:app` under uvicorn at its default log level (info)."""
     return spawn(uvicorn_args(f"{APPS}.lifespan_app:app", port, "info"), env)
-
-
-def output_of(proc: subprocess.Popen[bytes]) -> str:
-    """Stop `proc` (SIGTERM, a clean shutdown) and return what it wrote to stderr."""
-    assert proc.stderr is not None
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        _, err = proc.communicate(timeout=20)
-    finally:
-        stop(proc)
-    return err.decode()
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["no-app-lifespan", "app-lifespan"])
@@ -105,6 +106,119 @@ def test_check_store_false_starts_and_answers_503() -> None:
         err = output_of(proc)
     assert f"WARNING:  goblin-idem store: cannot use the Redis at 127.0.0.1:{dead}" in err
     assert "starting anyway (check_store=False): those requests get 503" in err
+
+
+# -- options refused while the app builds its middleware, under real servers ---------------
+
+REFUSED = {  # what misconfigured_app's BAD gives the middleware, and the message
+    "store": "IdempotencyMiddleware: TypeError: store must be a Store, not a URL string: "
+    "pass store=RedisStore.from_url(url)",
+    "lease": "IdempotencyMiddleware: TypeError: lease_seconds must be a whole number (int) "
+    ">= 1, not a float",
+}
+
+
+def serve_misconfigured(
+    port: int, framework: str, bad: str, *lifespan: str
+) -> subprocess.Popen[bytes]:
+    """`misconfigured_app:app` under uvicorn at its default log level, `lifespan` flags."""
+    args = uvicorn_args(f"{APPS}.misconfigured_app:app", port, "info") + list(lifespan)
+    return spawn(args, {"FRAMEWORK": framework, "BAD": bad})
+
+
+@pytest.mark.parametrize("bad", sorted(REFUSED))
+@pytest.mark.parametrize("framework", ["fastapi", "starlette"])
+def test_refused_options_fail_startup_under_uvicorns_defaults(framework: str, bad: str) -> None:
+    """uvicorn's --lifespan auto takes an error raised in the lifespan call (where the app
+    builds its middleware) for "lifespan unsupported" and starts; the middleware fails
+    the startup instead, with the error's message, and uvicorn exits."""
+    proc = serve_misconfigured(free_port(), framework, bad)
+    try:
+        proc.wait(timeout=30)
+    finally:
+        err = output_of(proc)
+    assert proc.returncode == 3, err  # uvicorn's exit code for a failed startup
+    assert any(line.startswith(f"ERROR:    {REFUSED[bad]}") for line in err.splitlines()), err
+    assert "Application startup failed. Exiting." in err
+    assert "appears unsupported" not in err
+
+
+def test_refused_options_fail_startup_with_lifespan_on() -> None:
+    proc = serve_misconfigured(free_port(), "fastapi", "store", "--lifespan", "on")
+    try:
+        proc.wait(timeout=30)
+    finally:
+        err = output_of(proc)
+    assert proc.returncode == 3, err
+    assert REFUSED["store"] in err
+    assert "Application startup failed. Exiting." in err
+
+
+def test_refused_options_fail_startup_under_granian() -> None:
+    """Granian, too, goes on without a lifespan that raises, and stops for one that fails."""
+    args = ["-m", "granian", "--interface", "asgi", "--host", "127.0.0.1"]
+    args += ["--port", str(free_port()), "--workers", "1", f"{APPS}.misconfigured_app:app"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FRAMEWORK": "starlette", "BAD": "store"}
+    proc = subprocess.Popen(  # granian logs to stdout
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        out = proc.communicate(timeout=30)[0].decode()
+    finally:
+        stop(proc)  # SIGTERM: granian stops its worker too
+    assert proc.returncode != 0, out
+    assert f"[ERROR] {REFUSED['store']}" in out
+
+
+def test_with_lifespan_off_every_request_fails_with_the_message() -> None:
+    """A server that runs no lifespan cannot be stopped from starting: each request is a
+    500, and the server's log has the error, whole, for each."""
+    port = free_port()
+    proc = serve_misconfigured(port, "fastapi", "lease", "--lifespan", "off")
+    try:
+        deadline = time.monotonic() + 20
+        while http_status(port, "/health") is None and time.monotonic() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.05)
+        assert [http_status(port, "/health"), http_status(port, "/docs")] == [500, 500]
+    finally:
+        err = output_of(proc)
+    message = REFUSED["lease"].removeprefix("IdempotencyMiddleware: ")
+    assert err.splitlines().count(message) >= 2, err  # the last line of each traceback
+    assert "Exception in ASGI application" in err
+
+
+@pytest.mark.parametrize("framework", ["fastapi", "starlette"])
+async def test_refused_options_fail_the_lifespan_and_every_request(framework: str) -> None:
+    """In process, as a server sees it: the lifespan's startup fails with the message; a
+    request (no lifespan run) raises the error itself."""
+
+    def build() -> Any:
+        if framework == "fastapi":
+            app = FastAPI()
+            app.add_middleware(IdempotencyMiddleware, lease_seconds=0.5)  # type: ignore[arg-type]
+            return app
+        return Starlette(middleware=[Middleware(IdempotencyMiddleware, lease_seconds=0.5)])
+
+    async with lifespan(build(), expect="failed") as sent:
+        pass
+    assert sent == [{"type": "lifespan.startup.failed", "message": REFUSED["lease"]}]
+    transport = httpx.ASGITransport(app=build())
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        for _ in range(2):
+            with pytest.raises(TypeError, match="lease_seconds must be a whole number"):
+                await client.post("/x")
+
+
+def test_built_by_hand_it_raises_at_once() -> None:
+    app = FastAPI()
+    with pytest.raises(TypeError, match="lease_seconds must be a whole number"):
+        IdempotencyMiddleware(app, lease_seconds=0.5)  # type: ignore[arg-type]
 
 
 # -- in process: the lifespan messages themselves ------------------------------------------

@@ -51,6 +51,18 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
         proc.stderr.close()
 
 
+def output_of(proc: subprocess.Popen[bytes]) -> str:
+    """Stop `proc` (SIGTERM, a clean shutdown) and return what it wrote to stderr."""
+    assert proc.stderr is not None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=20)
+    finally:
+        stop(proc)
+    return err.decode()
+
+
 def http_status(port: int, path: str, timeout: float = 1.0) -> int | None:
     """The status of ``GET path`` on 127.0.0.1:`port`, or None if nothing answers."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)

@@ -1,9 +1,11 @@
 """A FastAPI app for the lifespan tests, served by uvicorn: the store from $REDIS_URL,
 ``CHECK_STORE=0`` for check_store=False, ``OWN_LIFESPAN=1`` for a lifespan of the app's own
-that reports, on stderr, the store mode it finds at startup and its shutdown."""
+that reports, on stderr, the store mode it finds at startup and its shutdown,
+``LOGGING=basic`` for an app that configures logging itself (``logging.basicConfig()``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -15,6 +17,8 @@ from fastapi import FastAPI, Request
 from goblin_idem import IdempotencyMiddleware, RedisStore
 
 runs = 0
+if os.environ.get("LOGGING") == "basic":
+    logging.basicConfig()
 
 
 @asynccontextmanager
