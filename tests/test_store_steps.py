@@ -1,5 +1,6 @@
 """The middleware's closing store steps (publish, release): inline, with no task per
-request, and never cut short by a cancellation (a cancelled step starts again in a task)."""
+request, never cut short by a cancellation (a cancelled step starts again in a task), and a
+failed publish retried while the claim holds, unless the server refused it for good."""
 
 from __future__ import annotations
 
@@ -9,10 +10,18 @@ from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import (
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
+from goblin_idem.store import Published
 from tests.support.asgi import request
 
 
@@ -26,12 +35,16 @@ class SlowPublish(MemoryStore):
     """A store whose publish and CAD wait first, as a network store's do, and whose publish
     may then fail."""
 
-    def __init__(self, delay: float | None, failures: int = 0) -> None:
+    def __init__(
+        self, delay: float | None, failures: int = 0, error: Exception | None = None
+    ) -> None:
         super().__init__()
         self.delay = delay
         self.failures = failures
+        self.error = error or RedisConnectionError("store went away")
         self.calls = 0
         self.cads = 0
+        self.held: list[bool] = []  # at each attempt: did the claim still hold the token?
 
     async def cad(self, key: Any, expected: Any) -> int:
         self.cads += 1
@@ -41,13 +54,14 @@ class SlowPublish(MemoryStore):
 
     async def publish(
         self, result_key: Any, value: bytes, ttl_ms: int, claim_key: Any, token: Any
-    ) -> int:
+    ) -> Published:
         self.calls += 1
+        self.held.append(await self.get(claim_key) == token)
         if self.delay is not None:
             await asyncio.sleep(self.delay)
         if self.failures:
             self.failures -= 1
-            raise RedisConnectionError("store went away")
+            raise self.error
         return await super().publish(result_key, value, ttl_ms, claim_key, token)
 
 
@@ -121,12 +135,35 @@ async def test_a_release_that_waits_outlives_the_cancelled_request() -> None:
     assert (await request(mw, key="k")).status == 201  # the key is free: a retry runs
 
 
-async def test_a_publish_that_fails_after_waiting_is_retried_then_counted() -> None:
-    store = SlowPublish(delay=0.01, failures=3)
-    mw = IdempotencyMiddleware(app, store=store)
+async def test_a_publish_that_keeps_failing_is_retried_while_the_claim_holds() -> None:
+    """Retried until a third of the lease before the claim would expire, then counted: never
+    after the claim has lapsed, when a duplicate could have run meanwhile."""
+    store = SlowPublish(delay=0.01, failures=1_000)
+    mw = IdempotencyMiddleware(app, store=store, lease_seconds=1)
     reply = await request(mw, key="k")
     assert reply.status == 201 and reply.body == b"done"  # the client still gets its answer
-    assert store.calls == 3 and mw.counters.publish_errors == 1  # tried, paused, tried twice
+    assert mw.counters.publish_errors == 1
+    assert store.calls > 3 and all(store.held), store.held
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ResponseError("WRONGTYPE ..."), OutOfMemoryError("OOM ..."), NoPermissionError("NOPERM")],
+)
+async def test_a_publish_the_server_refuses_is_not_retried(error: Exception) -> None:
+    store = SlowPublish(delay=None, failures=1_000, error=error)
+    mw = IdempotencyMiddleware(app, store=store)
+    assert (await request(mw, key="k")).status == 201
+    assert store.calls == 1 and mw.counters.publish_errors == 1
+
+
+@pytest.mark.parametrize("error", [TryAgainError("TRYAGAIN ..."), ReadOnlyError("READONLY")])
+async def test_a_publish_refused_for_now_is_retried(error: Exception) -> None:
+    store = SlowPublish(delay=None, failures=3, error=error)
+    mw = IdempotencyMiddleware(app, store=store)
+    assert (await request(mw, key="k")).status == 201
+    assert store.calls == 4 and mw.counters.publish_errors == 0
+    assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
 
 
 async def test_a_publish_that_fails_twice_succeeds_on_the_third_try() -> None:
