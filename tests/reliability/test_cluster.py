@@ -18,6 +18,7 @@ import os
 import random
 import secrets
 import signal
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore
 from goblin_idem.errors import NotReplicatedError
@@ -33,7 +35,7 @@ from goblin_idem.keys import key_names
 from goblin_idem.record import decode
 from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.reliability.failover import FailoverResult, failover_under_load
-from tests.reliability.report import FULL, pick, record
+from tests.reliability.report import FULL, ms, pick, record
 from tests.support.backends import assert_published_together_or_not_at_all
 from tests.support.inproc import CountingApp, Tally, send_once, until_done
 from tests.support.proxy import Proxy, resp_args
@@ -521,3 +523,153 @@ def _wait_cluster_state(servers: list[Server], state: str, timeout: float = 20.0
             return
         assert time.monotonic() < deadline, f"cluster_state is {states}, not {state}"
         time.sleep(0.1)
+
+
+RESHARD_SLOTS = pick(4, 16)  # slots moved, each holding RESHARD_FILL keys of other data
+RESHARD_FILL = pick(5_000, 20_000)
+RESHARD_KEYS = pick(150, 1_600)  # idempotency keys sent during the move, all in those slots
+RESHARD_CLIENTS = pick(8, 16)
+
+
+async def test_reshard_under_load_runs_no_key_twice() -> None:
+    """``redis-cli --cluster reshard`` moves slots full of keys from one primary to another
+    while clients send new keys, and their duplicates, that all fall in those slots. While
+    a slot migrates, its keys are split between the two nodes and every command of two keys
+    on it (the claim step, publish) is refused with TRYAGAIN until the slot has moved. The
+    store sends them again (the claim step for up to 2 s, a publish while its claim holds),
+    so no key runs twice, and a request gets 503 only if its slot takes longer than that."""
+    cluster = start_cluster("redis", masters=3)
+    store = RedisStore.from_url(cluster.servers[0].url, cluster=True, mode="script")
+    try:
+        src, dst = cluster.servers[0], cluster.servers[1]
+        moving = _first_slots(src, RESHARD_SLOTS)
+        await asyncio.to_thread(_fill, src, moving, RESHARD_FILL)
+        run_id = f"{random.getrandbits(32):08x}"
+        keys = _keys_in(moving, RESHARD_KEYS, f"rs-{run_id}")
+        handler = CountingApp(work_s=0.01)
+        tally = Tally()
+        mw = IdempotencyMiddleware(handler, store=store, lease_seconds=2, on_event=tally.on_event)
+        await _initialized(store)
+        tryagain_before = _tryagain_count(cluster)
+
+        # Spread the keys over the move (about 25,000 keys of data a second on loopback).
+        pace = RESHARD_CLIENTS * RESHARD_SLOTS * RESHARD_FILL / 25_000 / RESHARD_KEYS
+        waiting = iter(keys)
+        deadline = time.monotonic() + 120
+
+        async def client() -> None:
+            for key in waiting:
+                await asyncio.gather(
+                    *(until_done(mw, key, tally, deadline) for _ in range(DUPLICATES))
+                )
+                await asyncio.sleep(pace)
+
+        clients = [asyncio.create_task(client()) for _ in range(RESHARD_CLIENTS)]
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        reshard = await asyncio.to_thread(_reshard, src, dst, RESHARD_SLOTS)
+        moved_s = time.monotonic() - started
+        await asyncio.gather(*clients)
+        during = len(tally.answers)
+        await asyncio.sleep(2.5)  # a claim left without its result has lapsed: runs again
+        replays = [await send_once(mw, k) for k in keys]
+        owners = {primary_of(store, key_names(b"idem", b"", k.encode()).claim) for k in keys}
+        tryagain = _tryagain_count(cluster) - tryagain_before
+    finally:
+        await store.aclose()
+        cluster.stop()
+
+    statuses = Counter(a.status for _, a in tally.answers)
+    extra = {k: len(handler.runs[k]) - 1 for k in keys if len(handler.runs[k]) > 1}
+    record(
+        "cluster-reshard",
+        "Redis Cluster: redis-cli --cluster reshard under load",
+        {
+            "slots_moved": RESHARD_SLOTS,
+            "keys_per_slot": RESHARD_FILL,
+            "reshard_s": round(moved_s, 2),
+            "per_slot_ms": ms(moved_s / RESHARD_SLOTS),
+            "keys": len(keys),
+            "requests": during,
+            "tryagain_refusals": tryagain,
+            "503_answers": statuses.get(503, 0),
+            "409_answers": statuses.get(409, 0),
+            "side_effects": sum(len(handler.runs[k]) for k in keys),
+            "duplicate_runs": sum(extra.values()),
+            "publish_errors": sum(1 for e, _ in tally.events if e == "publish_errors"),
+            "status_counts": {str(k): v for k, v in sorted(statuses.items())},
+        },
+        checks=[
+            "the reshard moved every slot (redis-cli exit status 0; the keys' slots are on "
+            "the new primary)",
+            "no key ran twice; every key replays afterwards, past its lease",
+            "no exception out of the middleware",
+        ],
+        notes=[
+            "each moving slot holds keys_per_slot keys of other data, moved 10 per MIGRATE "
+            "(redis-cli's default pipeline), so each slot's keys stay split for per_slot_ms",
+        ],
+    )
+    assert reshard.returncode == 0, reshard.stderr
+    assert owners == {dst.port}
+    assert not extra, extra
+    assert not [a for _, a in tally.answers if a.escaped], statuses
+    for reply in replays:
+        assert reply.status == 201 and reply.replayed, reply
+
+
+def _first_slots(server: Server, n: int) -> list[int]:
+    """The first `n` slots `server` serves: the ones ``redis-cli --cluster reshard`` moves."""
+    with server.sync_client() as c:
+        ranges = c.execute_command("CLUSTER", "SLOTS")
+    start = min(int(r[0]) for r in ranges if int(r[2][1]) == server.port)
+    return list(range(start, start + n))
+
+
+def _fill(server: Server, slots: list[int], per_slot: int) -> None:
+    """`per_slot` small keys in each of `slots`, written to `server`, which serves them."""
+    tags: dict[int, bytes] = {}
+    i = 0
+    while len(tags) < len(slots):
+        tag = b"fill-%d" % i
+        if key_slot(tag) in slots:
+            tags.setdefault(key_slot(tag), tag)
+        i += 1
+    with server.sync_client() as c:
+        for tag in tags.values():
+            pipe = c.pipeline(transaction=False)
+            for n in range(per_slot):
+                pipe.set(b"{" + tag + b"}:%d" % n, b"x")
+            pipe.execute()
+
+
+def _keys_in(slots: list[int], n: int, prefix: str) -> list[str]:
+    """`n` idempotency keys whose store keys fall in `slots`."""
+    wanted, keys, i = set(slots), [], 0
+    while len(keys) < n:
+        key = f"{prefix}-{i}"
+        if key_slot(key_names(b"idem", b"", key.encode()).claim) in wanted:
+            keys.append(key)
+        i += 1
+    return keys
+
+
+def _reshard(src: Server, dst: Server, slots: int) -> subprocess.CompletedProcess[str]:
+    ids = []
+    for server in (src, dst):
+        with server.sync_client() as c:
+            raw = c.execute_command("CLUSTER", "MYID")
+        ids.append(raw.decode() if isinstance(raw, bytes) else str(raw))
+    command = ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{src.port}"]
+    command += ["--cluster-from", ids[0], "--cluster-to", ids[1]]
+    command += ["--cluster-slots", str(slots), "--cluster-yes"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def _tryagain_count(cluster: Cluster) -> int:
+    """TRYAGAIN refusals the primaries have answered (INFO errorstats)."""
+    total = 0
+    for server in cluster.servers[: cluster.masters]:
+        with server.sync_client() as c:
+            total += int(c.info("errorstats").get("errorstat_TRYAGAIN", {}).get("count", 0))
+    return total
