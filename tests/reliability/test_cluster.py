@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import secrets
@@ -28,11 +29,14 @@ import pytest
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from starlette.types import Receive, Scope, Send
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore
 from goblin_idem.errors import NotReplicatedError
+from goblin_idem.executors import TRYAGAIN_SECONDS
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
+from goblin_idem.store import Published
 from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.reliability.failover import FailoverResult, failover_under_load
 from tests.reliability.report import FULL, ms, pick, record
@@ -250,6 +254,87 @@ async def test_wait_replicas_on_a_primary_with_a_replica() -> None:
         await too_many.aclose()
         replica.stop()
         primary.stop()
+
+
+async def test_a_publish_too_few_replicas_acknowledge_is_an_error_counted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``wait_replicas``: a publish that fewer replicas acknowledge than asked raises
+    NotReplicatedError (the write stays on the primary); the middleware retries it while
+    the claim holds, then counts ``publish_errors`` and logs it, and the client still gets
+    its response."""
+    primary = start_server("redis", args=["--repl-diskless-sync-delay", "0"])
+    replica = start_server("redis", args=["--replicaof", "127.0.0.1", str(primary.port)])
+    store = RedisStore.from_url(primary.url, wait_replicas=1, wait_timeout_ms=100)
+    handler = CountingApp()
+    paused = False
+
+    async def pausing_the_replica(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal paused
+        os.kill(replica.pid, signal.SIGSTOP)  # the claim was acknowledged; the publish is not
+        paused = True
+        await handler(scope, receive, send)
+
+    try:
+        _wait_link(primary)
+        assert await store.claim(b"{p}:c", b"{p}:r", b"t", 30) is CLAIMED
+        os.kill(replica.pid, signal.SIGSTOP)
+        paused = True
+        with pytest.raises(NotReplicatedError, match=r"0 of 1 replica\(s\) acknowledged the "):
+            await store.publish(b"{p}:r", b"v", 60_000, b"{p}:c", b"t")
+        with primary.sync_client() as r:
+            assert r.get(b"{p}:r") == b"v" and r.pttl(b"{p}:c") > 30_000  # on the primary
+        os.kill(replica.pid, signal.SIGCONT)
+        paused = False
+
+        mw = IdempotencyMiddleware(pausing_the_replica, store=store, lease_seconds=1)
+        with caplog.at_level(logging.ERROR, logger="goblin_idem.middleware"):
+            reply = await send_once(mw, "p-1")
+        assert reply.status == 201 and not reply.replayed
+        assert mw.counters.publish_errors == 1
+        hashed = key_names(b"idem", b"", b"p-1").hash
+        lines = [r.getMessage() for r in caplog.records]
+        assert any(
+            f"could not publish the response for key {hashed}" in line
+            and "NotReplicatedError" in line
+            for line in lines
+        ), lines
+    finally:
+        if paused:
+            os.kill(replica.pid, signal.SIGCONT)
+        await store.aclose()
+        replica.stop()
+        primary.stop()
+
+
+@pytest.mark.parametrize("path", ["shared", "redis-py", "wait_replicas"])
+@pytest.mark.parametrize("mode", ["script", "native"])
+async def test_publish_never_replaces_a_result_in_a_cluster(
+    cluster: Cluster, mode: str, path: str
+) -> None:
+    """On both cluster paths (and with WAIT): a publish over a stored result writes
+    nothing (SUPERSEDED), a repeat of the same publish is its own (STORED)."""
+    await asyncio.to_thread(wait_settled, cluster)
+    store = RedisStore.from_url(
+        cluster.servers[0].url,
+        cluster=True,
+        mode=mode,  # type: ignore[arg-type]
+        autopipeline=path == "shared",
+        wait_replicas=int(path == "wait_replicas"),
+    )
+    tag = secrets.token_hex(4)
+    c, r = f"{{{tag}}}:c".encode(), f"{{{tag}}}:r".encode()
+    try:
+        assert await store.claim(c, r, b"a", 30) is CLAIMED
+        assert await store.publish(r, b"first", 60_000, c, b"a") == Published.STORED
+        assert await store.publish(r, b"first", 60_000, c, b"a") == Published.STORED
+        assert await store.delete(c) == 1  # the claim lapses; another run takes the key
+        assert await store.claim(c, r, b"b", 30) is CLAIMED
+        assert await store.publish(r, b"late", 90_000, c, b"b") == Published.SUPERSEDED
+        assert await store.get(r) == b"first"
+        assert 0 < await store.pttl(c) <= await store.pttl(r) + 5
+    finally:
+        await store.aclose()
 
 
 def _wait_link(primary: Server) -> None:
@@ -546,7 +631,7 @@ async def test_reshard_under_load_runs_no_key_twice() -> None:
         await asyncio.to_thread(_fill, src, moving, RESHARD_FILL)
         run_id = f"{random.getrandbits(32):08x}"
         keys = _keys_in(moving, RESHARD_KEYS, f"rs-{run_id}")
-        handler = CountingApp(work_s=0.01)
+        handler = CountingApp(work_s=0.05)
         tally = Tally()
         mw = IdempotencyMiddleware(handler, store=store, lease_seconds=2, on_event=tally.on_event)
         await _initialized(store)
@@ -613,6 +698,8 @@ async def test_reshard_under_load_runs_no_key_twice() -> None:
     assert reshard.returncode == 0, reshard.stderr
     assert owners == {dst.port}
     assert not extra, extra
+    if moved_s / RESHARD_SLOTS < TRYAGAIN_SECONDS / 2:  # each slot moved within the budget
+        assert 503 not in statuses, statuses  # the claim step waited for its slot instead
     assert not [a for _, a in tally.answers if a.escaped], statuses
     for reply in replays:
         assert reply.status == 201 and reply.replayed, reply
