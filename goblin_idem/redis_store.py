@@ -172,7 +172,7 @@ class RedisStore(_StoreConnection):
     same WAIT (after its MULTI/EXEC), so that a failover cannot lose a published response
     and let its key run again once the claim's lease runs out; a publish that too few
     replicas acknowledged raises `NotReplicatedError` as well (the middleware retries it
-    once, then counts ``publish_errors``). Lease renewals are not waited for. Every keyed
+    while the claim holds, then counts ``publish_errors``). Lease renewals are not waited for. Every keyed
     request pays the replication round trip, and while fewer than N replicas are connected
     each claim waits the full ``wait_timeout_ms``. In a cluster these pipelines go to the
     primary that serves the key over a plain connection (`executors.Clustered`).
