@@ -333,8 +333,8 @@ class Clustered(Executor):
         aborted), and whatever RedisStore sends with one is a read, a renewal with the same
         token, or WAIT: the group is safe to send again. It is, from the start (the slot may
         have moved meanwhile), after a pause of 20 ms doubling up to 200 ms, for up to
-        `TRYAGAIN_SECONDS` (a slot of 20,000 keys migrates in about 0.4 s); then the
-        refusal comes back in place (a publish is retried further by `publish_retried`).
+        `TRYAGAIN_SECONDS` (a slot of 20,000 keys took 0.7-0.9 s in docs/RELIABILITY.md); the
+        refusal then comes back in place (a publish is retried on by `publish_retried`).
         """
         pause, give_up = TRYAGAIN_FIRST_PAUSE, 0.0
         while True:

@@ -11,7 +11,15 @@ from redis.exceptions import ResponseError
 
 from .errors import WRONGTYPE, invalid_expire
 from .protocol import CLAIMED, ClaimReply, KeyT, Published
-from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds, publish_ttl
+from .rules import (
+    WRITTEN,
+    as_bytes,
+    caexpire_ms,
+    check_size,
+    claim_reply,
+    claim_seconds,
+    publish_ttl,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -196,7 +204,7 @@ class MemoryStore:
             self._put(rk, v, time.monotonic() + ttl / 1000)
         renewed = self._caexpire(claim_key, token, ttl)
         if written or self._string(rk) == v:
-            return Published(renewed)
+            return WRITTEN[renewed]
         deadline = _deadline(self._data[rk])
         if renewed and deadline is not None:  # the claim lasts no longer than the result
             self._store(as_bytes(claim_key), as_bytes(token, "token"), deadline)

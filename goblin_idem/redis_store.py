@@ -31,7 +31,15 @@ from .executors import (
 )
 from .protocol import CLAIMED, ClaimReply, KeyT, Published
 from .replies import normalize, renewal_reply, unwrap
-from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds, publish_ttl
+from .rules import (
+    WRITTEN,
+    as_bytes,
+    caexpire_ms,
+    check_size,
+    claim_reply,
+    claim_seconds,
+    publish_ttl,
+)
 
 __all__ = ["AnyRedis", "Mode", "RedisStore"]
 
@@ -172,10 +180,11 @@ class RedisStore(_StoreConnection):
     same WAIT (after its MULTI/EXEC), so that a failover cannot lose a published response
     and let its key run again once the claim's lease runs out; a publish that too few
     replicas acknowledged raises `NotReplicatedError` as well (the middleware retries it
-    while the claim holds, then counts ``publish_errors``). Lease renewals are not waited for. Every keyed
-    request pays the replication round trip, and while fewer than N replicas are connected
-    each claim waits the full ``wait_timeout_ms``. In a cluster these pipelines go to the
-    primary that serves the key over a plain connection (`executors.Clustered`).
+    while the claim holds, then counts ``publish_errors``). Lease renewals are not waited
+    for. Every keyed request pays the replication round trip, and while fewer than N
+    replicas are connected each claim waits the full ``wait_timeout_ms``. In a cluster
+    these pipelines go to the primary that serves the key over a plain connection
+    (`executors.Clustered`).
 
     Auto-pipelining (``autopipeline=True``, the default): without ``wait_replicas``, the
     GOBLIN commands and `publish` of every concurrent caller share one connection per event
@@ -350,7 +359,7 @@ class RedisStore(_StoreConnection):
         renewed = int(unwrap(renewed, self._acl_user))
         acked.check("the published response")
         if written:
-            return Published(renewed)
+            return WRITTEN[renewed]
         return await self._stood(rk, v, ck, tok, renewed)
 
     async def _stood(
@@ -363,7 +372,7 @@ class RedisStore(_StoreConnection):
         outlive the result and answer 409 after it."""
         stored, left = await self._executor.send(ck, [("GET", rk), ("PTTL", rk)])
         if unwrap(stored, self._acl_user) == value:
-            return Published(renewed)
+            return WRITTEN[renewed]
         left = int(unwrap(left, self._acl_user))
         if renewed and left > 0:
             await self.caexpire(ck, token, left)
