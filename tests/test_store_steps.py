@@ -1,10 +1,12 @@
 """The middleware's closing store steps (publish, release): inline, with no task per
 request, never cut short by a cancellation (a cancelled step starts again in a task), and a
-failed publish retried while the claim holds, unless the server refused it for good."""
+failed publish retried while the claim holds, unless the server refused it for good; a
+retry that meets its own landed attempt is no other run's result."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Coroutine, Generator
 from typing import Any
 
@@ -18,11 +20,13 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from goblin_idem import IdempotencyMiddleware, MemoryStore
+from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
 from goblin_idem.store import Published
 from tests.support.asgi import request
+from tests.support.proxy import Proxy
+from tests.support.servers import Server
 
 
 async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -181,3 +185,33 @@ async def test_a_publish_that_fails_once_is_retried(delay: float | None) -> None
     assert (await request(mw, key="k")).status == 201
     assert store.calls == 2 and mw.counters.publish_errors == 0
     assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
+
+
+@pytest.mark.parametrize("mode", ["script", "native"])
+@pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])
+async def test_a_publish_whose_reply_was_lost_meets_its_own_result(
+    redis_native_server: Server, mode: str, autopipeline: bool
+) -> None:
+    """The publish ran on the server but its reply never came back: the retry's SET NX
+    finds a result, which is this run's own (not another run's, not superseded)."""
+    with Proxy(redis_native_server.port) as proxy:
+        store = RedisStore.from_url(proxy.url, mode=mode, autopipeline=autopipeline)  # type: ignore[arg-type]
+
+        async def losing_the_next_reply(scope: Any, receive: Any, send: Any) -> None:
+            proxy.drop_responses(1)  # the publish's
+            await app(scope, receive, send)
+
+        mw = IdempotencyMiddleware(losing_the_next_reply, store=store, ttl_seconds=600)
+        key = f"lost-reply-{secrets.token_hex(4)}"
+        try:
+            await store.detect()
+            assert (await request(mw, key=key)).status == 201
+            assert proxy.stats.dropped_responses == 1
+            counters = mw.counters
+            assert (counters.superseded, counters.lease_lost, counters.publish_errors) == (0, 0, 0)
+            names = key_names(b"idem", b"", key.encode())
+            assert 590_000 < await store.pttl(names.claim) <= 600_000  # this run's, published
+            replay = await request(mw, key=key)
+            assert replay.header("idempotent-replayed") == b"true" and replay.body == b"done"
+        finally:
+            await store.aclose()
