@@ -7,8 +7,11 @@
 - ``wait_replicas``: the claim and WAIT go to the primary that owns the key on one
   connection (a stopped replica makes the claim fail, where a WAIT on any other connection
   would succeed), follow MOVED after a failover, and fail with 503 when too few replicas ack;
+  a publish too few replicas ack is an error the middleware counts and logs;
+- a publish never replaces a stored result, on both cluster paths;
 - a forced failover with a lagging replica under load, with and without ``wait_replicas``:
-  how many handler runs the failover duplicates.
+  how many handler runs the failover duplicates;
+- ``redis-cli --cluster reshard`` under load: no key runs twice while its slot migrates.
 """
 
 from __future__ import annotations

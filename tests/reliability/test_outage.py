@@ -7,6 +7,10 @@ store-unavailable with Retry-After and no handler may start; after the restart t
 process serves again; every key runs once, except a key whose response could not be published
 during the outage (the documented publish-failure case), which may run once more after its
 lease.
+
+Restarts at publish time: the store restarted (down for 0.3-0.55 s) while runs reach their
+publish, again and again under load, and once at a chosen moment for the middleware and for
+`once`. A publish is retried while its claim holds, so no key runs twice.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ OUTAGE = pick(3.0, 10.0)  # seconds Redis stays down
 AFTER = pick(1.5, 4.0)  # seconds of new keys after the restart
 LEASE = 2
 EPSILON = 0.1  # a handler whose claim was answered just before the kill starts within this
+RESTARTS = pick(4, 12)  # restarts of the store under load, each down for 0.3-0.55 s
 
 
 @dataclass
@@ -199,9 +204,6 @@ async def test_store_outage_answers_503_runs_nothing_and_recovers(
         assert s.status == 201 and s.replayed, s
 
 
-RESTARTS = pick(4, 12)
-
-
 async def test_store_restarts_under_load_run_no_key_twice(
     durable_redis: Server, tmp_path: Path
 ) -> None:
@@ -341,18 +343,21 @@ async def test_a_restart_at_publish_time_is_ridden_out(
     try:
         await store.detect()
         first = await send_once(mw, "blip")
-        await asyncio.to_thread(restarts[0].join)
-        assert first.status == 201 and not first.replayed
+        assert restarts and first.status == 201 and not first.replayed
         assert mw.counters.publish_errors == 0
         await asyncio.sleep(LEASE + 0.2)  # a claim left without its result would lapse
         again = await send_once(mw, "blip")
         assert again.replayed and again.body == first.body
         assert len(handler.runs["blip"]) == 1
     finally:
+        for thread in restarts:  # the server is up again before the fixture stops it
+            await asyncio.to_thread(thread.join)
         await store.aclose()
 
 
 async def test_a_restart_at_publish_time_is_ridden_out_by_once(durable_redis: Server) -> None:
+    """The same for `once`: the value is stored once the store is back, and a later call
+    gets it without running."""
     store = RedisStore.from_url(durable_redis.url)
     runs: list[str] = []
     restarts: list[threading.Thread] = []
@@ -366,8 +371,9 @@ async def test_a_restart_at_publish_time_is_ridden_out_by_once(durable_redis: Se
     try:
         await store.detect()
         assert await work("e") == "done 1"
-        await asyncio.to_thread(restarts[0].join)
-        await asyncio.sleep(LEASE + 0.2)
+        await asyncio.sleep(LEASE + 0.2)  # a claim left without its value would lapse
         assert await work("e") == "done 1" and runs == ["e"]
     finally:
+        for thread in restarts:
+            await asyncio.to_thread(thread.join)
         await store.aclose()
