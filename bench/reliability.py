@@ -38,10 +38,14 @@ DEFAULT_OUT = ROOT / "docs" / "RELIABILITY.md"
 # Report order, and the figures that make each scenario's summary line.
 SCENARIOS: list[tuple[str, str, list[str]]] = [
     ("storm", "1. Storm", ["requests", "side_effects", "duplicate_runs", "in_flight_409"]),
-    ("crash", "2. Crash", ["keys", "side_effects", "completed_max_after_kill_s"]),
+    ("crash", "2. Crash", ["keys", "side_effects", "completed_max_after_kill_s", "superseded"]),
     ("outage", "3. Store outage", ["requests", "within_outage_503", "duplicate_runs"]),
     ("network", "4. Slow / flaky network", ["requests", "second_runs", "store_errors"]),
-    ("cluster", "5. Redis Cluster", ["requests", "duplicate_runs", "silent_loss_duplicates"]),
+    (
+        "cluster",
+        "5. Redis Cluster",
+        ["requests", "duplicate_runs", "silent_loss_duplicates", "503_answers"],
+    ),
     ("failover", "5. Redis Cluster", ["requests", "duplicate_runs", "silent_loss_duplicates"]),
     ("fuzz", "6. Fuzz", ["examples"]),
     ("isolation", "7. Isolation", ["pairs", "requests"]),

@@ -32,6 +32,7 @@ Event = Literal[
     "publish_errors",
     "unprotected",
     "unreadable",
+    "superseded",
 ]
 
 
@@ -53,6 +54,7 @@ class Counters:
     publish_errors: int = 0
     unprotected: int = 0
     unreadable: int = 0
+    superseded: int = 0  # a late run's response not stored: another run's stood first
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -28,7 +28,6 @@ from . import options
 from ._events import Events
 from ._routes import Settings
 from .claim import (
-    PUBLISH_RETRY_DELAYS,
     Claim,
     ClosingStep,
     current,
@@ -42,11 +41,15 @@ from .keys import KeyNames
 from .lease import Lease, Watchdog
 from .record import Record, encode
 from .sealing import Sealer
-from .store import Store
+from .store import Published, Store
 
 __all__ = ["Run", "RunConfig", "log_store_error"]
 
 logger = logging.getLogger("goblin_idem.middleware")
+
+# Taking a lapsed claim back is retried after these pauses: the publish before it has just
+# reached the store, and should it fail, the next duplicate's claim step takes it back.
+RETAKE_PAUSES = (0.05, 0.25)
 
 # Errors that no retry fixes, only a change of configuration: logged once per store.
 CONFIGURATION_ERRORS = (NoPermissionError, AuthenticationError)
@@ -291,8 +294,8 @@ class Run:
         config, names = self.config, self.names
         await config.watchdog.release(self.lease)
         try:
-            renewed = await publish_retried(
-                config.store, names, self.data, self.settings.ttl_ms, self.token
+            published = await publish_retried(
+                config.store, names, self.data, self.settings.ttl_ms, self.lease
             )
         except Exception as exc:
             config.report("publish_errors", names.hash)
@@ -305,7 +308,16 @@ class Run:
                 names.hash,
             )
             return
-        if renewed != 1:
+        if published == Published.SUPERSEDED:
+            config.report("superseded", names.hash)
+            logger.warning(
+                "key %s: a response was already stored when this run published its own "
+                "(another run took the key after this run's claim lapsed or was lost): the "
+                "stored one stands and every duplicate gets it; this run's went to its own "
+                "client only",
+                names.hash,
+            )
+        elif published != Published.STORED:
             await self._retake()
 
     async def _retake(self) -> None:
@@ -314,12 +326,12 @@ class Run:
         claim back for the result's TTL if it is free, so that duplicates are answered by
         CLAIM alone (without it, the next duplicate's claim step finds the result, replays
         it and takes the claim back). If another run holds it, a second run is under way and
-        nothing can stop it. Retried as publishing is: what lost the claim (a restart) also
+        nothing can stop it. Retried (`RETAKE_PAUSES`): what lost the claim (a restart) also
         breaks pooled connections; a holder is read back to say which of these happened."""
         self.lease.lose()  # reported once (lease_lost), should this step be repeated
         store, names, token = self.config.store, self.names, self.token
         holder: bytes | None = None
-        for delay in (*PUBLISH_RETRY_DELAYS, None):
+        for delay in (*RETAKE_PAUSES, None):
             try:
                 if await store.set(names.claim, token, px=self.settings.ttl_ms, nx=True):
                     holder = token

@@ -10,7 +10,8 @@ replies once, whatever the topology:
 - `ClusterPipelined`: a cluster, over one shared `AutoPipeline` per primary: every command,
   alone or in a group, goes to the pipeline of the primary that serves its key's slot (the
   cluster client's slot table, read without a network call), and `Clustered._together`
-  follows MOVED and ASK and decides when a lost connection may be retried.
+  follows MOVED and ASK, sends again after TRYAGAIN, and decides when a lost connection may
+  be retried.
 - `Clustered`: a cluster through redis-py, where the shared pipelines cannot be used (TLS,
   a credential provider, no hiredis, ``autopipeline=False``, or ``wait_replicas``, whose
   WAIT would block a shared connection). One command goes through the cluster client, which
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
@@ -47,6 +49,7 @@ from redis.exceptions import (
     NoScriptError,
     RedisClusterException,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -80,6 +83,11 @@ Outcome: TypeAlias = list[Any] | BaseException
 
 #: Redirects a cluster send follows before it gives up (the slot table keeps changing).
 MAX_REDIRECTS: Final = 5
+#: How long a cluster send refused with TRYAGAIN (a slot migrating) is sent again, and the
+#: pauses before each time (doubling from the first to the cap).
+TRYAGAIN_SECONDS: Final = 2.0
+TRYAGAIN_FIRST_PAUSE: Final = 0.02
+TRYAGAIN_MAX_PAUSE: Final = 0.2
 #: A lost connection or a timeout: whether the commands ran is unknown.
 _LOST: Final = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -316,9 +324,36 @@ class Clustered(Executor):
     async def _together(
         self, key: bytes, commands: Sequence[Command], tried: tuple[Address, Outcome] | None = None
     ) -> tuple[list[Any], Where]:
-        """`commands` on one connection of the primary that serves `key`; `tried` is a first
-        attempt already made (the node it went to, what it ended in), taken as this loop's
-        first.
+        """`commands` on one connection of the primary that serves `key` (`_redirected`),
+        sent again while TRYAGAIN refuses one of them; `tried` as in `_redirected`.
+
+        TRYAGAIN answers a command of several keys on a slot being migrated when its keys
+        are not all on the node that answered (split between the two nodes, or a new key's
+        on neither yet). The command ran nothing (inside a MULTI, the EXEC is refused or
+        aborted), and whatever RedisStore sends with one is a read, a renewal with the same
+        token, or WAIT: the group is safe to send again. It is, from the start (the slot may
+        have moved meanwhile), after a pause of 20 ms doubling up to 200 ms, for up to
+        `TRYAGAIN_SECONDS` (a slot of 20,000 keys took 0.7-0.9 s in docs/RELIABILITY.md); the
+        refusal then comes back in place (a publish is retried on by `publish_retried`).
+        """
+        pause, give_up = TRYAGAIN_FIRST_PAUSE, 0.0
+        while True:
+            replies, node = await self._redirected(key, commands, tried)
+            if not any(isinstance(reply, TryAgainError) for reply in replies):
+                return replies, node
+            now = time.monotonic()
+            give_up = give_up or now + TRYAGAIN_SECONDS
+            if now + pause > give_up:
+                return replies, node
+            await asyncio.sleep(pause)
+            pause, tried = min(2 * pause, TRYAGAIN_MAX_PAUSE), None
+
+    async def _redirected(
+        self, key: bytes, commands: Sequence[Command], tried: tuple[Address, Outcome] | None
+    ) -> tuple[list[Any], Where]:
+        """`commands` on one connection of the primary that serves `key`, following
+        redirects; `tried` is a first attempt already made (the node it went to, what it
+        ended in), taken as this loop's first.
 
         MOVED (in any reply; inside a MULTI it answers the queued command and EXEC fails with
         EXECABORT, so nothing ran) refreshes the cluster client's slot table and sends to
@@ -327,9 +362,7 @@ class Clustered(Executor):
         owns the slot (a claim that did reach the old primary then reads as in flight, never
         as won). At most `MAX_REDIRECTS` sends. Keys of more than one slot are refused as
         redis-py refuses them (RedisClusterException), whether the server said CROSSSLOT or
-        redirected one of the commands elsewhere. TRYAGAIN (a multi-key command during a
-        slot's migration, its keys split between the two nodes) ran nothing and comes back
-        in place.
+        redirected one of the commands elsewhere. TRYAGAIN comes back in place.
         """
         ask: Address | None = None
         for _ in range(MAX_REDIRECTS):

@@ -38,6 +38,11 @@ class Lease:
     on_lost: Callable[[Lease], None] | None = None
     due: float = field(default=0.0)
     lost: bool = False
+    # When the lease was taken (held) or its last successful renewal was sent, on the
+    # time.monotonic() clock: the key keeps the token until `ms` after it, unless it is
+    # taken or deleted. (Held is just after the claim's reply, later than its sending by
+    # a round trip.)
+    renewed_at: float = 0.0
 
     def schedule(self, now: float) -> None:
         self.due = now + self.ms / 3000
@@ -96,7 +101,8 @@ class Watchdog:
         on_lost: Callable[[Lease], None] | None = None,
     ) -> Lease:
         lease = Lease(as_bytes(key), as_bytes(token), ms, label, on_lost)
-        lease.schedule(time.monotonic())
+        lease.renewed_at = time.monotonic()
+        lease.schedule(lease.renewed_at)
         self._leases.add(lease)
         task = self._task
         if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
@@ -146,7 +152,7 @@ class Watchdog:
         finally:
             self._renewing.clear()
             done.set()
-        now = time.monotonic()
+        sent, now = now, time.monotonic()
         for lease, reply in zip(due, replies, strict=True):
             if lease not in self._leases:  # released while the renewal was in flight
                 continue
@@ -154,6 +160,7 @@ class Watchdog:
                 lease.due = now + min(self.retry_seconds, lease.ms / 3000)
             elif reply == 1:
                 self.renewals += 1
+                lease.renewed_at = sent
                 lease.schedule(now)
             else:
                 self._lose(lease)

@@ -10,8 +10,16 @@ from typing import Protocol, TypeAlias
 from redis.exceptions import ResponseError
 
 from .errors import WRONGTYPE, invalid_expire
-from .protocol import CLAIMED, ClaimReply, KeyT
-from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds, publish_ttl
+from .protocol import CLAIMED, ClaimReply, KeyT, Published
+from .rules import (
+    WRITTEN,
+    as_bytes,
+    caexpire_ms,
+    check_size,
+    claim_reply,
+    claim_seconds,
+    publish_ttl,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -186,12 +194,21 @@ class MemoryStore:
 
     async def publish(
         self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
-    ) -> int:
-        """SET result PX ttl + CAEXPIRE claim, as one step."""
-        rk, v = as_bytes(result_key), as_bytes(value, "value")
+    ) -> Published:
+        """SET result PX ttl NX + CAEXPIRE claim, as one step (see `Store.publish`)."""
+        rk = as_bytes(result_key)
+        v = check_size(as_bytes(value, "value"), self.max_value_bytes)
         ttl = publish_ttl(ttl_ms)
-        self._put(rk, v, time.monotonic() + ttl / 1000)  # SET result value PX ttl
-        return self._caexpire(claim_key, token, ttl)
+        written = self._live(rk) is None
+        if written:  # SET result value PX ttl NX
+            self._put(rk, v, time.monotonic() + ttl / 1000)
+        renewed = self._caexpire(claim_key, token, ttl)
+        if written or self._string(rk) == v:
+            return WRITTEN[renewed]
+        deadline = _deadline(self._data[rk])
+        if renewed and deadline is not None:  # the claim lasts no longer than the result
+            self._store(as_bytes(claim_key), as_bytes(token, "token"), deadline)
+        return Published.SUPERSEDED
 
     async def caexpire_many(
         self, renewals: Sequence[tuple[KeyT, KeyT, int]]

@@ -9,8 +9,8 @@ a request:
   (`wait_seconds`) polling with the claim step, which takes the work over if the first run
   died and its lease ran out;
 - at most one completed run per `ttl_seconds` while the store keeps the result: the return
-  value is stored (codecs.to_stored) with the claim's new TTL in one MULTI/EXEC, and every
-  later call returns it decoded, without running;
+  value is stored (codecs.to_stored) with the claim's new TTL in one MULTI/EXEC, never
+  over a value already stored, and every later call returns it decoded, without running;
 - a run that raises (or is cancelled, or returns what the codec cannot encode) stores
   nothing and releases the claim with CAD, only if it still holds this run's token, so the
   next call runs again: the function must leave nothing behind that a second run would
@@ -45,7 +45,7 @@ from .errors import InFlightError, describe
 from .keys import KeyNames, key_names
 from .lease import Lease, Watchdog
 from .sealing import Sealer
-from .store import CLAIMED, ClaimReply, Store
+from .store import CLAIMED, ClaimReply, Published, Store
 
 __all__ = ["once"]
 
@@ -236,7 +236,7 @@ class _Once:
         except BaseException:
             await run_to_end(functools.partial(self._release, lease, names, token), _background)
             raise
-        await run_to_end(functools.partial(self._publish, lease, names, token, data), _background)
+        await run_to_end(functools.partial(self._publish, lease, names, data), _background)
         # What every later call gets, so the first caller sees the same (a tuple as a list).
         return from_stored(self.codec, data, self.sealer, names.result)
 
@@ -244,16 +244,18 @@ class _Once:
         await self.watchdog.release(lease)
         await free_claim(self.store, names, token)
 
-    async def _publish(self, lease: Lease, names: KeyNames, token: bytes, data: bytes) -> None:
+    async def _publish(self, lease: Lease, names: KeyNames, data: bytes) -> None:
         """Store the value and give the claim the result's TTL, together (one MULTI/EXEC).
 
-        Retried as the middleware's publish is. If it never lands, the work is done but
-        not recorded: the claim expires a lease later and a later call runs it again,
-        which is logged as an error here; the value is still returned to this caller.
+        Retried as the middleware's publish is (`publish_retried`). If it never lands, the
+        work is done but not recorded: the claim expires a lease later and a later call runs
+        it again, which is logged as an error here. A value stored first by another run
+        stands (this run lost its claim meanwhile), and later calls get that one. Either
+        way this caller gets its own value.
         """
         await self.watchdog.release(lease)
         try:
-            renewed = await publish_retried(self.store, names, data, self.ttl_ms, token)
+            published = await publish_retried(self.store, names, data, self.ttl_ms, lease)
         except Exception as exc:
             logger.error(
                 "%s: could not store the result of key %s (%s); a call after the "
@@ -263,7 +265,15 @@ class _Once:
                 describe(exc),
             )
             return
-        if renewed != 1:
+        if published == Published.SUPERSEDED:
+            logger.warning(
+                "%s: a value was already stored for key %s when this run stored its own "
+                "(another run took the key after this run's claim lapsed or was lost): the "
+                "stored one stands and later calls get it; this caller got its own",
+                self.name.decode(),
+                names.hash,
+            )
+        elif published != Published.STORED:
             # The result is stored; the next call's claim step finds it, returns it
             # and takes the claim back. Another run may have started meanwhile.
             logger.warning(

@@ -12,7 +12,7 @@ import enum
 from collections.abc import Sequence
 from typing import Final, Protocol, TypeAlias, runtime_checkable
 
-__all__ = ["CLAIMED", "ClaimReply", "Claimed", "KeyT", "Store"]
+__all__ = ["CLAIMED", "ClaimReply", "Claimed", "KeyT", "Published", "Store"]
 
 KeyT: TypeAlias = str | bytes
 
@@ -35,6 +35,20 @@ so never publish ``b"CLAIMED"`` as a result (goblin-idem's own records cannot be
 """
 
 ClaimReply: TypeAlias = Claimed | bytes | None
+
+
+class Published(enum.IntEnum):
+    """What `Store.publish` did. An int whose 1 and 0 are the claim's CAEXPIRE reply, as
+    earlier releases returned it, so a store that replies those still conforms."""
+
+    STORED = 1
+    """The result is stored, and the claim holds the token with the result's TTL."""
+    LAPSED = 0
+    """The result is stored, but the claim no longer held the token (it lapsed, or another
+    run took it): the claim was left as it was."""
+    SUPERSEDED = -1
+    """Another result was already stored: nothing was written over it (the claim, if it
+    still held the token, was given that result's remaining TTL)."""
 
 
 @runtime_checkable
@@ -80,12 +94,18 @@ class Store(Protocol):
 
     async def publish(
         self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
-    ) -> int:
-        """SET result_key value PX ttl_ms and CAEXPIRE claim_key token ttl_ms, together.
+    ) -> Published:
+        """SET result_key value PX ttl_ms NX and CAEXPIRE claim_key token ttl_ms, together.
 
         One round trip. Both or neither take effect, so a claim never expires before the
         result it guards (which would let a duplicate win a fresh claim and run again).
-        Replies the CAEXPIRE: 1 if the claim was still this token's, else 0.
+        NX: a result once stored stands for its TTL, so a run that outlived its lease and
+        publishes after another run never changes what duplicates were already given.
+
+        Replies `Published`: STORED or LAPSED (the CAEXPIRE's 1 or 0) when the result was
+        written, SUPERSEDED when another result stood. Only when a result stood does a
+        second round trip read it: if it holds these very bytes it is this call's own (an
+        earlier attempt landed and its reply was lost), replied as if written now.
         """
         ...
 

@@ -29,9 +29,17 @@ from .executors import (
     Wait,
     startup_nodes,
 )
-from .protocol import CLAIMED, ClaimReply, KeyT
+from .protocol import CLAIMED, ClaimReply, KeyT, Published
 from .replies import normalize, renewal_reply, unwrap
-from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds, publish_ttl
+from .rules import (
+    WRITTEN,
+    as_bytes,
+    caexpire_ms,
+    check_size,
+    claim_reply,
+    claim_seconds,
+    publish_ttl,
+)
 
 __all__ = ["AnyRedis", "Mode", "RedisStore"]
 
@@ -172,10 +180,11 @@ class RedisStore(_StoreConnection):
     same WAIT (after its MULTI/EXEC), so that a failover cannot lose a published response
     and let its key run again once the claim's lease runs out; a publish that too few
     replicas acknowledged raises `NotReplicatedError` as well (the middleware retries it
-    once, then counts ``publish_errors``). Lease renewals are not waited for. Every keyed
-    request pays the replication round trip, and while fewer than N replicas are connected
-    each claim waits the full ``wait_timeout_ms``. In a cluster these pipelines go to the
-    primary that serves the key over a plain connection (`executors.Clustered`).
+    while the claim holds, then counts ``publish_errors``). Lease renewals are not waited
+    for. Every keyed request pays the replication round trip, and while fewer than N
+    replicas are connected each claim waits the full ``wait_timeout_ms``. In a cluster
+    these pipelines go to the primary that serves the key over a plain connection
+    (`executors.Clustered`).
 
     Auto-pipelining (``autopipeline=True``, the default): without ``wait_replicas``, the
     GOBLIN commands and `publish` of every concurrent caller share one connection per event
@@ -328,22 +337,46 @@ class RedisStore(_StoreConnection):
 
     async def publish(
         self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
-    ) -> int:
-        """SET result PX ttl + CAEXPIRE claim, in one MULTI/EXEC (both keys share a slot)."""
+    ) -> Published:
+        """SET result PX ttl NX + CAEXPIRE claim, in one MULTI/EXEC (both keys share a slot):
+        a stored result is never written over. See `Store.publish` for the replies."""
         rk, ck = as_bytes(result_key), as_bytes(claim_key)
         v = check_size(as_bytes(value, "value"), self.max_value_bytes)
         tok = as_bytes(token, "token")
         ttl = publish_ttl(ttl_ms)
         renew = scripts.CAEXPIRE.call(await self._ready(), (ck,), (tok, ttl))
-        transaction: list[Command] = [("MULTI",), ("SET", rk, v, "PX", ttl), renew, ("EXEC",)]
+        transaction: list[Command] = [
+            ("MULTI",),
+            ("SET", rk, v, "PX", ttl, "NX"),
+            renew,
+            ("EXEC",),
+        ]
         replies, acked = await self._executor.send_durably(ck, transaction)
         for reply in replies:  # a refusal at MULTI time aborts the EXEC: raise the refusal
             unwrap(reply, self._acl_user)
         stored, renewed = replies[-1]
-        unwrap(stored, self._acl_user)
-        renewed = unwrap(renewed, self._acl_user)
+        written = unwrap(stored, self._acl_user) is not None
+        renewed = int(unwrap(renewed, self._acl_user))
         acked.check("the published response")
-        return int(renewed)
+        if written:
+            return WRITTEN[renewed]
+        return await self._stood(rk, v, ck, tok, renewed)
+
+    async def _stood(
+        self, rk: bytes, value: bytes, ck: bytes, token: bytes, renewed: int
+    ) -> Published:
+        """SET NX found a result stored: read it and its TTL (one round trip). If it holds
+        these very bytes, it is this publish's own (an earlier attempt landed, its reply
+        lost). Otherwise another run's result stands; a claim this publish renewed is then
+        cut to that result's remaining TTL (one more round trip), so that it does not
+        outlive the result and answer 409 after it."""
+        stored, left = await self._executor.send(ck, [("GET", rk), ("PTTL", rk)])
+        if unwrap(stored, self._acl_user) == value:
+            return WRITTEN[renewed]
+        left = int(unwrap(left, self._acl_user))
+        if renewed and left > 0:
+            await self.caexpire(ck, token, left)
+        return Published.SUPERSEDED
 
     async def caexpire_many(
         self, renewals: Sequence[tuple[KeyT, KeyT, int]]

@@ -14,11 +14,12 @@ from typing import Final
 from redis.exceptions import ResponseError
 
 from .errors import NOT_INTEGER, VALUE_TOO_LARGE, invalid_expire
-from .protocol import CLAIMED, ClaimReply
+from .protocol import CLAIMED, ClaimReply, Published
 
 __all__ = [
     "LLONG_MAX",
     "LLONG_MIN",
+    "WRITTEN",
     "as_bytes",
     "caexpire_ms",
     "check_size",
@@ -31,6 +32,9 @@ __all__ = [
 LLONG_MAX: Final = 2**63 - 1
 LLONG_MIN: Final = -(2**63)
 _CLAIMED_WIRE: Final = b"CLAIMED"
+#: What a publish that wrote its result replies, by its CAEXPIRE's reply (0 or 1): a tuple
+#: read, where building the enum member from the int costs a lookup on every first run.
+WRITTEN: Final = (Published.LAPSED, Published.STORED)
 
 
 def as_bytes(value: object, what: str = "key") -> bytes:

@@ -1,15 +1,16 @@
-"""The store layer's names in one place: the Store protocol, `CLAIMED`, RedisStore.
+"""The store layer's names in one place: the Store protocol, `CLAIMED`, `Published`,
+RedisStore.
 
-Where each piece lives: `protocol` (Store, CLAIMED), `rules` (the argument and reply rules
-every store shares), `replies` (a server's error texts), `executors` (how commands reach a
-server), `detection` (what is checked before the first command), `redis_store`
-(RedisStore) and `memory` (MemoryStore).
+Where each piece lives: `protocol` (Store, CLAIMED, Published), `rules` (the argument and
+reply rules every store shares), `replies` (a server's error texts), `executors` (how
+commands reach a server), `detection` (what is checked before the first command),
+`redis_store` (RedisStore) and `memory` (MemoryStore).
 """
 
 from __future__ import annotations
 
 from .errors import NotReplicatedError, StorePermissionError
-from .protocol import CLAIMED, Claimed, ClaimReply, KeyT, Store
+from .protocol import CLAIMED, Claimed, ClaimReply, KeyT, Published, Store
 from .redis_store import RedisStore
 from .rules import as_bytes
 
@@ -19,6 +20,7 @@ __all__ = [
     "Claimed",
     "KeyT",
     "NotReplicatedError",
+    "Published",
     "RedisStore",
     "Store",
     "StorePermissionError",

@@ -22,6 +22,7 @@ from redis.credentials import UsernamePasswordCredentialProvider
 from goblin_idem import CLAIMED, RedisStore
 from goblin_idem.autopipeline import AutoPipeline
 from goblin_idem.executors import Clustered, ClusterPipelined
+from goblin_idem.store import Published
 from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.support.servers import KINDS, Cluster, Server, start_cluster
 
@@ -223,9 +224,10 @@ async def test_ask_during_a_migration_is_followed(cluster_mode: tuple[Cluster, s
         assert 40_000 < int(asking_get_pttl(dst, c)) <= 50_000
         # Two commands: ASKING before each (it lasts one command).
         assert await store.claim_unless_done(c, r, b"u", 30) == b"v"
-        # A MULTI/EXEC: one ASKING before MULTI lasts until EXEC.
-        assert await store.publish(r, b"v2", 60_000, c, b"t") == 1
-        assert asking_get(dst, r) == b"v2"
+        # A MULTI/EXEC: one ASKING before MULTI lasts until EXEC (the stored result stands,
+        # read there too).
+        assert await store.publish(r, b"v2", 60_000, c, b"t") == Published.SUPERSEDED
+        assert asking_get(dst, r) == b"v"
         assert await store.caexpire_many([(c, b"t", 40_000)]) == [1]
         assert 30_000 < int(asking_get_pttl(dst, c)) <= 40_000
         assert await store.cad(c, b"t") == 1
@@ -245,6 +247,64 @@ def asking_get_pttl(server: Server, key: bytes) -> Any:
         pipe.execute_command("ASKING")
         pipe.pttl(key)
         return pipe.execute()[1]
+
+
+def tryagain_errors(cluster: Cluster) -> int:
+    """How many TRYAGAIN refusals the primaries have answered (INFO errorstats)."""
+    total = 0
+    for server in cluster.servers[: cluster.masters]:
+        with server.sync_client() as c:
+            total += int(c.info("errorstats").get("errorstat_TRYAGAIN", {}).get("count", 0))
+    return total
+
+
+@pytest.mark.parametrize("path", ["shared", "redis-py"])
+async def test_tryagain_while_a_slot_migrates_is_sent_again_until_it_ends(
+    cluster_mode: tuple[Cluster, str], path: str
+) -> None:
+    """While a slot migrates, a command of two keys that are not both on the node answering
+    is refused with TRYAGAIN: a publish whose claim has moved and whose result does not
+    exist yet, and a new key's claim (its keys on neither node). Both are sent again until
+    the migration ends, then land on the new owner, on both cluster paths."""
+    cluster, mode = cluster_mode
+    store = RedisStore.from_url(
+        cluster.servers[0].url,
+        cluster=True,
+        mode=mode,  # type: ignore[arg-type]
+        autopipeline=path == "shared",
+    )
+    try:
+        await store.detect()
+        assert isinstance(store._executor, ClusterPipelined) == (path == "shared")
+        before = tryagain_errors(cluster)
+        c, r = keys_of("moving")
+        assert await store.claim(c, r, b"t", 30) is CLAIMED
+        src = server_at(cluster, primary_of(store, c))
+        dst = next(s for s in cluster.servers[: cluster.masters] if s.port != src.port)
+        begin_migration(src, dst, key_slot(c), [c])  # the claim moved, no result yet
+        ending = asyncio.create_task(ended_after(0.3, cluster, dst, key_slot(c)))
+        assert await store.publish(r, b"v", 60_000, c, b"t") == Published.STORED
+        await ending
+        with dst.sync_client() as d:
+            assert d.get(r) == b"v" and 59_000 < d.pttl(c) <= 60_000
+
+        new_c, new_r = keys_of("fresh")
+        src = server_at(cluster, primary_of(store, new_c))
+        dst = next(s for s in cluster.servers[: cluster.masters] if s.port != src.port)
+        begin_migration(src, dst, key_slot(new_c), [])
+        ending = asyncio.create_task(ended_after(0.3, cluster, dst, key_slot(new_c)))
+        assert await store.claim_unless_done(new_c, new_r, b"t", 30) is CLAIMED
+        await ending
+        with dst.sync_client() as d:
+            assert d.get(new_c) == b"t"
+        assert tryagain_errors(cluster) > before  # refused, and sent again
+    finally:
+        await store.aclose()
+
+
+async def ended_after(seconds: float, cluster: Cluster, dst: Server, slot: int) -> None:
+    await asyncio.sleep(seconds)
+    await asyncio.to_thread(end_migration, cluster, dst, slot)
 
 
 async def test_renewals_go_as_one_write_per_primary_in_the_callers_order(

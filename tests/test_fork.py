@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from goblin_idem import CLAIMED, RedisStore
+from goblin_idem.store import Published
 from tests.support.procs import APPS, spawn, stop, wait_http
 from tests.support.servers import Server, free_port, start_cluster
 
@@ -41,7 +42,7 @@ async def exercise(store: RedisStore, tag: str) -> list[str]:
     return await asyncio.wait_for(steps(), 5)
 
 
-EXPECTED = [repr(CLAIMED), "1", "b'done'", "[1]", "True", "b'v'"]
+EXPECTED = [repr(CLAIMED), repr(Published.STORED), "b'done'", "[1]", "True", "b'v'"]
 
 
 def in_child(work: Callable[[], Any], timeout: float = 15) -> Any:

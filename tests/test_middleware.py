@@ -992,7 +992,9 @@ async def test_a_claim_that_lapsed_during_the_run_is_retaken_at_publish(store: S
 async def test_a_lapsed_claim_that_another_run_took_stays_with_that_run(store: Store) -> None:
     """Run A's claim lapses (deleted here, as its expiry would), run B claims the key and
     runs; then A finishes. A's publish stores its result but must not take the claim back:
-    the key stays with B's token, B's lease keeps being renewed, and B publishes its own."""
+    the key stays with B's token and B's lease keeps being renewed. B's publish then finds
+    A's result, which stands (duplicates were given it); B's client gets B's response, and
+    B's claim lasts no longer than A's result."""
     entered = {run: asyncio.Event() for run in "AB"}
     finish = {run: asyncio.Event() for run in "AB"}
     runs: list[str] = []
@@ -1024,14 +1026,19 @@ async def test_a_lapsed_claim_that_another_run_took_stays_with_that_run(store: S
     assert await store.get(names.claim) == token_b
     assert 0 < await store.pttl(names.claim) <= 1000  # B's lease, renewed by B
 
+    first = await request(mw, key="k", headers=[("X-Run", "C")])
+    assert (first.body, first.header("idempotent-replayed")) == (b"run A", b"true")
+
     finish["B"].set()
     b = await run_b
     assert (b.status, b.body, b.header("idempotent-replayed")) == (201, b"run B", None)
     assert await store.get(names.claim) == token_b
-    assert 59_000 < await store.pttl(names.claim) <= 60_000  # B's publish extended B's claim
-    replay = await request(mw, key="k", headers=[("X-Run", "C")])
-    assert (replay.body, replay.header("idempotent-replayed")) == (b"run B", b"true")
+    result_ttl, claim_ttl = await store.pttl(names.result), await store.pttl(names.claim)
+    assert 58_000 < claim_ttl <= result_ttl + 5  # B's claim ends with A's result
+    replay = await request(mw, key="k", headers=[("X-Run", "D")])
+    assert (replay.body, replay.header("idempotent-replayed")) == (b"run A", b"true")
     assert runs == ["A", "B"]
+    assert mw.counters.superseded == 1
 
 
 async def test_any_failure_of_the_store_step_is_a_503_not_a_500() -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +32,7 @@ from goblin_idem import (
 from goblin_idem.keys import key_names
 from goblin_idem.record import RecordError
 from tests.support.asgi import request
-from tests.support.backends import server_for
+from tests.support.backends import Backend, server_for
 from tests.support.procs import APPS, spawn, stop
 from tests.support.servers import Server, start_cluster
 
@@ -390,6 +393,69 @@ async def test_a_process_killed_mid_run_is_run_once_more_after_its_lease(
     finally:
         stop(proc)
         await store.aclose()
+
+
+async def test_a_run_paused_past_its_lease_returns_its_own_value_and_changes_no_other(
+    redis_server: Server, tmp_path: Path
+) -> None:
+    """A process's run is paused (SIGSTOP) past its lease; a call in another process takes
+    the lapsed key and stores its value. The paused run resumes and publishes late: its
+    caller gets its own value, but the stored one stands and every later call gets it."""
+    store = RedisStore.from_url(redis_server.url)
+    client = store.client
+    assert isinstance(client, redis.asyncio.Redis)
+    await client.flushall()
+    out = tmp_path / "value.json"
+    proc = spawn(["-m", f"{APPS}.once_worker", redis_server.url, "evt_p", "300", "2", str(out)], {})
+    paused = False
+    try:
+        await until(lambda: client.exists("runs:evt_p"), timeout=20)
+        os.kill(proc.pid, signal.SIGSTOP)
+        paused = True
+
+        async def lapsed() -> bool:
+            return await client.exists(claim_key("charge", "evt_p")) == 0
+
+        await until(lapsed, timeout=10)  # the paused run's lease ran out
+
+        @once(store, key=lambda event: event["id"], lease_seconds=2, name="charge")
+        async def charge(event: dict[str, str]) -> dict[str, int]:
+            return {"run": int(await client.incr("runs:" + event["id"]))}
+
+        assert await charge({"id": "evt_p"}) == {"run": 2}  # the lapsed key, taken over
+        os.kill(proc.pid, signal.SIGCONT)
+        paused = False
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+        assert json.loads(out.read_text()) == {"run": 1}  # the late run's caller: its own
+        assert await charge({"id": "evt_p"}) == {"run": 2}  # everyone else: the first
+        assert await client.get("runs:evt_p") == b"2"
+    finally:
+        if paused:
+            os.kill(proc.pid, signal.SIGCONT)
+        stop(proc)
+        await store.aclose()
+
+
+async def test_a_stored_value_wins_over_a_lost_claim(backend: Backend) -> None:
+    """The claim vanished (evicted, lost in a restart) while the value stayed: the next call
+    returns the value without running, and takes the claim back for the value's TTL."""
+    store = backend.store
+    runs: list[str] = []
+
+    @once(store, key=lambda event: event, ttl_seconds=600, name="lost")
+    async def work(event: str) -> int:
+        runs.append(event)
+        return len(runs)
+
+    assert await work("e") == 1
+    names = key_names(b"once", b"lost", b"e")
+    assert await store.delete(names.claim) == 1
+    assert await work("e") == 1 and runs == ["e"]
+    result_ttl = await store.pttl(names.result)
+    claim_ttl = await store.pttl(names.claim)
+    assert 590_000 < result_ttl <= 600_000
+    assert result_ttl - 10 <= claim_ttl <= 600_000
+    assert await work("e") == 1 and runs == ["e"]
 
 
 # -- current_claim ------------------------------------------------------------------------------

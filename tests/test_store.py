@@ -19,6 +19,7 @@ from redis.exceptions import RedisClusterException, ResponseError
 from goblin_idem import CLAIMED, MemoryStore, RedisStore, Store
 from goblin_idem.errors import NOT_INTEGER, WRONGTYPE
 from goblin_idem.scripts import ALL as ALL_SCRIPTS
+from goblin_idem.store import Published
 from tests.support.backends import (
     Backend,
     TypedMemoryStore,
@@ -46,6 +47,44 @@ async def test_publish_after_losing_the_claim_replies_0(store: Store) -> None:
     assert await store.publish("{k}:r", b"record", 60_000, "{k}:c", "tok") == 0
     assert await store.get("{k}:r") == b"record"  # the work happened: its result is kept
     assert await store.get("{k}:c") == b"someone-else"
+
+
+async def test_publish_never_replaces_a_stored_result(store: Store) -> None:
+    """A run that lost its claim publishes after another run did: the first result stands
+    for its TTL (duplicates were already given it), and the late run's claim, should it hold
+    the key again, lasts no longer than that result."""
+    assert await store.publish("{k}:r", b"first", 60_000, "{k}:c", "t1") == Published.LAPSED
+    await store.set("{k}:c", "t2", px=30_000)
+    assert await store.publish("{k}:r", b"late", 90_000, "{k}:c", "t2") == Published.SUPERSEDED
+    assert await store.get("{k}:r") == b"first"
+    result_ttl = await store.pttl("{k}:r")
+    assert 59_000 < result_ttl <= 60_000
+    assert await store.get("{k}:c") == b"t2"
+    assert 59_000 < await store.pttl("{k}:c") <= result_ttl + 5  # cut to the result's
+    # A late run whose claim another run holds changes nothing at all.
+    await store.set("{k}:c", "t3", px=30_000)
+    assert await store.publish("{k}:r", b"later", 90_000, "{k}:c", "t2") == Published.SUPERSEDED
+    assert (await store.get("{k}:r"), await store.get("{k}:c")) == (b"first", b"t3")
+    assert 29_000 < await store.pttl("{k}:c") <= 30_000
+
+
+async def test_a_publish_repeated_after_it_landed_is_its_own(store: Store) -> None:
+    """The first attempt landed and its reply was lost: the repeat meets its own result,
+    which is not another run's, and replies as the first attempt would have."""
+    assert await store.claim("{k}:c", "{k}:r", "tok", 30) is CLAIMED
+    assert await store.publish("{k}:r", b"record", 60_000, "{k}:c", "tok") == Published.STORED
+    assert await store.publish("{k}:r", b"record", 60_000, "{k}:c", "tok") == Published.STORED
+    await store.set("{k}:c", "someone-else", px=30_000)
+    assert await store.publish("{k}:r", b"record", 60_000, "{k}:c", "tok") == Published.LAPSED
+    assert await store.get("{k}:c") == b"someone-else"
+
+
+async def test_publish_over_a_result_of_another_type(backend: Backend) -> None:
+    """SET NX finds the key taken whatever its type, and reading it back is WRONGTYPE."""
+    await backend.make_hash("{h}:r")
+    with pytest.raises(ResponseError) as info:
+        await backend.store.publish("{h}:r", b"v", 60_000, "{h}:c", "t")
+    assert str(info.value) == WRONGTYPE
 
 
 async def test_publish_rejects_a_bad_ttl(store: Store) -> None:

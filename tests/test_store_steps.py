@@ -1,19 +1,32 @@
 """The middleware's closing store steps (publish, release): inline, with no task per
-request, and never cut short by a cancellation (a cancelled step starts again in a task)."""
+request, never cut short by a cancellation (a cancelled step starts again in a task), and a
+failed publish retried while the claim holds, unless the server refused it for good; a
+retry that meets its own landed attempt is no other run's result."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Coroutine, Generator
 from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import (
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 
-from goblin_idem import IdempotencyMiddleware, MemoryStore
+from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
+from goblin_idem.store import Published
 from tests.support.asgi import request
+from tests.support.proxy import Proxy
+from tests.support.servers import Server
 
 
 async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -26,12 +39,16 @@ class SlowPublish(MemoryStore):
     """A store whose publish and CAD wait first, as a network store's do, and whose publish
     may then fail."""
 
-    def __init__(self, delay: float | None, failures: int = 0) -> None:
+    def __init__(
+        self, delay: float | None, failures: int = 0, error: Exception | None = None
+    ) -> None:
         super().__init__()
         self.delay = delay
         self.failures = failures
+        self.error = error or RedisConnectionError("store went away")
         self.calls = 0
         self.cads = 0
+        self.held: list[bool] = []  # at each attempt: did the claim still hold the token?
 
     async def cad(self, key: Any, expected: Any) -> int:
         self.cads += 1
@@ -41,13 +58,14 @@ class SlowPublish(MemoryStore):
 
     async def publish(
         self, result_key: Any, value: bytes, ttl_ms: int, claim_key: Any, token: Any
-    ) -> int:
+    ) -> Published:
         self.calls += 1
+        self.held.append(await self.get(claim_key) == token)
         if self.delay is not None:
             await asyncio.sleep(self.delay)
         if self.failures:
             self.failures -= 1
-            raise RedisConnectionError("store went away")
+            raise self.error
         return await super().publish(result_key, value, ttl_ms, claim_key, token)
 
 
@@ -121,12 +139,35 @@ async def test_a_release_that_waits_outlives_the_cancelled_request() -> None:
     assert (await request(mw, key="k")).status == 201  # the key is free: a retry runs
 
 
-async def test_a_publish_that_fails_after_waiting_is_retried_then_counted() -> None:
-    store = SlowPublish(delay=0.01, failures=3)
-    mw = IdempotencyMiddleware(app, store=store)
+async def test_a_publish_that_keeps_failing_is_retried_while_the_claim_holds() -> None:
+    """Retried until a third of the lease before the claim would expire, then counted: never
+    after the claim has lapsed, when a duplicate could have run meanwhile."""
+    store = SlowPublish(delay=0.01, failures=1_000)
+    mw = IdempotencyMiddleware(app, store=store, lease_seconds=1)
     reply = await request(mw, key="k")
     assert reply.status == 201 and reply.body == b"done"  # the client still gets its answer
-    assert store.calls == 3 and mw.counters.publish_errors == 1  # tried, paused, tried twice
+    assert mw.counters.publish_errors == 1
+    assert store.calls > 3 and all(store.held), store.held
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ResponseError("WRONGTYPE ..."), OutOfMemoryError("OOM ..."), NoPermissionError("NOPERM")],
+)
+async def test_a_publish_the_server_refuses_is_not_retried(error: Exception) -> None:
+    store = SlowPublish(delay=None, failures=1_000, error=error)
+    mw = IdempotencyMiddleware(app, store=store)
+    assert (await request(mw, key="k")).status == 201
+    assert store.calls == 1 and mw.counters.publish_errors == 1
+
+
+@pytest.mark.parametrize("error", [TryAgainError("TRYAGAIN ..."), ReadOnlyError("READONLY")])
+async def test_a_publish_refused_for_now_is_retried(error: Exception) -> None:
+    store = SlowPublish(delay=None, failures=3, error=error)
+    mw = IdempotencyMiddleware(app, store=store)
+    assert (await request(mw, key="k")).status == 201
+    assert store.calls == 4 and mw.counters.publish_errors == 0
+    assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
 
 
 async def test_a_publish_that_fails_twice_succeeds_on_the_third_try() -> None:
@@ -144,3 +185,33 @@ async def test_a_publish_that_fails_once_is_retried(delay: float | None) -> None
     assert (await request(mw, key="k")).status == 201
     assert store.calls == 2 and mw.counters.publish_errors == 0
     assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
+
+
+@pytest.mark.parametrize("mode", ["script", "native"])
+@pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])
+async def test_a_publish_whose_reply_was_lost_meets_its_own_result(
+    redis_native_server: Server, mode: str, autopipeline: bool
+) -> None:
+    """The publish ran on the server but its reply never came back: the retry's SET NX
+    finds a result, which is this run's own (not another run's, not superseded)."""
+    with Proxy(redis_native_server.port) as proxy:
+        store = RedisStore.from_url(proxy.url, mode=mode, autopipeline=autopipeline)  # type: ignore[arg-type]
+
+        async def losing_the_next_reply(scope: Any, receive: Any, send: Any) -> None:
+            proxy.drop_responses(1)  # the publish's
+            await app(scope, receive, send)
+
+        mw = IdempotencyMiddleware(losing_the_next_reply, store=store, ttl_seconds=600)
+        key = f"lost-reply-{secrets.token_hex(4)}"
+        try:
+            await store.detect()
+            assert (await request(mw, key=key)).status == 201
+            assert proxy.stats.dropped_responses == 1
+            counters = mw.counters
+            assert (counters.superseded, counters.lease_lost, counters.publish_errors) == (0, 0, 0)
+            names = key_names(b"idem", b"", key.encode())
+            assert 590_000 < await store.pttl(names.claim) <= 600_000  # this run's, published
+            replay = await request(mw, key=key)
+            assert replay.header("idempotent-replayed") == b"true" and replay.body == b"done"
+        finally:
+            await store.aclose()

@@ -7,17 +7,22 @@
 - ``wait_replicas``: the claim and WAIT go to the primary that owns the key on one
   connection (a stopped replica makes the claim fail, where a WAIT on any other connection
   would succeed), follow MOVED after a failover, and fail with 503 when too few replicas ack;
+  a publish too few replicas ack is an error the middleware counts and logs;
+- a publish never replaces a stored result, on both cluster paths;
 - a forced failover with a lagging replica under load, with and without ``wait_replicas``:
-  how many handler runs the failover duplicates.
+  how many handler runs the failover duplicates;
+- ``redis-cli --cluster reshard`` under load: no key runs twice while its slot migrates.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import secrets
 import signal
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -26,14 +31,18 @@ from pathlib import Path
 import pytest
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from starlette.types import Receive, Scope, Send
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore
 from goblin_idem.errors import NotReplicatedError
+from goblin_idem.executors import TRYAGAIN_SECONDS
 from goblin_idem.keys import key_names
 from goblin_idem.record import decode
+from goblin_idem.store import Published
 from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.reliability.failover import FailoverResult, failover_under_load
-from tests.reliability.report import FULL, pick, record
+from tests.reliability.report import FULL, ms, pick, record
 from tests.support.backends import assert_published_together_or_not_at_all
 from tests.support.inproc import CountingApp, Tally, send_once, until_done
 from tests.support.proxy import Proxy, resp_args
@@ -248,6 +257,87 @@ async def test_wait_replicas_on_a_primary_with_a_replica() -> None:
         await too_many.aclose()
         replica.stop()
         primary.stop()
+
+
+async def test_a_publish_too_few_replicas_acknowledge_is_an_error_counted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``wait_replicas``: a publish that fewer replicas acknowledge than asked raises
+    NotReplicatedError (the write stays on the primary); the middleware retries it while
+    the claim holds, then counts ``publish_errors`` and logs it, and the client still gets
+    its response."""
+    primary = start_server("redis", args=["--repl-diskless-sync-delay", "0"])
+    replica = start_server("redis", args=["--replicaof", "127.0.0.1", str(primary.port)])
+    store = RedisStore.from_url(primary.url, wait_replicas=1, wait_timeout_ms=100)
+    handler = CountingApp()
+    paused = False
+
+    async def pausing_the_replica(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal paused
+        os.kill(replica.pid, signal.SIGSTOP)  # the claim was acknowledged; the publish is not
+        paused = True
+        await handler(scope, receive, send)
+
+    try:
+        _wait_link(primary)
+        assert await store.claim(b"{p}:c", b"{p}:r", b"t", 30) is CLAIMED
+        os.kill(replica.pid, signal.SIGSTOP)
+        paused = True
+        with pytest.raises(NotReplicatedError, match=r"0 of 1 replica\(s\) acknowledged the "):
+            await store.publish(b"{p}:r", b"v", 60_000, b"{p}:c", b"t")
+        with primary.sync_client() as r:
+            assert r.get(b"{p}:r") == b"v" and r.pttl(b"{p}:c") > 30_000  # on the primary
+        os.kill(replica.pid, signal.SIGCONT)
+        paused = False
+
+        mw = IdempotencyMiddleware(pausing_the_replica, store=store, lease_seconds=1)
+        with caplog.at_level(logging.ERROR, logger="goblin_idem.middleware"):
+            reply = await send_once(mw, "p-1")
+        assert reply.status == 201 and not reply.replayed
+        assert mw.counters.publish_errors == 1
+        hashed = key_names(b"idem", b"", b"p-1").hash
+        lines = [r.getMessage() for r in caplog.records]
+        assert any(
+            f"could not publish the response for key {hashed}" in line
+            and "NotReplicatedError" in line
+            for line in lines
+        ), lines
+    finally:
+        if paused:
+            os.kill(replica.pid, signal.SIGCONT)
+        await store.aclose()
+        replica.stop()
+        primary.stop()
+
+
+@pytest.mark.parametrize("path", ["shared", "redis-py", "wait_replicas"])
+@pytest.mark.parametrize("mode", ["script", "native"])
+async def test_publish_never_replaces_a_result_in_a_cluster(
+    cluster: Cluster, mode: str, path: str
+) -> None:
+    """On both cluster paths (and with WAIT): a publish over a stored result writes
+    nothing (SUPERSEDED), a repeat of the same publish is its own (STORED)."""
+    await asyncio.to_thread(wait_settled, cluster)
+    store = RedisStore.from_url(
+        cluster.servers[0].url,
+        cluster=True,
+        mode=mode,  # type: ignore[arg-type]
+        autopipeline=path == "shared",
+        wait_replicas=int(path == "wait_replicas"),
+    )
+    tag = secrets.token_hex(4)
+    c, r = f"{{{tag}}}:c".encode(), f"{{{tag}}}:r".encode()
+    try:
+        assert await store.claim(c, r, b"a", 30) is CLAIMED
+        assert await store.publish(r, b"first", 60_000, c, b"a") == Published.STORED
+        assert await store.publish(r, b"first", 60_000, c, b"a") == Published.STORED
+        assert await store.delete(c) == 1  # the claim lapses; another run takes the key
+        assert await store.claim(c, r, b"b", 30) is CLAIMED
+        assert await store.publish(r, b"late", 90_000, c, b"b") == Published.SUPERSEDED
+        assert await store.get(r) == b"first"
+        assert 0 < await store.pttl(c) <= await store.pttl(r) + 5
+    finally:
+        await store.aclose()
 
 
 def _wait_link(primary: Server) -> None:
@@ -521,3 +611,157 @@ def _wait_cluster_state(servers: list[Server], state: str, timeout: float = 20.0
             return
         assert time.monotonic() < deadline, f"cluster_state is {states}, not {state}"
         time.sleep(0.1)
+
+
+RESHARD_SLOTS = pick(4, 16)  # slots moved, each holding RESHARD_FILL keys of other data
+RESHARD_FILL = pick(5_000, 20_000)
+RESHARD_KEYS = pick(150, 1_600)  # idempotency keys sent during the move, all in those slots
+RESHARD_CLIENTS = pick(8, 16)
+
+
+async def test_reshard_under_load_runs_no_key_twice() -> None:
+    """``redis-cli --cluster reshard`` moves slots full of keys from one primary to another
+    while clients send new keys, and their duplicates, that all fall in those slots. While
+    a slot migrates, its keys are split between the two nodes and every command of two keys
+    on it (the claim step, publish) is refused with TRYAGAIN until the slot has moved. The
+    store sends them again (the claim step for up to 2 s, a publish while its claim holds),
+    so no key runs twice, and a request gets 503 only if its slot takes longer than that."""
+    cluster = start_cluster("redis", masters=3)
+    store = RedisStore.from_url(cluster.servers[0].url, cluster=True, mode="script")
+    try:
+        src, dst = cluster.servers[0], cluster.servers[1]
+        moving = _first_slots(src, RESHARD_SLOTS)
+        await asyncio.to_thread(_fill, src, moving, RESHARD_FILL)
+        run_id = f"{random.getrandbits(32):08x}"
+        keys = _keys_in(moving, RESHARD_KEYS, f"rs-{run_id}")
+        handler = CountingApp(work_s=0.05)
+        tally = Tally()
+        mw = IdempotencyMiddleware(handler, store=store, lease_seconds=2, on_event=tally.on_event)
+        await _initialized(store)
+        tryagain_before = _tryagain_count(cluster)
+
+        # Spread the keys over the move (about 25,000 keys of data a second on loopback).
+        pace = RESHARD_CLIENTS * RESHARD_SLOTS * RESHARD_FILL / 25_000 / RESHARD_KEYS
+        waiting = iter(keys)
+        deadline = time.monotonic() + 120
+
+        async def client() -> None:
+            for key in waiting:
+                await asyncio.gather(
+                    *(until_done(mw, key, tally, deadline) for _ in range(DUPLICATES))
+                )
+                await asyncio.sleep(pace)
+
+        clients = [asyncio.create_task(client()) for _ in range(RESHARD_CLIENTS)]
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        reshard = await asyncio.to_thread(_reshard, src, dst, RESHARD_SLOTS)
+        moved_s = time.monotonic() - started
+        await asyncio.gather(*clients)
+        during = len(tally.answers)
+        await asyncio.sleep(2.5)  # a claim left without its result has lapsed: runs again
+        replays = [await send_once(mw, k) for k in keys]
+        owners = {primary_of(store, key_names(b"idem", b"", k.encode()).claim) for k in keys}
+        tryagain = _tryagain_count(cluster) - tryagain_before
+    finally:
+        await store.aclose()
+        cluster.stop()
+
+    statuses = Counter(a.status for _, a in tally.answers)
+    extra = {k: len(handler.runs[k]) - 1 for k in keys if len(handler.runs[k]) > 1}
+    record(
+        "cluster-reshard",
+        "Redis Cluster: redis-cli --cluster reshard under load",
+        {
+            "slots_moved": RESHARD_SLOTS,
+            "keys_per_slot": RESHARD_FILL,
+            "reshard_s": round(moved_s, 2),
+            "per_slot_ms": ms(moved_s / RESHARD_SLOTS),
+            "keys": len(keys),
+            "requests": during,
+            "tryagain_refusals": tryagain,
+            "503_answers": statuses.get(503, 0),
+            "409_answers": statuses.get(409, 0),
+            "side_effects": sum(len(handler.runs[k]) for k in keys),
+            "duplicate_runs": sum(extra.values()),
+            "publish_errors": sum(1 for e, _ in tally.events if e == "publish_errors"),
+            "status_counts": {str(k): v for k, v in sorted(statuses.items())},
+        },
+        checks=[
+            "the reshard moved every slot (redis-cli exit status 0; the keys' slots are on "
+            "the new primary)",
+            "no key ran twice; every key replays afterwards, past its lease",
+            "no exception out of the middleware",
+            "no 503 answer, when every slot moved within half the claim step's TRYAGAIN "
+            "budget (2 s) on average",
+        ],
+        notes=[
+            "each moving slot holds keys_per_slot keys of other data, moved 10 per MIGRATE "
+            "(redis-cli's default pipeline), so each slot's keys stay split for per_slot_ms",
+        ],
+    )
+    assert reshard.returncode == 0, reshard.stderr
+    assert owners == {dst.port}
+    assert not extra, extra
+    if moved_s / RESHARD_SLOTS < TRYAGAIN_SECONDS / 2:  # each slot moved within the budget
+        assert 503 not in statuses, statuses  # the claim step waited for its slot instead
+    assert not [a for _, a in tally.answers if a.escaped], statuses
+    for reply in replays:
+        assert reply.status == 201 and reply.replayed, reply
+
+
+def _first_slots(server: Server, n: int) -> list[int]:
+    """The first `n` slots `server` serves: the ones ``redis-cli --cluster reshard`` moves."""
+    with server.sync_client() as c:
+        ranges = c.execute_command("CLUSTER", "SLOTS")
+    start = min(int(r[0]) for r in ranges if int(r[2][1]) == server.port)
+    return list(range(start, start + n))
+
+
+def _fill(server: Server, slots: list[int], per_slot: int) -> None:
+    """`per_slot` small keys in each of `slots`, written to `server`, which serves them."""
+    tags: dict[int, bytes] = {}
+    i = 0
+    while len(tags) < len(slots):
+        tag = b"fill-%d" % i
+        if key_slot(tag) in slots:
+            tags.setdefault(key_slot(tag), tag)
+        i += 1
+    with server.sync_client() as c:
+        for tag in tags.values():
+            pipe = c.pipeline(transaction=False)
+            for n in range(per_slot):
+                pipe.set(b"{" + tag + b"}:%d" % n, b"x")
+            pipe.execute()
+
+
+def _keys_in(slots: list[int], n: int, prefix: str) -> list[str]:
+    """`n` idempotency keys whose store keys fall in `slots`."""
+    wanted, keys, i = set(slots), [], 0
+    while len(keys) < n:
+        key = f"{prefix}-{i}"
+        if key_slot(key_names(b"idem", b"", key.encode()).claim) in wanted:
+            keys.append(key)
+        i += 1
+    return keys
+
+
+def _reshard(src: Server, dst: Server, slots: int) -> subprocess.CompletedProcess[str]:
+    ids = []
+    for server in (src, dst):
+        with server.sync_client() as c:
+            raw = c.execute_command("CLUSTER", "MYID")
+        ids.append(raw.decode() if isinstance(raw, bytes) else str(raw))
+    command = ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{src.port}"]
+    command += ["--cluster-from", ids[0], "--cluster-to", ids[1]]
+    command += ["--cluster-slots", str(slots), "--cluster-yes"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def _tryagain_count(cluster: Cluster) -> int:
+    """TRYAGAIN refusals the primaries have answered (INFO errorstats)."""
+    total = 0
+    for server in cluster.servers[: cluster.masters]:
+        with server.sync_client() as c:
+            total += int(c.info("errorstats").get("errorstat_TRYAGAIN", {}).get("count", 0))
+    return total

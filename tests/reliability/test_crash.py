@@ -1,4 +1,4 @@
-"""Crash: uvicorn workers SIGKILLed in the middle of their handlers.
+"""Crash: uvicorn workers SIGKILLed in the middle of their handlers, or paused past a lease.
 
 One worker killed mid-handler: duplicates get 409 until its lease expires, then one retry
 runs the work once. At scale, a two-worker server takes one slow request per key; once every
@@ -6,12 +6,16 @@ handler has started (each INCRed its counter), both workers are killed by PID. A
 server on the same Redis then gets the duplicates: 409 with Retry-After while the dead runs'
 leases last; after that, the retries run each key once more and complete it, and no key
 stays blocked past its lease.
+
+A worker paused (SIGSTOP) inside its handler past its lease, while another worker runs the
+key and answers: when it resumes and publishes late, the answer already given stands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import time
@@ -19,6 +23,7 @@ import time
 import httpx
 from redis.asyncio import Redis
 
+from goblin_idem.keys import key_names
 from tests.reliability.report import ms, pct, pick, record
 from tests.support.http_pool import HttpPool, Response
 from tests.support.procs import Uvicorn, start_uvicorn, stop
@@ -207,3 +212,78 @@ async def test_killed_workers_block_until_lease_then_run_once(own_redis: Server)
     assert min(completed_after) >= 0.5 * LEASE
     # ... and not stuck beyond it.
     assert max(completed_after) <= LEASE + 3.0
+
+
+async def test_a_worker_paused_past_its_lease_changes_no_answer_given(own_redis: Server) -> None:
+    """Two workers on one Redis, lease 2 s. Worker A's handler is paused (SIGSTOP) until its
+    claim has lapsed; worker B takes the key, runs it and answers, and B's duplicate
+    replays that answer. A resumes and publishes: A's client gets A's own answer, but B's
+    stands, and every later duplicate (to either worker) replays it; A counts `superseded`.
+    """
+    env = {"REDIS_URL": own_redis.url, "LEASE_SECONDS": str(LEASE)}
+    client = own_redis.client()
+    key = f"paused-{random.getrandbits(32):08x}"
+    claim = key_names(b"idem", b"", key.encode()).claim
+    a, b = Uvicorn(free_port(), env), Uvicorn(free_port(), env)
+    paused = False
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        async with HttpPool(a.port, 4) as to_a, HttpPool(b.port, 4) as to_b:
+            late = asyncio.create_task(to_a.post(f"/task/{key}", key, BODY, x_work_ms="300"))
+            deadline = time.monotonic() + 20
+            while await client.get(f"runs:{key}") is None:  # A's handler has started
+                assert time.monotonic() < deadline, "the handler never started"
+                await asyncio.sleep(0.01)
+            os.kill(a.pid, signal.SIGSTOP)
+            paused, paused_at = True, time.monotonic()
+            while await client.exists(claim):  # A cannot renew: its claim lapses
+                assert time.monotonic() < paused_at + 10, "the claim never lapsed"
+                await asyncio.sleep(0.02)
+            first = await to_b.post(f"/task/{key}", key, BODY)
+            replay = await to_b.post(f"/task/{key}", key, BODY)
+            os.kill(a.pid, signal.SIGCONT)
+            paused, paused_s = False, time.monotonic() - paused_at
+            own = await late
+            after = [await to_a.post(f"/task/{key}", key, BODY) for _ in range(2)]
+            after += [await to_b.post(f"/task/{key}", key, BODY) for _ in range(2)]
+            stats = json.loads((await to_a.request("GET", "/stats")).body)
+        runs = int(await client.get(f"runs:{key}") or 0)
+    finally:
+        if paused:
+            os.kill(a.pid, signal.SIGCONT)
+        a.stop()
+        b.stop()
+        await client.aclose()
+
+    def nonce(reply: Response) -> bytes | None:
+        return reply.header(b"x-run-nonce")
+
+    record(
+        "crash-paused",
+        "Crash: a worker paused past its lease publishes late",
+        {
+            "lease_s": LEASE,
+            "paused_s": round(paused_s, 2),
+            "runs": runs,
+            "later_duplicates": len(after),
+            "later_duplicates_replaying_the_first_answer": sum(
+                1 for r in after if nonce(r) == nonce(first)
+            ),
+            "superseded": stats["superseded"],
+        },
+        checks=[
+            "the paused run's client gets its own answer, not marked as a replay",
+            "the answer given first (and replayed) is what every later duplicate gets",
+            "the late run is counted as superseded",
+        ],
+    )
+    assert runs == 2
+    assert first.status == 201 and first.header(b"idempotent-replayed") is None
+    assert replay.header(b"idempotent-replayed") == b"true" and replay.body == first.body
+    assert own.status == 201 and own.header(b"idempotent-replayed") is None
+    assert nonce(own) != nonce(first)  # the late run happened: its client gets its answer
+    for reply in after:
+        assert reply.status == 201 and reply.header(b"idempotent-replayed") == b"true"
+        assert reply.body == first.body, "a late publish replaced the answer given first"
+    assert stats["superseded"] == 1 and stats["publish_errors"] == 0
