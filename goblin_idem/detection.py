@@ -2,7 +2,8 @@
 
 The mode (does every primary know GOBLIN.CLAIM?), the ACL user's permission for every
 command the store sends (`StorePermissionError` names each refused one and the rule that
-allows it), and the eviction policy (a WARNING when it can evict goblin-idem's keys).
+allows it), the eviction policy (a WARNING when it can evict goblin-idem's keys), and the
+largest value the server accepts (its proto-max-bulk-len).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .errors import NotReplicatedError, StorePermissionError
 from .executors import Executor
 from .protocol import Store
 from .replies import SCRIPT_CALLS, acl_rule, permission_error
-from .rules import as_bytes
+from .rules import DEFAULT_MAX_VALUE_BYTES, as_bytes
 
 __all__ = ["Detection", "Mode", "node_name"]
 
@@ -60,12 +61,15 @@ class Detection:
     decides nothing). What they find describes the server, so every event loop shares it;
     a loop's concurrent first calls wait for one run under that loop's lock
     (`Executor.detecting`: an asyncio lock belongs to one loop), and two loops starting
-    together may each run it, to the same findings."""
+    together may each run it, to the same findings.
 
-    def __init__(self, mode: Mode, user: str) -> None:
+    `limit` is told the largest value the server accepts (its primaries' smallest)."""
+
+    def __init__(self, mode: Mode, user: str, limit: Callable[[int], None]) -> None:
         self.mode: Mode = mode
         self.done = False
         self._user = user
+        self._limit = limit
 
     def ready(self) -> bool:
         """May a command go out without detection (done, or sent by the probe itself)?"""
@@ -105,6 +109,7 @@ class Detection:
             self.mode = "native" if native else "script"
         refused = await self._probe(store, executor)
         await self._check_eviction(client)
+        self._limit(await self._value_limit(client))
         self.done = True
         if auto:
             _note(
@@ -203,6 +208,19 @@ class Detection:
             return str(info["maxmemory_policy"]), str(info.get("maxmemory", "?"))
         except (ResponseError, KeyError) as exc:
             raise ResponseError(f"{refused}; INFO memory: {exc}") from None
+
+    async def _value_limit(self, client: Any) -> int:
+        """The largest value every primary accepts: the smallest proto-max-bulk-len (a
+        server drops the connection that sends a larger one, and every call pipelined on
+        it fails), or Redis' default where CONFIG GET is refused or renamed."""
+        limits = []
+        for node in _nodes(client):
+            try:
+                reply = await _node_command(client, node, "CONFIG GET", "proto-max-bulk-len")
+                limits.append(int(_pairs(reply)["proto-max-bulk-len"]))
+            except (ResponseError, KeyError, ValueError):
+                limits.append(DEFAULT_MAX_VALUE_BYTES)
+        return min(limits)
 
     async def _has_native_commands(self, client: Any) -> bool:
         """True only if every primary knows GOBLIN.CLAIM.

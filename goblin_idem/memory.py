@@ -14,12 +14,18 @@ from redis.exceptions import ResponseError
 
 from .errors import WRONGTYPE, invalid_expire
 from .protocol import CLAIMED, ClaimReply, KeyT
-from .rules import as_bytes, caexpire_ms, check_size, claim_reply, claim_seconds, publish_ttl
+from .rules import (
+    DEFAULT_MAX_VALUE_BYTES,
+    as_bytes,
+    caexpire_ms,
+    check_size,
+    claim_reply,
+    claim_seconds,
+    publish_ttl,
+)
 
 __all__ = ["MemoryStore"]
 
-# Redis' own default ceiling for a string value (proto-max-bulk-len).
-DEFAULT_MAX_VALUE_BYTES = 512 * 1024 * 1024
 # Expired entries reclaimed per write at most, so one write never pays for a whole backlog.
 _EVICT_PER_WRITE = 64
 

@@ -37,6 +37,7 @@ from .executors import (
 from .protocol import CLAIMED, ClaimReply, KeyT
 from .replies import normalize, renewal_reply, unwrap
 from .rules import (
+    DEFAULT_MAX_VALUE_BYTES,
     as_bytes,
     caexpire_ms,
     check_size,
@@ -72,7 +73,9 @@ class _StoreConnection:
     ) -> None:
         _check_options(client, mode, wait_replicas, wait_timeout_ms)
         self.client = client
-        self.max_value_bytes = max_value_bytes
+        self.max_value_bytes = (
+            DEFAULT_MAX_VALUE_BYTES if max_value_bytes is None else max_value_bytes
+        )
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self._owns_client = False
@@ -91,7 +94,7 @@ class _StoreConnection:
         # changed in place) under `_arriving`, so that a lookup needs no lock.
         self._loops: dict[asyncio.AbstractEventLoop, Executor] = {}
         self._arriving = threading.Lock()
-        self._detection = Detection(mode, self._acl_user)
+        self._detection = Detection(mode, self._acl_user, self._server_limit)
         _stores.add(self)
 
     def _executor_for(self, client: AnyRedis) -> Executor:
@@ -201,6 +204,12 @@ class _StoreConnection:
         for executor in executors.values():
             executor.disown()
 
+    def _server_limit(self, limit: int) -> None:
+        """Detection read the server's proto-max-bulk-len: a larger value would make the
+        server drop the connection, failing every call pipelined with it."""
+        if self.max_value_bytes is None or self.max_value_bytes > limit:
+            self.max_value_bytes = limit
+
     async def aclose(self) -> None:
         """Close the running loop's connections (a later call opens new ones) and release
         those of loops that have closed. Another loop still open keeps its own: close the
@@ -268,8 +277,13 @@ class RedisStore(_StoreConnection):
     hiredis. Plain commands and mode detection always use the client.
 
     Detection (`detect`, or the first command): the mode, the ACL user's permission for
-    every command the store sends (`StorePermissionError` names what is refused), and the
-    server's eviction policy (a WARNING when it can evict goblin-idem's keys).
+    every command the store sends (`StorePermissionError` names what is refused), the
+    server's eviction policy (a WARNING when it can evict goblin-idem's keys), and the
+    largest value it takes (proto-max-bulk-len, the smallest of a cluster's primaries;
+    Redis' default 512 MiB, also before detection, where it cannot be read), which becomes
+    ``max_value_bytes`` where that is larger or None. A larger value is refused before it
+    is sent, with the native command's error: the server would drop the connection it
+    came on, failing every call pipelined with it.
 
     Processes and loops: connections belong to the process and event loop that opened
     them. One store serves any number of event loops at once (threads each running one):
@@ -283,7 +297,7 @@ class RedisStore(_StoreConnection):
     on its first command there.
     """
 
-    # -- detection: the mode, the user's permissions, the eviction policy --
+    # -- detection: the mode, the user's permissions, the eviction policy, the value limit --
 
     async def detect(self) -> Mode:
         """Check the server once, before the first command (which otherwise does it).
