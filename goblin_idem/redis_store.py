@@ -71,6 +71,7 @@ class _StoreConnection:
         wait_timeout_ms: int = 1000,
         autopipeline: bool = True,
     ) -> None:
+        _check_client(client)
         _check_options(client, mode, wait_replicas, wait_timeout_ms)
         self.client = client
         self.max_value_bytes = (
@@ -507,6 +508,28 @@ def _client_from_url(
         url, max_connections=max_connections, timeout=pool_timeout, **kwargs
     )
     return redis.asyncio.Redis(connection_pool=pool)
+
+
+def _check_client(client: object) -> None:
+    """What goes in place of the client: a URL says to use from_url, a sync client says
+    which kind of client, anything else what the store takes."""
+    if isinstance(client, (redis.asyncio.Redis, RedisCluster)):
+        return
+    if isinstance(client, (str, bytes)):
+        raise TypeError(
+            "RedisStore takes a redis.asyncio client, not a URL: "
+            "use RedisStore.from_url(url) (cluster=True for a Redis Cluster)"
+        )
+    what = f"a {type(client).__module__}.{type(client).__qualname__}"
+    if hasattr(client, "execute_command"):  # redis.Redis, redis.RedisCluster
+        raise TypeError(
+            f"RedisStore needs an asyncio client (redis.asyncio.Redis or "
+            f"redis.asyncio.RedisCluster), not {what}: build one with RedisStore.from_url(url)"
+        )
+    raise TypeError(
+        "RedisStore takes a redis.asyncio.Redis or redis.asyncio.RedisCluster client, "
+        f"not {what}: build one with RedisStore.from_url(url)"
+    )
 
 
 def _check_options(

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -188,6 +189,15 @@ async def test_decode_responses_client_is_refused(server: Server) -> None:
             RedisStore(client)
     finally:
         await client.aclose()
+
+
+def test_a_url_or_a_class_in_place_of_the_client_says_what_to_pass() -> None:
+    with pytest.raises(TypeError, match=r"not a URL: use RedisStore\.from_url\(url\)"):
+        RedisStore("redis://127.0.0.1:6379/0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"needs an asyncio client .*RedisStore\.from_url"):
+        RedisStore(redis.Redis(host="127.0.0.1", port=1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"not a builtins\.dict: build one with"):
+        RedisStore({"host": "127.0.0.1"})  # type: ignore[arg-type]
 
 
 async def test_bad_mode_is_refused(server: Server) -> None:
