@@ -19,7 +19,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
 
-from goblin_idem import CLAIMED, MemoryStore, RedisStore, Store
+from goblin_idem import CLAIMED, Lock, MemoryStore, RedisStore, Store
 from goblin_idem.errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
 from goblin_idem.scripts import ALL as ALL_SCRIPTS
 from tests.support.backends import (
@@ -400,6 +400,23 @@ async def test_memory_store_set_options() -> None:
         await store.set("k", "v", px=0)
     assert await store.delete("k", "missing") == 1
     assert await store.delete() == 0
+
+
+async def test_memory_store_set_nx_takes_a_key_that_expired_with_no_write_since() -> None:
+    """Expiry is lazy: a key past its deadline is free to SET NX (and a lock whose holder
+    stopped renewing can be taken) before any write has reclaimed it."""
+    store = MemoryStore()
+    assert await store.set("k", "old", px=50)
+    await asyncio.sleep(0.1)
+    assert len(store) == 1  # not reclaimed: nothing has written since
+    assert await store.set("k", "new", px=10_000, nx=True)
+    assert await store.get("k") == b"new"
+    assert await store.set("job", "a-holder-that-died", px=50)
+    await asyncio.sleep(0.1)
+    lock = Lock(store, "job", blocking=False)
+    assert await lock.acquire()
+    assert await store.get("job") == lock.token
+    await lock.release()
 
 
 async def test_memory_store_wrongtype_on_mixed_collections() -> None:
