@@ -98,7 +98,13 @@ class Watchdog:
     ) -> Lease:
         lease = Lease(as_bytes(key), as_bytes(token), ms, label, on_lost)
         lease.schedule(time.monotonic())
-        self._here().hold(lease)
+        renewals = self._here()
+        renewals.leases.add(lease)
+        task = renewals.task
+        if task is None or task.done():
+            renewals.task = renewals.loop.create_task(renewals.run())
+        elif lease.due < renewals.sleep_until:  # O(1): leases mostly share one length
+            renewals.wake.set()
         return lease
 
     async def release(self, lease: Lease) -> None:
@@ -113,14 +119,16 @@ class Watchdog:
             await renewals.batch_done.wait()
 
     def _here(self) -> _Renewals:
+        """The running loop's renewals; a loop's first lease drops those of closed loops."""
         loop = asyncio.get_running_loop()
-        renewals = self._loops.get(loop)
-        if renewals is None:
+        try:
+            return self._loops[loop]
+        except KeyError:
             with self._lock:
                 loops = {other: r for other, r in self._loops.items() if not other.is_closed()}
                 renewals = loops[loop] = _Renewals(self, loop)
                 self._loops = loops
-        return renewals
+            return renewals
 
     def _count(self, renewed: int, lost: int) -> None:
         """Add one batch's outcome to the counters every loop shares."""
@@ -130,8 +138,8 @@ class Watchdog:
 
 
 class _Renewals:
-    """The leases one event loop holds, the ones being renewed (until `batch_done` is
-    set), and the task that renews them in that loop."""
+    """One event loop's part of a Watchdog: the leases it holds, the ones being renewed
+    (until `batch_done` is set), and the task that renews them (`run`, in that loop)."""
 
     def __init__(self, watchdog: Watchdog, loop: asyncio.AbstractEventLoop) -> None:
         self.watchdog = watchdog
@@ -139,33 +147,26 @@ class _Renewals:
         self.leases: set[Lease] = set()
         self.renewing: set[Lease] = set()
         self.batch_done: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._sleep_until = 0.0  # when the loop wakes next, unless woken
-
-    def hold(self, lease: Lease) -> None:
-        self.leases.add(lease)
-        if self._task is None or self._task.done():
-            self._task = self.loop.create_task(self._run())
-        elif lease.due < self._sleep_until:  # O(1): leases mostly share one length
-            self._wake.set()
+        self.task: asyncio.Task[None] | None = None
+        self.wake = asyncio.Event()
+        self.sleep_until = 0.0  # when the task wakes next, unless woken
 
     def _next_due(self) -> float:
         return min((lease.due for lease in self.leases), default=float("inf"))
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
         while self.leases:
-            self._sleep_until = self._next_due()
-            delay = self._sleep_until - time.monotonic()
+            self.sleep_until = self._next_due()
+            delay = self.sleep_until - time.monotonic()
             if delay > 0:
-                self._wake.clear()
+                self.wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                    await asyncio.wait_for(self.wake.wait(), delay)
                 except asyncio.TimeoutError:
                     pass
                 continue
             await self._renew_due()
-        self._task = None
+        self.task = None
 
     async def _renew_due(self) -> None:
         now = time.monotonic()

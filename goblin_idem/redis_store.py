@@ -162,11 +162,11 @@ class _StoreConnection:
         """The executor of the running event loop (the first one, outside any loop): the
         hot path's one lookup."""
         try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
+            return self._loops[asyncio.get_running_loop()]
+        except KeyError:
+            return self._arrive(asyncio.get_running_loop())
+        except RuntimeError:  # no running loop
             return self._first
-        executor = self._loops.get(loop)
-        return executor if executor is not None else self._arrive(loop)
 
     @property
     def _pipeline(self) -> AutoPipeline | None:
