@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
+import uvloop
 
 from goblin_idem import CLAIMED, Lock, MemoryStore, RedisStore, Store, once
 from tests.support.servers import Cluster, Server, start_cluster
@@ -29,16 +30,18 @@ NAME = "goblin-loops-test"  # the client name of the store's connections, for CL
 JOIN_SECONDS = 60  # a thread still running after this is taken as hung
 
 
-def in_threads(count: int, work: Callable[[int], Awaitable[T]]) -> list[T]:
-    """`work(i)` in `count` threads, each in an event loop of its own (``asyncio.run``),
-    started together; what each returned (a thread's error is raised here)."""
+def in_threads(
+    count: int, work: Callable[[int], Awaitable[T]], run: Callable[[Any], Any] = asyncio.run
+) -> list[T]:
+    """`work(i)` in `count` threads, each in an event loop of its own (`run`: asyncio's or
+    uvloop's), started together; what each returned (a thread's error is raised here)."""
     start = threading.Barrier(count)
     outcomes: list[Any] = [None] * count
 
     def thread(i: int) -> None:
         start.wait()
         try:
-            outcomes[i] = asyncio.run(work(i))
+            outcomes[i] = run(work(i))
         except BaseException as exc:
             outcomes[i] = exc
 
@@ -91,14 +94,25 @@ async def claims(store: Store, tag: str, count: int, concurrency: int) -> Counte
 # -- a single server ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("threads", [2, 4])
-@pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])
+@pytest.mark.parametrize(
+    ("autopipeline", "threads", "run"),
+    [
+        (True, 2, asyncio.run),
+        (True, 4, asyncio.run),
+        (False, 2, asyncio.run),
+        (False, 4, asyncio.run),
+        (True, 2, uvloop.run),
+        (False, 2, uvloop.run),
+    ],
+    ids=["shared-2", "shared-4", "direct-2", "direct-4", "shared-2-uvloop", "direct-2-uvloop"],
+)
 def test_threads_in_loops_of_their_own_share_one_store(
-    redis_server: Server, autopipeline: bool, threads: int
+    redis_server: Server, autopipeline: bool, threads: int, run: Callable[[Any], Any]
 ) -> None:
     """First calls together (detection from every loop at once), then thousands of claims
-    each, with and without the auto-pipelined connection: no call fails or hangs, every
-    loop keeps to connections of its own, and none is left once the loops have closed."""
+    each, with and without the auto-pipelined connection, on asyncio's loops and
+    uvloop's: no call fails or hangs, every loop keeps to connections of its own, and
+    none is left once the loops have closed."""
     store = RedisStore.from_url(redis_server.url, autopipeline=autopipeline, client_name=NAME)
     tag = secrets.token_hex(4)
     count, concurrency = 4000 // threads, 20
@@ -106,13 +120,13 @@ def test_threads_in_loops_of_their_own_share_one_store(
     async def work(i: int) -> Counter[str]:
         return await claims(store, f"{tag}-{i}", count, concurrency)
 
-    assert in_threads(threads, work) == [Counter(claimed=count)] * threads
+    assert in_threads(threads, work, run) == [Counter(claimed=count)] * threads
     # The loops have closed; their connections go at the next loop's first call.
     per_loop = 2 if autopipeline else concurrency + 1
     assert connections([redis_server]) <= threads * per_loop
-    assert asyncio.run(work(threads)) == Counter(claimed=count)
+    assert run(work(threads)) == Counter(claimed=count)
     assert settled([redis_server], per_loop) <= per_loop
-    asyncio.run(store.aclose())
+    run(store.aclose())
     assert settled([redis_server], 0) == 0
 
 
