@@ -24,8 +24,8 @@ One NOSCRIPT policy serves them all (`Executor.send`, `Executor._again`): the sc
 loaded where the reply came from and the commands sent once more, once. `Wait` makes a
 write durable: WAIT follows it on the same connection, in the same round trip. An executor
 serves one event loop of one process: a store gives each loop its own (`copy_client` makes
-the client of a second one), and drops one whose loop has closed (`Executor.release`) or
-that a fork's child inherited (`Executor.disown`).
+the client of a second one), and drops one whose loop has closed (`Executor.release`, and
+`Executor.discard` for a copy) or that a fork's child inherited (`Executor.disown`).
 """
 
 from __future__ import annotations
@@ -200,6 +200,11 @@ class Executor:
         in the next loop."""
         for connection in self._drop():
             _shut_down(connection)
+
+    def discard(self) -> None:
+        """`release`, for an executor on a copy of the store's client, which is not used
+        again."""
+        self.release()
 
     def _drop(self) -> list[object]:
         self.detecting = asyncio.Lock()  # it may belong to the old loop
@@ -432,6 +437,12 @@ class Clustered(Executor):
                 node._connections = []
                 node._free.clear()
         return dropped
+
+    def discard(self) -> None:
+        super().discard()
+        # Marked closed, as aclose (which awaits) would: redis-py logs an error for a
+        # cluster client collected while initialized.
+        self.client._initialize = True
 
     async def aclose(self) -> None:
         primaries, self.primaries = list(self.primaries.values()), {}

@@ -191,10 +191,12 @@ class _StoreConnection:
         (their sockets shut down, nothing sent through the closed loop). Under `_arriving`."""
         loops = {}
         for loop, executor in self._loops.items():
-            if loop.is_closed():
-                executor.release()
-            else:
+            if not loop.is_closed():
                 loops[loop] = executor
+            elif executor is self._first:
+                executor.release()  # for the next loop
+            else:
+                executor.discard()
         return loops
 
     def _after_fork(self) -> None:
