@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import AuthenticationError, NoPermissionError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import options
@@ -36,7 +36,7 @@ from .claim import (
     run_to_end,
 )
 from .compression import Codec
-from .errors import describe
+from .errors import VALUE_TOO_LARGE, describe
 from .keys import KeyNames
 from .lease import Lease, Watchdog
 from .record import Record, encode
@@ -298,6 +298,13 @@ class Run:
                 config.store, names, self.data, self.settings.ttl_ms, self.lease
             )
         except Exception as exc:
+            if _too_large(exc) and self.size <= config.max_response_bytes:
+                # More than the store takes (its max_value_bytes, at most what its server
+                # accepts): kept as a response over max_response_bytes is, status alone.
+                self.size = config.max_response_bytes + 1
+                step = self._closing_step()  # reports too_large, encodes the status alone
+                await step()
+                return
             config.report("publish_errors", names.hash)
             log_store_error(
                 config.store,
@@ -366,6 +373,11 @@ def _is_outcome(status: int, store_server_errors: bool) -> bool:
     if status >= 500:
         return store_server_errors
     return status != 307 and status != 308
+
+
+def _too_large(exc: Exception) -> bool:
+    """The store refused the record for its size (nothing was sent, or stored)."""
+    return isinstance(exc, ResponseError) and str(exc) == VALUE_TOO_LARGE
 
 
 def _report_lost(report: Events, lease: Lease) -> None:

@@ -2,12 +2,12 @@
 
 The mode (does every primary know GOBLIN.CLAIM?), the ACL user's permission for every
 command the store sends (`StorePermissionError` names each refused one and the rule that
-allows it), and the eviction policy (a WARNING when it can evict goblin-idem's keys).
+allows it), the eviction policy (a WARNING when it can evict goblin-idem's keys), and the
+largest value the server accepts (its proto-max-bulk-len).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import logging
 import os
@@ -19,9 +19,10 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoPermissionError, ResponseError
 
 from .errors import NotReplicatedError, StorePermissionError
+from .executors import Executor
 from .protocol import Store
 from .replies import SCRIPT_CALLS, acl_rule, permission_error
-from .rules import as_bytes
+from .rules import DEFAULT_MAX_VALUE_BYTES, as_bytes
 
 __all__ = ["Detection", "Mode", "node_name"]
 
@@ -56,41 +57,37 @@ _EVICTS: Final = (
 
 
 class Detection:
-    """One store's checks: run once (under a lock, so concurrent first calls share one run),
-    again after a failure (a server that cannot be reached decides nothing)."""
+    """One store's checks: run once, again after a failure (a server that cannot be reached
+    decides nothing). What they find describes the server, so every event loop shares it;
+    a loop's concurrent first calls wait for one run under that loop's lock
+    (`Executor.detecting`: an asyncio lock belongs to one loop), and two loops starting
+    together may each run it, to the same findings.
 
-    def __init__(
-        self, client: Any, mode: Mode, user: str, load_scripts: Callable[[], Awaitable[None]]
-    ) -> None:
-        self.client = client
+    `limit` is told the largest value the server accepts (its primaries' smallest)."""
+
+    def __init__(self, mode: Mode, user: str, limit: Callable[[int], None]) -> None:
         self.mode: Mode = mode
         self.done = False
         self._user = user
-        self._load_scripts = load_scripts
-        self._lock: asyncio.Lock | None = None
+        self._limit = limit
 
     def ready(self) -> bool:
         """May a command go out without detection (done, or sent by the probe itself)?"""
         return self.done or _PROBING.get()
 
-    def forget(self) -> None:
-        """The lock belongs to an event loop: a new loop or process makes its own."""
-        self._lock = None
-
-    async def run(self, store: Store) -> Mode:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
+    async def run(self, store: Store, executor: Executor) -> Mode:
+        """Check, unless done, over the running loop's `executor` (its client)."""
+        async with executor.detecting:
             if not self.done:
-                await self._once(store)
+                await self._once(store, executor)
         return self.mode
 
-    async def notes(self, store: Store) -> list[tuple[int, str]]:
+    async def notes(self, store: Store, executor: Executor) -> list[tuple[int, str]]:
         """`run`, with the lines it would log returned as ``(level, text)`` instead."""
         notes: list[tuple[int, str]] = []
         token = _NOTES.set(notes)
         try:
-            await self.run(store)
+            await self.run(store, executor)
         except BaseException:
             for level, text in notes:  # what was found before the failure still counts
                 logger.log(level, "%s", text)
@@ -99,18 +96,20 @@ class Detection:
             _NOTES.reset(token)
         return notes
 
-    async def _once(self, store: Store) -> None:
+    async def _once(self, store: Store, executor: Executor) -> None:
+        client = executor.client
         auto = self.mode == "auto"
         if auto:
             try:
-                native = await self._has_native_commands()
+                native = await self._has_native_commands(client)
             except NoPermissionError as exc:
                 raise self.refused(
                     ("command|list",), "to detect the mode (or give mode='native' or 'script')"
                 ) from exc
             self.mode = "native" if native else "script"
-        refused = await self._probe(store)
-        await self._check_eviction()
+        refused = await self._probe(store, executor)
+        await self._check_eviction(client)
+        self._limit(await self._value_limit(client))
         self.done = True
         if auto:
             _note(
@@ -133,7 +132,7 @@ class Detection:
             denied=commands,
         )
 
-    async def _probe(self, store: Store) -> set[str]:
+    async def _probe(self, store: Store, executor: Executor) -> set[str]:
         """Send each command the store uses once, on probe keys that expire in seconds; the
         commands an ACL refused. A refused key says the command itself was allowed (servers
         check the command first); it is logged, since the middleware's namespace is not
@@ -151,7 +150,7 @@ class Detection:
             lambda: store.delete(ck, rk),
         ]
         if self.mode == "script":  # what the scripts call, named (Redis 7.0 does not)
-            steps[:0] = [self._load_scripts, lambda: self.client.pexpire(ck, 5000)]
+            steps[:0] = [executor.load_scripts, lambda: executor.client.pexpire(ck, 5000)]
         token = _PROBING.set(True)
         try:
             errors = [await _refusal(step, self._user) for step in steps]
@@ -172,12 +171,12 @@ class Detection:
             )
         return refused
 
-    async def _check_eviction(self) -> None:
+    async def _check_eviction(self, client: Any) -> None:
         """Warn when a server may evict goblin-idem's keys, or its policy cannot be read."""
-        for node in _nodes(self.client):
-            where = node_name(self.client, node)
+        for node in _nodes(client):
+            where = node_name(client, node)
             try:
-                policy, limit = await self._memory_settings(node)
+                policy, limit = await self._memory_settings(client, node)
             except ResponseError as exc:
                 _note(logging.WARNING, _UNCHECKED, where, exc)
                 continue
@@ -196,28 +195,40 @@ class Detection:
                     else "",
                 )
 
-    async def _memory_settings(self, node: Any) -> tuple[str, str]:
+    async def _memory_settings(self, client: Any, node: Any) -> tuple[str, str]:
         """maxmemory-policy and maxmemory, from CONFIG GET or else INFO memory (managed
         services rename CONFIG, and an ACL may refuse it, since it also reads secrets)."""
         try:
-            config = _pairs(await _node_command(self.client, node, "CONFIG GET", "maxmemory*"))
+            config = _pairs(await _node_command(client, node, "CONFIG GET", "maxmemory*"))
             return config["maxmemory-policy"], config.get("maxmemory", "?")
         except (ResponseError, KeyError) as exc:
             refused = f"CONFIG GET: {exc}"
         try:
-            info = await _node_command(self.client, node, "INFO", "memory")
+            info = await _node_command(client, node, "INFO", "memory")
             return str(info["maxmemory_policy"]), str(info.get("maxmemory", "?"))
         except (ResponseError, KeyError) as exc:
             raise ResponseError(f"{refused}; INFO memory: {exc}") from None
 
-    async def _has_native_commands(self) -> bool:
+    async def _value_limit(self, client: Any) -> int:
+        """The largest value every primary accepts: the smallest proto-max-bulk-len (a
+        server drops the connection that sends a larger one, and every call pipelined on
+        it fails), or Redis' default where CONFIG GET is refused or renamed."""
+        limits = []
+        for node in _nodes(client):
+            try:
+                reply = await _node_command(client, node, "CONFIG GET", "proto-max-bulk-len")
+                limits.append(int(_pairs(reply)["proto-max-bulk-len"]))
+            except (ResponseError, KeyError, ValueError):
+                limits.append(DEFAULT_MAX_VALUE_BYTES)
+        return min(limits)
+
+    async def _has_native_commands(self, client: Any) -> bool:
         """True only if every primary knows GOBLIN.CLAIM.
 
         COMMAND LIST FILTERBY PATTERN answers a plain list on Redis >= 7, Valkey and every
         cluster node, where ``COMMAND INFO`` of an unknown name would trip redis-py's reply
         parser; a server without COMMAND LIST is asked ``COMMAND INFO`` as one raw argument.
         """
-        client = self.client
         if isinstance(client, RedisCluster):
             await client.initialize()
         for node in _nodes(client):

@@ -23,22 +23,26 @@ replies once, whatever the topology:
 
 One NOSCRIPT policy serves them all (`Executor.send`, `Executor._again`): the scripts are
 loaded where the reply came from and the commands sent once more, once. `Wait` makes a
-write durable: WAIT follows it on the same connection, in the same round trip. Connections
-belong to the process and event loop that opened them (`Executor.here`).
+write durable: WAIT follows it on the same connection, in the same round trip. An executor
+serves one event loop of one process: a store gives each loop its own (`copy_client` makes
+the client of a second one), and drops one whose loop has closed (`Executor.release`, and
+`Executor.discard` for a copy) or that a fork's child inherited (`Executor.disown`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import logging
-import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 import redis.asyncio
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
@@ -68,6 +72,7 @@ __all__ = [
     "Executor",
     "Pipelined",
     "Wait",
+    "copy_client",
 ]
 
 logger = logging.getLogger("goblin_idem.store")
@@ -91,20 +96,10 @@ TRYAGAIN_MAX_PAUSE: Final = 0.2
 #: A lost connection or a timeout: whether the commands ran is unknown.
 _LOST: Final = (RedisConnectionError, RedisTimeoutError, OSError)
 
-_forks = 0  # how many forks made this process (a child counts one more than its parent)
 # Connections a fork's child inherited: never closed or used there, only kept from the
 # garbage collector, whose cleanup would unregister their sockets from the epoll instance
 # the child shares with its parent (and so stall the parent's own reads).
 _inherited: list[object] = []
-
-
-def _count_fork() -> None:
-    global _forks
-    _forks += 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_count_fork)
 
 
 @dataclass(frozen=True)
@@ -148,13 +143,14 @@ NOT_WAITED: Final = Acked(None, None)
 
 
 class Executor:
-    """Sends commands for one store; subclasses say over which connections."""
+    """Sends commands for one store in one event loop; subclasses say over which
+    connections. `detecting` is the lock the loop's first calls wait on while detection
+    runs (an asyncio lock belongs to one loop too)."""
 
     def __init__(self, client: Any, wait: Wait | None) -> None:
         self.client = client
         self.wait = wait
-        self._loop: asyncio.AbstractEventLoop | None = None  # where the connections were made
-        self._forks = _forks
+        self.detecting = asyncio.Lock()
 
     async def send(self, key: bytes, commands: Sequence[Command]) -> list[Any]:
         """`commands` in order on one connection (the one that serves `key`), in one round
@@ -199,27 +195,28 @@ class Executor:
         """Load the Lua scripts on every primary."""
         await self._load_scripts(None, None)
 
-    def here(self) -> bool:
-        """Before any command: drop the connections this process or loop cannot use; True
-        if it did.
+    def disown(self) -> None:
+        """In a fork's child (``gunicorn --preload``: the app imported, and the store used,
+        before the fork): drop the parent's connections, never written to or closed, as
+        redis-py's synchronous pool does after a fork; new ones open on first use."""
+        _inherited.extend(self._drop())
 
-        In a fork's child (``gunicorn --preload``: the app imported, and the store used,
-        before the fork) they are the parent's sockets; after ``asyncio.run()`` returned,
-        their loop is closed. Either way they are dropped, never written to or closed, and
-        new ones open on first use, as redis-py's synchronous pool does after a fork. A loop
-        that is merely another one (a second thread's) keeps its connections."""
-        loop = asyncio.get_running_loop()
-        if self._loop is loop and self._forks == _forks:
-            return False
-        forked = self._forks != _forks
-        previous = self._loop
-        self._loop, self._forks = loop, _forks
-        if not forked and (previous is None or not previous.is_closed()):
-            return False
-        dropped = self.forget()
-        if forked:
-            _inherited.extend(dropped)
-        return True
+    def release(self) -> None:
+        """After its event loop closed: drop the connections and shut their sockets down,
+        so that the server frees them at once, with no call into the closed loop (each
+        socket is closed when its connection is collected); new ones open on first use,
+        in the next loop."""
+        for connection in self._drop():
+            _shut_down(connection)
+
+    def discard(self) -> None:
+        """`release`, for an executor on a copy of the store's client, which is not used
+        again."""
+        self.release()
+
+    def _drop(self) -> list[object]:
+        self.detecting = asyncio.Lock()  # it may belong to the old loop
+        return self.forget()
 
     # -- what each executor says --
 
@@ -462,8 +459,8 @@ class Clustered(Executor):
                 await self.client.execute_command("SCRIPT LOAD", script.body, target_nodes=node)
 
     def forget(self) -> list[object]:
-        dropped: list[object] = list(self.primaries.values())
-        self.primaries = {}
+        primaries, self.primaries = list(self.primaries.values()), {}
+        dropped = [c for primary in primaries for c in _drop_pool(primary)]
         client = self.client
         nodes = {id(n): n for n in (*client.get_nodes(), *startup_nodes(client))}
         for node in nodes.values():  # redis-py has no public way to reset a node's pool
@@ -473,6 +470,12 @@ class Clustered(Executor):
                 node._connections = []
                 node._free.clear()
         return dropped
+
+    def discard(self) -> None:
+        super().discard()
+        # Marked closed, as aclose (which awaits) would: redis-py logs an error for a
+        # cluster client collected while initialized.
+        self.client._initialize = True
 
     async def aclose(self) -> None:
         primaries, self.primaries = list(self.primaries.values()), {}
@@ -707,6 +710,76 @@ def _drop_pool(client: redis.asyncio.Redis) -> list[object]:
         dropped.append(client.connection)
         client.connection = None
     return dropped
+
+
+def _shut_down(connection: object) -> None:
+    """Shut the socket of a dropped connection (an AutoPipeline's, or redis-py's) down,
+    without a call into its event loop. uvloop closes its sockets with its loop."""
+    transport = getattr(connection, "transport", None)
+    if transport is None:  # redis-py's keeps its transport in its stream writer
+        transport = getattr(getattr(connection, "_writer", None), "transport", None)
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is not None and sock.fileno() >= 0:
+        with contextlib.suppress(OSError):  # already closed by the server
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def copy_client(client: Any) -> Any:
+    """A client with `client`'s connection settings and no connection yet, for another
+    event loop: redis-py's pools, connections and locks belong to the loop that first
+    used them.
+
+    A single server's client gets a pool of the same class and settings; a cluster client
+    a new one from its startup nodes, connection settings and the cluster options redis-py
+    keeps (full coverage, replicas, remapping, retries). A pool of another kind (Sentinel's)
+    cannot be copied: TypeError, which says to make one store per event loop.
+    """
+    if isinstance(client, RedisCluster):
+        return _copy_cluster(client)
+    pool = client.connection_pool
+    pools = (redis.asyncio.ConnectionPool, redis.asyncio.BlockingConnectionPool)
+    if type(pool) not in pools:
+        raise TypeError(
+            f"a RedisStore over a {type(pool).__name__} serves one event loop only: it "
+            "cannot open connections of its own in another one. Make one store per event "
+            "loop (each with its own client)"
+        )
+    extra = (
+        {"timeout": pool.timeout} if isinstance(pool, redis.asyncio.BlockingConnectionPool) else {}
+    )
+    copy = type(pool)(
+        connection_class=pool.connection_class,
+        max_connections=pool.max_connections,
+        **extra,
+        **pool.connection_kwargs,
+    )
+    other = type(client)(
+        connection_pool=copy, single_connection_client=client.single_connection_client
+    )
+    other.response_callbacks.update(client.response_callbacks)
+    return other
+
+
+def _copy_cluster(client: RedisCluster) -> RedisCluster:
+    settings: dict[str, Any] = dict(client.get_connection_kwargs())
+    settings["ssl"] = settings.get("connection_class") is redis.asyncio.SSLConnection
+    manager = client.nodes_manager
+    settings.update(
+        require_full_coverage=manager.require_full_coverage,
+        address_remap=getattr(manager, "address_remap", None),
+        dynamic_startup_nodes=getattr(manager, "_dynamic_startup_nodes", True),
+        reinitialize_steps=client.reinitialize_steps,
+        retry=client.retry,
+    )
+    strategy = getattr(client, "load_balancing_strategy", None)
+    if strategy is not None:
+        settings["load_balancing_strategy"] = strategy
+    elif client.read_from_replicas:  # deprecated since redis-py 5.3, so only if set
+        settings["read_from_replicas"] = True
+    accepted = inspect.signature(type(client).__init__).parameters
+    nodes = [ClusterNode(str(n.host), int(n.port)) for n in startup_nodes(client)]
+    kwargs = {k: v for k, v in settings.items() if k in accepted and k != "startup_nodes"}
+    return type(client)(startup_nodes=nodes, **kwargs)
 
 
 # The connection settings a per-primary client of a cluster store takes from the cluster client.

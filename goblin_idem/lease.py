@@ -3,8 +3,8 @@
 A claim or lock is written with a short lease so that a dead holder frees it. A live holder
 keeps it by renewing with CAEXPIRE at a third of the lease: the renewal succeeds only
 while the key still holds the holder's token, so it can never extend someone else's lease.
-One watchdog task per store renews every due lease in a single pipelined round trip,
-instead of one timer task per request.
+One watchdog task per store (and event loop) renews every due lease in a single pipelined
+round trip, instead of one timer task per request.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -61,7 +62,9 @@ class Lease:
 class Watchdog:
     """Renews every held lease of one store at lease/3, all due renewals in one pipeline.
 
-    The loop task exists only while leases are held, on the event loop that holds them.
+    A lease is renewed in the event loop that holds it: each loop has its own task, its
+    leases and its own store calls (`_Renewals`), and a loop that has closed is dropped
+    at the next loop's first lease. The loop task exists only while leases are held.
     A renewal that errs (store down) is retried on the next tick, a third of a lease
     later at most; one that replies 0 marks the lease lost and stops renewing it.
     """
@@ -73,12 +76,10 @@ class Watchdog:
         self.retry_seconds = retry_seconds
         self.renewals = 0
         self.lost = 0
-        self._leases: set[Lease] = set()
-        self._renewing: set[Lease] = set()
-        self._batch_done: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._sleep_until = 0.0  # when the loop wakes next, unless woken
+        # Each event loop's renewals, replaced whole (never changed in place) under `_lock`
+        # (which guards the counters too), so that a lookup needs no lock.
+        self._loops: dict[asyncio.AbstractEventLoop, _Renewals] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def for_store(cls, store: Store) -> Watchdog:
@@ -89,7 +90,7 @@ class Watchdog:
         return dog
 
     def __len__(self) -> int:
-        return len(self._leases)
+        return sum(len(renewals.leases) for renewals in self._loops.values())
 
     def hold(
         self,
@@ -103,13 +104,13 @@ class Watchdog:
         lease = Lease(as_bytes(key), as_bytes(token), ms, label, on_lost)
         lease.renewed_at = time.monotonic()
         lease.schedule(lease.renewed_at)
-        self._leases.add(lease)
-        task = self._task
-        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
-        elif lease.due < self._sleep_until:  # O(1): leases mostly share one length
-            self._wake.set()
+        renewals = self._here()
+        renewals.leases.add(lease)
+        task = renewals.task
+        if task is None or task.done():
+            renewals.task = renewals.loop.create_task(renewals.run())
+        elif lease.due < renewals.sleep_until:  # O(1): leases mostly share one length
+            renewals.wake.set()
         return lease
 
     async def release(self, lease: Lease) -> None:
@@ -118,58 +119,95 @@ class Watchdog:
         A caller about to give the key a longer TTL (publishing a result) must not have a
         late lease-length renewal land after it and cut that TTL short again.
         """
-        self._leases.discard(lease)
-        while lease in self._renewing and self._batch_done is not None:
-            await self._batch_done.wait()
+        renewals = self._here()
+        renewals.leases.discard(lease)
+        while lease in renewals.renewing and renewals.batch_done is not None:
+            await renewals.batch_done.wait()
+
+    def _here(self) -> _Renewals:
+        """The running loop's renewals; a loop's first lease drops those of closed loops."""
+        loop = asyncio.get_running_loop()
+        try:
+            return self._loops[loop]
+        except KeyError:
+            with self._lock:
+                loops = {other: r for other, r in self._loops.items() if not other.is_closed()}
+                renewals = loops[loop] = _Renewals(self, loop)
+                self._loops = loops
+            return renewals
+
+    def _count(self, renewed: int, lost: int) -> None:
+        """Add one batch's outcome to the counters every loop shares."""
+        with self._lock:
+            self.renewals += renewed
+            self.lost += lost
+
+
+class _Renewals:
+    """One event loop's part of a Watchdog: the leases it holds, the ones being renewed
+    (until `batch_done` is set), and the task that renews them (`run`, in that loop)."""
+
+    def __init__(self, watchdog: Watchdog, loop: asyncio.AbstractEventLoop) -> None:
+        self.watchdog = watchdog
+        self.loop = loop
+        self.leases: set[Lease] = set()
+        self.renewing: set[Lease] = set()
+        self.batch_done: asyncio.Event | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.wake = asyncio.Event()
+        self.sleep_until = 0.0  # when the task wakes next, unless woken
 
     def _next_due(self) -> float:
-        return min((lease.due for lease in self._leases), default=float("inf"))
+        return min((lease.due for lease in self.leases), default=float("inf"))
 
-    async def _run(self) -> None:
-        while self._leases:
-            self._sleep_until = self._next_due()
-            delay = self._sleep_until - time.monotonic()
+    async def run(self) -> None:
+        while self.leases:
+            self.sleep_until = self._next_due()
+            delay = self.sleep_until - time.monotonic()
             if delay > 0:
-                self._wake.clear()
+                self.wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                    await asyncio.wait_for(self.wake.wait(), delay)
                 except asyncio.TimeoutError:
                     pass
                 continue
             await self._renew_due()
-        self._task = None
+        self.task = None
 
     async def _renew_due(self) -> None:
         now = time.monotonic()
-        due = [lease for lease in self._leases if lease.due <= now]
-        self._renewing.update(due)
-        self._batch_done = done = asyncio.Event()
+        due = [lease for lease in self.leases if lease.due <= now]
+        self.renewing.update(due)
+        self.batch_done = done = asyncio.Event()
         try:
-            replies = await self.store.caexpire_many([(x.key, x.token, x.ms) for x in due])
+            replies = await self.watchdog.store.caexpire_many([(x.key, x.token, x.ms) for x in due])
         except Exception as exc:  # the store is down: keep the leases and try again soon
             logger.warning("lease renewal failed for %d lease(s): %s", len(due), describe(exc))
             replies = [exc] * len(due)
         finally:
-            self._renewing.clear()
+            self.renewing.clear()
             done.set()
         sent, now = now, time.monotonic()
+        renewed = lost = 0
         for lease, reply in zip(due, replies, strict=True):
-            if lease not in self._leases:  # released while the renewal was in flight
+            if lease not in self.leases:  # released while the renewal was in flight
                 continue
             if isinstance(reply, Exception):
-                lease.due = now + min(self.retry_seconds, lease.ms / 3000)
+                lease.due = now + min(self.watchdog.retry_seconds, lease.ms / 3000)
             elif reply == 1:
-                self.renewals += 1
+                renewed += 1
                 lease.renewed_at = sent
                 lease.schedule(now)
             else:
-                self._lose(lease)
+                lost += self._lose(lease)
+        self.watchdog._count(renewed, lost)
 
-    def _lose(self, lease: Lease) -> None:
-        self._leases.discard(lease)
-        if lease.lose():
-            self.lost += 1
-            logger.warning("lease lost: %s is no longer held by this token", lease.label or "a key")
+    def _lose(self, lease: Lease) -> bool:
+        self.leases.discard(lease)
+        if not lease.lose():
+            return False
+        logger.warning("lease lost: %s is no longer held by this token", lease.label or "a key")
+        return True
 
 
 class Lock:

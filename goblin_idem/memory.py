@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import heapq
+import os
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
@@ -12,6 +15,7 @@ from redis.exceptions import ResponseError
 from .errors import WRONGTYPE, invalid_expire
 from .protocol import CLAIMED, ClaimReply, KeyT, Published
 from .rules import (
+    DEFAULT_MAX_VALUE_BYTES,
     WRITTEN,
     as_bytes,
     caexpire_ms,
@@ -23,8 +27,6 @@ from .rules import (
 
 __all__ = ["MemoryStore"]
 
-# Redis' own default ceiling for a string value (proto-max-bulk-len).
-DEFAULT_MAX_VALUE_BYTES = 512 * 1024 * 1024
 # Expired entries reclaimed per write at most, so one write never pays for a whole backlog.
 _EVICT_PER_WRITE = 64
 
@@ -54,7 +56,9 @@ class MemoryStore:
     """The four GOBLIN commands and plain GET/SET/PTTL/DEL on a dict, in this process.
 
     Same replies and error texts as RedisStore. Every method runs without awaiting
-    anything, so under asyncio each call is atomic with respect to every other. Expiry is
+    anything, so under asyncio each call is atomic with respect to every other, and holds
+    the store's lock throughout, so it is atomic across threads too (a store shared by
+    threads each running an event loop). Expiry is
     lazy (a key past its deadline reads as absent) on the monotonic clock, and each write
     also reclaims a few expired entries, so memory tracks the live keys.
 
@@ -67,14 +71,17 @@ class MemoryStore:
         self.max_value_bytes = max_value_bytes
         self._data: dict[bytes, _Entry] = {}
         self._deadlines: list[tuple[float, bytes]] = []
+        self._lock = threading.Lock()
+        _stores.add(self)
 
     def __len__(self) -> int:
         """Entries held, including expired ones not reclaimed yet."""
         return len(self._data)
 
     async def aclose(self) -> None:
-        self._data.clear()
-        self._deadlines.clear()
+        with self._lock:
+            self._data.clear()
+            self._deadlines.clear()
 
     # -- internals --
 
@@ -127,7 +134,8 @@ class MemoryStore:
         self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
     ) -> ClaimReply:
         """SET claim_key token NX EX seconds, else GET result_key, as one step."""
-        return self._claim(claim_key, result_key, token, seconds)
+        with self._lock:
+            return self._claim(claim_key, result_key, token, seconds)
 
     # The steps themselves are plain methods, so that a compound step (claim_unless_done,
     # publish) is one coroutine, not one per command it is made of.
@@ -146,22 +154,24 @@ class MemoryStore:
         self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
     ) -> ClaimReply:
         """CLAIM where a stored result wins over a free claim, as one step (see Store)."""
-        reply = self._claim(claim_key, result_key, token, seconds)
-        if reply is not CLAIMED:
-            return reply
-        ck, rk = as_bytes(claim_key), as_bytes(result_key)
-        result = self._live(rk)
-        if result is None:
-            return CLAIMED
-        value = self._string(rk)  # WRONGTYPE for a non-string, as GET on a server
-        lease_end = time.monotonic() + claim_seconds(seconds)
-        kept = _deadline(result)
-        keep = lease_end if kept is None else max(kept, lease_end)
-        self._store(ck, as_bytes(token, "token"), keep)
-        return value
+        with self._lock:
+            reply = self._claim(claim_key, result_key, token, seconds)
+            if reply is not CLAIMED:
+                return reply
+            ck, rk = as_bytes(claim_key), as_bytes(result_key)
+            result = self._live(rk)
+            if result is None:
+                return CLAIMED
+            value = self._string(rk)  # WRONGTYPE for a non-string, as GET on a server
+            lease_end = time.monotonic() + claim_seconds(seconds)
+            kept = _deadline(result)
+            keep = lease_end if kept is None else max(kept, lease_end)
+            self._store(ck, as_bytes(token, "token"), keep)
+            return value
 
     async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
-        return self._caexpire(key, expected, ms)
+        with self._lock:
+            return self._caexpire(key, expected, ms)
 
     def _caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
         k, e = as_bytes(key), as_bytes(expected, "expected")
@@ -175,20 +185,22 @@ class MemoryStore:
         return 1
 
     async def cas(self, key: KeyT, expected: KeyT, new: KeyT) -> bool:
-        k, e = as_bytes(key), as_bytes(expected, "expected")
-        n = check_size(as_bytes(new, "new"), self.max_value_bytes)
-        entry = self._live_string(k)
-        if entry is None or entry[0] != e:
-            return False
-        self._data[k] = (n, entry[1])  # the deadline, its TTL, stays as it was
-        return True
+        with self._lock:
+            k, e = as_bytes(key), as_bytes(expected, "expected")
+            n = check_size(as_bytes(new, "new"), self.max_value_bytes)
+            entry = self._live_string(k)
+            if entry is None or entry[0] != e:
+                return False
+            self._data[k] = (n, entry[1])  # the deadline, its TTL, stays as it was
+            return True
 
     async def cad(self, key: KeyT, expected: KeyT) -> int:
-        k, e = as_bytes(key), as_bytes(expected, "expected")
-        if self._string(k) != e:
-            return 0
-        del self._data[k]
-        return 1
+        with self._lock:
+            k, e = as_bytes(key), as_bytes(expected, "expected")
+            if self._string(k) != e:
+                return 0
+            del self._data[k]
+            return 1
 
     # -- compound steps --
 
@@ -196,19 +208,20 @@ class MemoryStore:
         self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
     ) -> Published:
         """SET result PX ttl NX + CAEXPIRE claim, as one step (see `Store.publish`)."""
-        rk = as_bytes(result_key)
-        v = check_size(as_bytes(value, "value"), self.max_value_bytes)
-        ttl = publish_ttl(ttl_ms)
-        written = self._live(rk) is None
-        if written:  # SET result value PX ttl NX
-            self._put(rk, v, time.monotonic() + ttl / 1000)
-        renewed = self._caexpire(claim_key, token, ttl)
-        if written or self._string(rk) == v:
-            return WRITTEN[renewed]
-        deadline = _deadline(self._data[rk])
-        if renewed and deadline is not None:  # the claim lasts no longer than the result
-            self._store(as_bytes(claim_key), as_bytes(token, "token"), deadline)
-        return Published.SUPERSEDED
+        with self._lock:
+            rk = as_bytes(result_key)
+            v = check_size(as_bytes(value, "value"), self.max_value_bytes)
+            ttl = publish_ttl(ttl_ms)
+            written = self._live(rk) is None
+            if written:  # SET result value PX ttl NX
+                self._put(rk, v, time.monotonic() + ttl / 1000)
+            renewed = self._caexpire(claim_key, token, ttl)
+            if written or self._string(rk) == v:
+                return WRITTEN[renewed]
+            deadline = _deadline(self._data[rk])
+            if renewed and deadline is not None:  # the claim lasts no longer than the result
+                self._store(as_bytes(claim_key), as_bytes(token, "token"), deadline)
+            return Published.SUPERSEDED
 
     async def caexpire_many(
         self, renewals: Sequence[tuple[KeyT, KeyT, int]]
@@ -224,7 +237,8 @@ class MemoryStore:
     # -- plain commands --
 
     async def get(self, key: KeyT) -> bytes | None:
-        return self._string(as_bytes(key))
+        with self._lock:
+            return self._string(as_bytes(key))
 
     async def set(
         self,
@@ -236,32 +250,49 @@ class MemoryStore:
         nx: bool = False,
     ) -> bool:
         """SET with Redis' meaning: a plain SET drops any TTL the key had."""
-        k, v = as_bytes(key), as_bytes(value, "value")
-        if ex is not None and px is not None:
-            raise ResponseError("syntax error")
-        ttl_ms = ex * 1000 if ex is not None else px
-        if ttl_ms is not None and ttl_ms <= 0:
-            raise ResponseError(invalid_expire("set"))
-        if nx and self._live(k) is not None:
-            return False
-        self._put(k, v, None if ttl_ms is None else time.monotonic() + ttl_ms / 1000)
-        return True
+        with self._lock:
+            k, v = as_bytes(key), as_bytes(value, "value")
+            if ex is not None and px is not None:
+                raise ResponseError("syntax error")
+            ttl_ms = ex * 1000 if ex is not None else px
+            if ttl_ms is not None and ttl_ms <= 0:
+                raise ResponseError(invalid_expire("set"))
+            if nx and self._live(k) is not None:
+                return False
+            self._put(k, v, None if ttl_ms is None else time.monotonic() + ttl_ms / 1000)
+            return True
 
     async def pttl(self, key: KeyT) -> int:
         """Milliseconds left; -1 for a key without TTL, -2 for a missing key."""
-        entry = self._live(as_bytes(key))
-        if entry is None:
-            return -2
-        deadline = _deadline(entry)
-        if deadline is None:
-            return -1
-        return max(0, round((deadline - time.monotonic()) * 1000))
+        with self._lock:
+            entry = self._live(as_bytes(key))
+            if entry is None:
+                return -2
+            deadline = _deadline(entry)
+            if deadline is None:
+                return -1
+            return max(0, round((deadline - time.monotonic()) * 1000))
 
     async def delete(self, *keys: KeyT) -> int:
-        removed = 0
-        for key in keys:
-            k = as_bytes(key)
-            if self._live(k) is not None:
-                del self._data[k]
-                removed += 1
-        return removed
+        with self._lock:
+            removed = 0
+            for key in keys:
+                k = as_bytes(key)
+                if self._live(k) is not None:
+                    del self._data[k]
+                    removed += 1
+            return removed
+
+
+# Every MemoryStore of the process: a fork's child gives each a new lock, since a thread
+# of the parent may have held it at the fork (and the child has no such thread).
+_stores: weakref.WeakSet[MemoryStore] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for store in list(_stores):
+        store._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -131,6 +131,11 @@ def store(value: object) -> Store:
     since a URL may carry a password."""
     if value is None:
         return MemoryStore()
+    if isinstance(value, type):  # the class has the Store methods, unbound
+        raise TypeError(
+            f"store must be a Store instance, not the class {value.__name__}: "
+            "pass store=RedisStore.from_url(url) (or MemoryStore())"
+        )
     if isinstance(value, Store):
         return value
     if isinstance(value, (str, bytes)):

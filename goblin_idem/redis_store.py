@@ -8,7 +8,11 @@ the native command gives; `detection` checks the server before the first command
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import threading
+import weakref
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -27,11 +31,13 @@ from .executors import (
     Executor,
     Pipelined,
     Wait,
+    copy_client,
     startup_nodes,
 )
 from .protocol import CLAIMED, ClaimReply, KeyT, Published
 from .replies import normalize, renewal_reply, unwrap
 from .rules import (
+    DEFAULT_MAX_VALUE_BYTES,
     WRITTEN,
     as_bytes,
     caexpire_ms,
@@ -52,9 +58,9 @@ _CLAIM_KEPT = "the claim (it stays until its lease expires)"
 
 
 class _StoreConnection:
-    """RedisStore's link to its server: the client and the executor chosen for it, the
-    connections of this process and event loop. `RedisStore` adds detection and the
-    commands."""
+    """RedisStore's link to its server: the client, and an executor per event loop (the
+    first on the client given, the others on copies of it). `RedisStore` adds detection
+    and the commands."""
 
     def __init__(
         self,
@@ -66,32 +72,41 @@ class _StoreConnection:
         wait_timeout_ms: int = 1000,
         autopipeline: bool = True,
     ) -> None:
+        _check_client(client)
         _check_options(client, mode, wait_replicas, wait_timeout_ms)
         self.client = client
-        self.max_value_bytes = max_value_bytes
+        self.max_value_bytes = (
+            DEFAULT_MAX_VALUE_BYTES if max_value_bytes is None else max_value_bytes
+        )
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self._owns_client = False
         self._acl_user = str(client.get_connection_kwargs().get("username") or "default")
         # WAIT blocks its connection, so it never goes on a shared one.
-        shared = autopipeline and not wait_replicas
+        self._shared = autopipeline and not wait_replicas
         cluster = isinstance(client, RedisCluster)
-        self._pipeline = AutoPipeline.for_client(client) if shared and not cluster else None
-        if shared and not HIREDIS and (cluster or type(client) is redis.asyncio.Redis):
+        if self._shared and not HIREDIS and (cluster or type(client) is redis.asyncio.Redis):
             logger.info(
                 "goblin-idem store: auto-pipelining is off because hiredis is not installed "
                 "(pip install 'goblin-idem[fast]'); every call goes through redis-py"
             )
-        wait = Wait(wait_replicas, wait_timeout_ms) if wait_replicas else None
-        self._executor: Executor
-        if isinstance(client, RedisCluster):  # narrows the client's type, as `cluster` cannot
-            fast = ClusterPipelined.for_client(client) if shared else None
-            self._executor = fast or Clustered(client, wait)
-        elif self._pipeline is not None:
-            self._executor = Pipelined(client, self._pipeline)
-        else:
-            self._executor = Direct(client, wait)
-        self._detection = Detection(client, mode, self._acl_user, self._executor.load_scripts)
+        self._wait = Wait(wait_replicas, wait_timeout_ms) if wait_replicas else None
+        self._first = self._executor_for(client)
+        # The executor of each event loop that has used the store, replaced whole (never
+        # changed in place) under `_arriving`, so that a lookup needs no lock.
+        self._loops: dict[asyncio.AbstractEventLoop, Executor] = {}
+        self._arriving = threading.Lock()
+        self._detection = Detection(mode, self._acl_user, self._server_limit)
+        _stores.add(self)
+
+    def _executor_for(self, client: AnyRedis) -> Executor:
+        if isinstance(client, RedisCluster):
+            fast = ClusterPipelined.for_client(client) if self._shared else None
+            return fast or Clustered(client, self._wait)
+        pipeline = AutoPipeline.for_client(client) if self._shared else None
+        if pipeline is not None:
+            return Pipelined(client, pipeline)
+        return Direct(client, self._wait)
 
     @classmethod
     def from_url(
@@ -143,19 +158,89 @@ class _StoreConnection:
         """``"native"`` or ``"script"``; ``"auto"`` until the first command has detected it."""
         return self._detection.mode
 
-    async def aclose(self) -> None:
-        self._here()  # a fork's child must not close the sockets it shares with its parent
-        await self._executor.aclose()
-        if self._owns_client:
-            if isinstance(self.client, RedisCluster):
-                await self.client.aclose()
-            else:  # a pool passed to Redis() is not closed with it unless asked
-                await self.client.aclose(close_connection_pool=True)
+    @property
+    def _executor(self) -> Executor:
+        """The executor of the running event loop (the first one, outside any loop): the
+        hot path's one lookup."""
+        try:
+            return self._loops[asyncio.get_running_loop()]
+        except KeyError:
+            return self._arrive(asyncio.get_running_loop())
+        except RuntimeError:  # no running loop
+            return self._first
 
-    def _here(self) -> None:
-        """Before any command: connections of this process and event loop (`Executor.here`)."""
-        if self._executor.here():
-            self._detection.forget()
+    @property
+    def _pipeline(self) -> AutoPipeline | None:
+        """The running loop's shared connection, if the store auto-pipelines (one server)."""
+        executor = self._executor
+        return executor.pipeline if isinstance(executor, Pipelined) else None
+
+    def _arrive(self, loop: asyncio.AbstractEventLoop) -> Executor:
+        """A loop's first call: the first executor if no open loop has it, else one on a
+        copy of the client. Loops that have closed are dropped first (`_drop_closed`)."""
+        with self._arriving:
+            loops = self._drop_closed()
+            executor = self._first
+            if any(e is executor for e in loops.values()):
+                executor = self._executor_for(copy_client(self.client))
+            loops[loop] = executor
+            self._loops = loops
+            return executor
+
+    def _drop_closed(self) -> dict[asyncio.AbstractEventLoop, Executor]:
+        """The loops still open and their executors; those of closed loops are released
+        (their sockets shut down, nothing sent through the closed loop). Under `_arriving`."""
+        loops = {}
+        for loop, executor in self._loops.items():
+            if not loop.is_closed():
+                loops[loop] = executor
+            elif executor is self._first:
+                executor.release()  # for the next loop
+            else:
+                executor.discard()
+        return loops
+
+    def _after_fork(self) -> None:
+        """In a fork's child: every executor drops what it inherited (`Executor.disown`)."""
+        self._arriving = threading.Lock()  # another thread may have held it at the fork
+        executors = {id(e): e for e in (self._first, *self._loops.values())}
+        self._loops = {}
+        for executor in executors.values():
+            executor.disown()
+
+    def _server_limit(self, limit: int) -> None:
+        """Detection read the server's proto-max-bulk-len: a larger value would make the
+        server drop the connection, failing every call pipelined with it."""
+        if self.max_value_bytes is None or self.max_value_bytes > limit:
+            self.max_value_bytes = limit
+
+    async def aclose(self) -> None:
+        """Close the running loop's connections (a later call opens new ones) and release
+        those of loops that have closed. Another loop still open keeps its own: close the
+        store in it too, or its connections are released once it has closed."""
+        executor = self._executor
+        await executor.aclose()
+        if self._owns_client or executor.client is not self.client:  # a copy is the store's
+            client = executor.client
+            if isinstance(client, RedisCluster):
+                await client.aclose()
+            else:  # a pool passed to Redis() is not closed with it unless asked
+                await client.aclose(close_connection_pool=True)
+        with self._arriving:
+            self._loops = self._drop_closed()
+
+
+# Every RedisStore of the process, for the fork handler.
+_stores: weakref.WeakSet[_StoreConnection] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for store in list(_stores):
+        store._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 class RedisStore(_StoreConnection):
@@ -197,16 +282,27 @@ class RedisStore(_StoreConnection):
     hiredis. Plain commands and mode detection always use the client.
 
     Detection (`detect`, or the first command): the mode, the ACL user's permission for
-    every command the store sends (`StorePermissionError` names what is refused), and the
-    server's eviction policy (a WARNING when it can evict goblin-idem's keys).
+    every command the store sends (`StorePermissionError` names what is refused), the
+    server's eviction policy (a WARNING when it can evict goblin-idem's keys), and the
+    largest value it takes (proto-max-bulk-len, the smallest of a cluster's primaries;
+    Redis' default 512 MiB, also before detection, where it cannot be read), which becomes
+    ``max_value_bytes`` where that is larger or None. A larger value is refused before it
+    is sent, with the native command's error: the server would drop the connection it
+    came on, failing every call pipelined with it.
 
     Processes and loops: connections belong to the process and event loop that opened
-    them. A store used before a fork, or in a loop that has since closed, drops those
-    connections (without writing to or closing the parent's sockets) and opens new ones
-    on its first command in the child or the new loop.
+    them. One store serves any number of event loops at once (threads each running one):
+    the first loop uses the client given, each other open loop a copy of it made with the
+    same settings (`executors.copy_client`), with connections and a detection lock of its
+    own (and lease renewals: `Watchdog`); what detection found is shared. A loop that has
+    closed has its connections released (their sockets shut down, nothing sent through
+    the closed loop) at the next loop's first call or `aclose`, and the client given then
+    serves the next loop. A store used before a fork drops, in the child, every connection
+    it inherited (without writing to or closing the parent's sockets) and opens new ones
+    on its first command there.
     """
 
-    # -- detection: the mode, the user's permissions, the eviction policy --
+    # -- detection: the mode, the user's permissions, the eviction policy, the value limit --
 
     async def detect(self) -> Mode:
         """Check the server once, before the first command (which otherwise does it).
@@ -219,27 +315,22 @@ class RedisStore(_StoreConnection):
         goblin-idem's keys, or when it cannot be read. A server that cannot be reached
         decides nothing: the next call checks again.
         """
-        self._here()
         if self._detection.done:
             return self._detection.mode
-        return await self._detection.run(self)
+        return await self._detection.run(self, self._executor)
 
     async def detection_notes(self) -> list[tuple[int, str]]:
         """`detect`, with the lines it would log returned as ``(level, text)`` instead; none
         if detection had already run. Raises as `detect` does."""
-        self._here()
         if self._detection.done:
             return []
-        return await self._detection.notes(self)
+        return await self._detection.notes(self, self._executor)
 
     async def _ready(self) -> bool:
-        """Whether the GOBLIN commands are native, once detection has run, on connections of
-        this process and loop."""
+        """Whether the GOBLIN commands are native, once detection has run."""
         detection = self._detection
-        if self._executor.here():  # `_here`, inline on the hot path
-            detection.forget()
         if not detection.done and not detection.ready():
-            await detection.run(self)
+            await detection.run(self, self._executor)
         return detection.mode == "native"
 
     async def _goblin(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
@@ -395,15 +486,14 @@ class RedisStore(_StoreConnection):
     # -- plain commands --
 
     async def _plain(self, command: Awaitable[Any]) -> Any:
-        """A redis-py call (not yet started), on connections of this process and loop."""
-        self._here()
+        """A redis-py call (not yet started) of the running loop's client."""
         try:
             return await command
         except ResponseError as exc:
             raise normalize(exc, self._acl_user) from None
 
     async def get(self, key: KeyT) -> bytes | None:
-        reply = await self._plain(self.client.get(as_bytes(key)))
+        reply = await self._plain(self._executor.client.get(as_bytes(key)))
         return None if reply is None else as_bytes(reply, "reply")
 
     async def set(
@@ -416,15 +506,17 @@ class RedisStore(_StoreConnection):
         nx: bool = False,
     ) -> bool:
         v = check_size(as_bytes(value, "value"), self.max_value_bytes)
-        return bool(await self._plain(self.client.set(as_bytes(key), v, ex=ex, px=px, nx=nx)))
+        client = self._executor.client
+        return bool(await self._plain(client.set(as_bytes(key), v, ex=ex, px=px, nx=nx)))
 
     async def pttl(self, key: KeyT) -> int:
-        return int(await self._plain(self.client.pttl(as_bytes(key))))
+        return int(await self._plain(self._executor.client.pttl(as_bytes(key))))
 
     async def delete(self, *keys: KeyT) -> int:
         if not keys:
             return 0
-        return int(await self._plain(self.client.delete(*(as_bytes(k) for k in keys))))
+        client = self._executor.client
+        return int(await self._plain(client.delete(*(as_bytes(k) for k in keys))))
 
 
 def _client_from_url(
@@ -444,6 +536,28 @@ def _client_from_url(
         url, max_connections=max_connections, timeout=pool_timeout, **kwargs
     )
     return redis.asyncio.Redis(connection_pool=pool)
+
+
+def _check_client(client: object) -> None:
+    """What goes in place of the client: a URL says to use from_url, a sync client says
+    which kind of client, anything else what the store takes."""
+    if isinstance(client, (redis.asyncio.Redis, RedisCluster)):
+        return
+    if isinstance(client, (str, bytes)):
+        raise TypeError(
+            "RedisStore takes a redis.asyncio client, not a URL: "
+            "use RedisStore.from_url(url) (cluster=True for a Redis Cluster)"
+        )
+    what = f"a {type(client).__module__}.{type(client).__qualname__}"
+    if hasattr(client, "execute_command"):  # redis.Redis, redis.RedisCluster
+        raise TypeError(
+            f"RedisStore needs an asyncio client (redis.asyncio.Redis or "
+            f"redis.asyncio.RedisCluster), not {what}: build one with RedisStore.from_url(url)"
+        )
+    raise TypeError(
+        "RedisStore takes a redis.asyncio.Redis or redis.asyncio.RedisCluster client, "
+        f"not {what}: build one with RedisStore.from_url(url)"
+    )
 
 
 def _check_options(

@@ -17,6 +17,7 @@ from .errors import NOT_INTEGER, VALUE_TOO_LARGE, invalid_expire
 from .protocol import CLAIMED, ClaimReply, Published
 
 __all__ = [
+    "DEFAULT_MAX_VALUE_BYTES",
     "LLONG_MAX",
     "LLONG_MIN",
     "WRITTEN",
@@ -29,6 +30,9 @@ __all__ = [
     "publish_ttl",
 ]
 
+#: Redis' own default ceiling for a value (its proto-max-bulk-len): what a store refuses
+#: above, unless told a lower limit (a RedisStore reads its server's at detection).
+DEFAULT_MAX_VALUE_BYTES: Final = 512 * 1024 * 1024
 LLONG_MAX: Final = 2**63 - 1
 LLONG_MIN: Final = -(2**63)
 _CLAIMED_WIRE: Final = b"CLAIMED"
@@ -99,7 +103,8 @@ def publish_ttl(value: object) -> int:
 
 
 def check_size(value: bytes, limit: int | None) -> bytes:
-    """A value over the store's `max_value_bytes` is refused as the native command does."""
+    """A value over the store's `max_value_bytes` is refused as the native command does,
+    before anything is sent: a server refuses a larger one by dropping the connection."""
     if limit is not None and len(value) > limit:
         raise ResponseError(VALUE_TOO_LARGE)
     return value

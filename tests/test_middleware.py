@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -546,6 +547,60 @@ async def test_a_mismatch_under_a_not_replayable_key_is_422(store: Store) -> Non
     same = await request(mw, key="k", body=b"a")
     assert same.status == 409 and problem(same)["type"].endswith(":not-replayable")
     assert handler.runs == 1 and (mw.counters.mismatch, mw.counters.not_replayable) == (1, 1)
+
+
+async def test_a_response_over_the_stores_value_limit_is_delivered_but_not_replayed(
+    store: Store,
+) -> None:
+    """Within max_response_bytes, but more than the store takes (its max_value_bytes, at
+    most what its server accepts): kept as a response over max_response_bytes is."""
+    store.max_value_bytes = 1000  # type: ignore[attr-defined]
+    body = secrets.token_bytes(1200)  # that compression cannot shrink
+    handler = Handler(chunks=[body[:600], body[600:]])
+    mw = IdempotencyMiddleware(handler, store=store, max_response_bytes=10_000)
+    first = await request(mw, key="k")
+    assert first.body == body
+    again = await request(mw, key="k")
+    assert again.status == 409 and again.header("retry-after") is None
+    assert problem(again)["type"] == "urn:goblin-idem:problem:not-replayable"
+    assert handler.runs == 1 and mw.counters.too_large == 1
+    assert mw.counters.publish_errors == 0
+
+
+async def test_a_response_over_the_servers_limit_fails_nothing_else(own_redis: Server) -> None:
+    """A server that takes values of 1 MiB at most, and a response of 1 MiB (the default
+    max_response_bytes) whose record is larger: it is kept as too large to replay, and the
+    requests running with it, whose store calls share its connection, all complete."""
+    with own_redis.sync_client() as c:
+        c.config_set("proto-max-bulk-len", 1024 * 1024)
+
+    big = secrets.token_bytes(1024 * 1024)  # that compression cannot shrink
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        body = big if scope["path"] == "/big" else b"small"
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    store = RedisStore.from_url(own_redis.url)
+    mw = IdempotencyMiddleware(app, store=store)
+    try:
+        await store.detect()
+        paths = ["/small"] * 12 + ["/big"] + ["/small"] * 12
+        replies = await asyncio.gather(
+            *(request(mw, path=p, key=f"k{i}") for i, p in enumerate(paths))
+        )
+        assert [r.status for r in replies] == [201] * 25
+        assert replies[12].body == big
+        again = await asyncio.gather(
+            *(request(mw, path=p, key=f"k{i}") for i, p in enumerate(paths))
+        )
+        assert [r.status for r in again] == [201] * 12 + [409] + [201] * 12
+        assert problem(again[12])["type"] == "urn:goblin-idem:problem:not-replayable"
+        assert mw.counters.too_large == 1 and mw.counters.publish_errors == 0
+        assert mw.counters.store_errors == 0
+    finally:
+        await store.aclose()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

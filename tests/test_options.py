@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import redis.asyncio
 
-from goblin_idem import IdempotencyMiddleware, MemoryStore, RoutePolicy, idempotent
+from goblin_idem import (
+    IdempotencyMiddleware,
+    MemoryStore,
+    RedisStore,
+    RoutePolicy,
+    idempotent,
+    once,
+)
 from tests.support.asgi import request
 
 
@@ -83,6 +90,16 @@ async def test_a_redis_client_is_told_to_wrap_itself() -> None:
             IdempotencyMiddleware(app, store=client)
     finally:
         await client.aclose()
+
+
+def test_a_store_class_is_told_to_be_an_instance() -> None:
+    """The class has the Store methods (unbound), so it would pass for a store and every
+    keyed request would fail."""
+    for cls in (RedisStore, MemoryStore):
+        with pytest.raises(TypeError, match=f"not the class {cls.__name__}: pass store="):
+            IdempotencyMiddleware(app, store=cls)
+        with pytest.raises(TypeError, match=f"not the class {cls.__name__}"):
+            once(cls, key=lambda n: n)  # type: ignore[arg-type]
 
 
 def test_not_an_app_is_refused() -> None:

@@ -6,18 +6,21 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import re
 import secrets
 import time
+from collections.abc import Iterator
 
 import pytest
+import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
 
-from goblin_idem import CLAIMED, MemoryStore, RedisStore, Store
-from goblin_idem.errors import NOT_INTEGER, WRONGTYPE
+from goblin_idem import CLAIMED, Lock, MemoryStore, RedisStore, Store
+from goblin_idem.errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
 from goblin_idem.scripts import ALL as ALL_SCRIPTS
 from goblin_idem.store import Published
 from tests.support.backends import (
@@ -181,7 +184,7 @@ async def test_concurrent_first_calls_detect_once(server: Server) -> None:
         await asyncio.gather(*(store.cad(f"k{i}", "t") for i in range(50)))
         stats = await store.client.info("commandstats")
         assert stats["cmdstat_command|list"]["calls"] == 1
-        assert stats["cmdstat_config|get"]["calls"] == 1
+        assert stats["cmdstat_config|get"]["calls"] == 2  # maxmemory*, proto-max-bulk-len
         # the detection's probe runs each script once, then the 50 CADs
         assert stats["cmdstat_evalsha"]["calls"] == len(ALL_SCRIPTS) + 50
     finally:
@@ -227,6 +230,15 @@ async def test_decode_responses_client_is_refused(server: Server) -> None:
         await client.aclose()
 
 
+def test_a_url_or_a_class_in_place_of_the_client_says_what_to_pass() -> None:
+    with pytest.raises(TypeError, match=r"not a URL: use RedisStore\.from_url\(url\)"):
+        RedisStore("redis://127.0.0.1:6379/0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"needs an asyncio client .*RedisStore\.from_url"):
+        RedisStore(redis.Redis(host="127.0.0.1", port=1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"not a builtins\.dict: build one with"):
+        RedisStore({"host": "127.0.0.1"})  # type: ignore[arg-type]
+
+
 async def test_bad_mode_is_refused(server: Server) -> None:
     client = server.client()
     try:
@@ -249,6 +261,62 @@ async def test_from_url_pool_waits_instead_of_failing(server: Server) -> None:
         assert len(store.client.connection_pool._available_connections) <= 4  # type: ignore[union-attr]
     finally:
         await store.aclose()
+
+
+@pytest.fixture
+def small_values_server() -> Iterator[Server]:
+    """A redis-server that takes values of 1 MiB at most (proto-max-bulk-len's minimum)."""
+    server = start_server("redis", args=["--proto-max-bulk-len", "1mb"])
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])
+async def test_a_value_over_the_servers_limit_is_refused_before_it_is_sent(
+    small_values_server: Server, autopipeline: bool
+) -> None:
+    """The server would drop the connection that sent it, and with it every call
+    pipelined there: the store reads the limit at detection and refuses the value as it
+    refuses one over max_value_bytes."""
+    store = RedisStore.from_url(small_values_server.url, autopipeline=autopipeline)
+    limit = 1024 * 1024
+    try:
+        await store.detect()
+        assert store.max_value_bytes == limit
+        claims = [store.claim_unless_done(f"{{u{i}}}:c", f"{{u{i}}}:r", "t", 30) for i in range(25)]
+        publish = store.publish("{big}:r", b"x" * (limit + 1), 30_000, "{big}:c", "t")
+        replies = await asyncio.gather(*claims[:10], publish, *claims[10:], return_exceptions=True)
+        refused = replies.pop(10)
+        assert isinstance(refused, ResponseError) and str(refused) == VALUE_TOO_LARGE
+        assert replies == [CLAIMED] * 25
+        assert await store.get("{big}:r") is None
+        with pytest.raises(ResponseError, match=re.escape(VALUE_TOO_LARGE)):
+            await store.set("{big}:r", b"x" * (limit + 1))
+        assert await store.claim("{big}:c", "{big}:r", "t", 30) is CLAIMED
+        assert await store.publish("{big}:r", b"x" * limit, 30_000, "{big}:c", "t") == 1
+    finally:
+        await store.aclose()
+
+
+async def test_a_cluster_store_takes_the_smallest_limit_of_its_primaries() -> None:
+    cluster = start_cluster("redis", masters=3)
+    try:
+        with cluster.servers[1].sync_client() as c:
+            c.config_set("proto-max-bulk-len", 2 * 1024 * 1024)
+        store = RedisStore.from_url(cluster.servers[0].url, cluster=True)
+        try:
+            await store.detect()
+            assert store.max_value_bytes == 2 * 1024 * 1024
+        finally:
+            await store.aclose()
+        store = RedisStore.from_url(cluster.servers[0].url, cluster=True, max_value_bytes=1000)
+        try:
+            await store.detect()
+            assert store.max_value_bytes == 1000  # an option below the server's stays
+        finally:
+            await store.aclose()
+    finally:
+        cluster.stop()
 
 
 async def test_a_store_that_is_down_raises_a_connection_error() -> None:
@@ -371,6 +439,23 @@ async def test_memory_store_set_options() -> None:
         await store.set("k", "v", px=0)
     assert await store.delete("k", "missing") == 1
     assert await store.delete() == 0
+
+
+async def test_memory_store_set_nx_takes_a_key_that_expired_with_no_write_since() -> None:
+    """Expiry is lazy: a key past its deadline is free to SET NX (and a lock whose holder
+    stopped renewing can be taken) before any write has reclaimed it."""
+    store = MemoryStore()
+    assert await store.set("k", "old", px=50)
+    await asyncio.sleep(0.1)
+    assert len(store) == 1  # not reclaimed: nothing has written since
+    assert await store.set("k", "new", px=10_000, nx=True)
+    assert await store.get("k") == b"new"
+    assert await store.set("job", "a-holder-that-died", px=50)
+    await asyncio.sleep(0.1)
+    lock = Lock(store, "job", blocking=False)
+    assert await lock.acquire()
+    assert await store.get("job") == lock.token
+    await lock.release()
 
 
 async def test_memory_store_wrongtype_on_mixed_collections() -> None:

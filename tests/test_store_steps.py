@@ -97,7 +97,7 @@ async def test_a_first_run_publishes_without_a_task(store_kind: str) -> None:
             assert (await request(mw, key=key)).header("idempotent-replayed") == b"true"
     finally:
         loop.set_task_factory(None)
-    assert set(tasks.names) == {"Watchdog._run"}  # the shared renewal loop, nothing per request
+    assert set(tasks.names) == {"_Renewals.run"}  # the watchdog's loop, nothing per request
 
 
 async def test_a_publish_that_waits_outlives_the_cancelled_request() -> None:
