@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store
+from goblin_idem.keys import DEFAULT_KEY_PATTERN
 from tests.reliability.report import pick, record
 from tests.support.backends import stored_items
 from tests.support.responses import problem_slug
@@ -240,9 +241,7 @@ async def fuzz_one(store: Store, case: Case, seen: Counter[str]) -> None:
         app,
         store=store,
         namespace=namespace.decode(),
-        key_pattern=(lambda k: True)
-        if case.permissive
-        else IdempotencyMiddleware.__init__.__kwdefaults__["key_pattern"],  # type: ignore[index]
+        key_pattern=(lambda k: True) if case.permissive else DEFAULT_KEY_PATTERN,
         max_body_bytes=case.max_body,
         scope=(lambda s: b"tenant\x00{" + case.mark + b"}") if case.scope_fn else None,
         fingerprint_headers=("x-api-version",) if case.fingerprint else (),
