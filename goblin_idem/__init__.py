@@ -3,7 +3,7 @@
 from . import _log
 from .claim import Claim, current_claim
 from .codecs import Codec
-from .errors import (
+from .exceptions import (
     ClaimLostError,
     GoblinError,
     InFlightError,
@@ -13,11 +13,12 @@ from .errors import (
     StorePermissionError,
 )
 from .keys import cookie_scope, header_scope
-from .lease import Lease, Lock, Watchdog
+from .lease import Lease, Watchdog
+from .lock import Lock
 from .memory import MemoryStore
 from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
 from .once import once
-from .sealing import Sealer
+from .sealing_impl import Sealer
 from .store import CLAIMED, Claimed, ClaimReply, KeyT, RedisStore, Store
 
 __all__ = [

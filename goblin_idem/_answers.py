@@ -14,9 +14,10 @@ from starlette.types import Send
 
 from . import problems
 from ._events import Events
+from .exceptions import RecordError
 from .keys import KeyNames
-from .record import Record, RecordError, decode
-from .sealing import Sealer
+from .record import Record, decode
+from .sealing_impl import Sealer
 
 __all__ = ["REPLAYED", "Answers"]
 

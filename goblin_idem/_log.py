@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import sys
 
-__all__ = ["configured", "install", "server_log"]
+__all__ = ["configured", "describe", "install", "server_log"]
 
 # The error logs of the servers that run ASGI apps, in the order they are looked for
 # (gunicorn's uvicorn workers share gunicorn's handlers through uvicorn.error).
@@ -76,3 +77,19 @@ def install() -> None:
     log = logging.getLogger("goblin_idem")
     if not any(isinstance(handler, _Handler) for handler in log.handlers):
         log.addHandler(_Handler())
+
+
+def describe(exc: BaseException) -> str:
+    """`TypeName: message` for a log line or an error message (redis-py's repr of its
+    errors drops the message), and the system's words for an OS error behind it
+    (redis-py says "Error 111 connecting to ...", not "Connection refused")."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause: BaseException | None = exc
+    seen: set[int] = set()  # a chain can loop back on itself
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno:
+            words = os.strerror(cause.errno)
+            return text if words in text else f"{text} ({words})"
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return text

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from .claim import free_claim
-from .errors import describe
+from ._log import describe
+from .closing import free_claim
 from .keys import KeyNames, previous_names
 from .store import CLAIMED, ClaimReply, Store
 

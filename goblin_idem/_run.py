@@ -26,21 +26,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import options
 from ._events import Events
+from ._log import describe
 from ._routes import Settings
-from .claim import (
-    Claim,
-    ClosingStep,
-    current,
-    free_claim,
-    publish_retried,
-    run_to_end,
-)
-from .compression import Codec
-from .errors import VALUE_TOO_LARGE, describe
+from .claim import Claim, current
+from .closing import ClosingStep, free_claim, publish_retried, run_to_end
+from .compression import Compressor
 from .keys import KeyNames
 from .lease import Lease, Watchdog
 from .record import Record, encode
-from .sealing import Sealer
+from .replies import VALUE_TOO_LARGE
+from .sealing_impl import Sealer
 from .store import Published, Store
 
 __all__ = ["Run", "RunConfig", "log_store_error"]
@@ -83,7 +78,7 @@ class RunConfig:
     watchdog: Watchdog
     report: Events
     sealer: Sealer | None
-    codec: Codec | None
+    compressor: Compressor | None
     compress_above: int
     max_response_bytes: int
     store_server_errors: bool
@@ -114,7 +109,7 @@ class RunConfig:
             watchdog,
             report,
             options.sealer(encryption_keys),
-            options.codec(compression),
+            options.compressor(compression),
             options.whole_number("compress_above_bytes", compress_above_bytes, minimum=0),
             options.whole_number("max_response_bytes", max_response_bytes, minimum=0),
             options.flag("store_server_errors", store_server_errors),
@@ -281,7 +276,7 @@ class Run:
             record,
             sealer=config.sealer,
             name=names.result,
-            codec=config.codec,
+            codec=config.compressor,
             compress_above=config.compress_above,
         )
         return self._publish

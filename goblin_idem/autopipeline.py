@@ -34,11 +34,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import redis.asyncio
-from redis._parsers.base import BaseParser
 from redis.asyncio.retry import Retry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .redis_compat import BaseParser, retries
 
 try:
     import hiredis
@@ -260,8 +261,8 @@ class AutoPipeline:
         self.host, self.port, self.path = host, port, path
         self.timeout = socket_timeout
         self.connect_timeout = socket_connect_timeout or socket_timeout
-        retries = getattr(retry, "_retries", 0)  # get_retries() is missing before redis 5.1
-        self.retry = retry if retry is not None and retries != 0 else None
+        retried = retries(retry)
+        self.retry = retry if retry is not None and retried != 0 else None
         handshake: list[tuple[Any, ...]] = []
         if password is not None:
             handshake.append(("AUTH", username, password) if username else ("AUTH", password))

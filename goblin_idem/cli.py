@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import options
-from .errors import describe
+from ._log import describe
 from .inspection import SCOPE_ENV, KeyState, format_state, inspect_key, names_for_hash
 from .store import RedisStore
 

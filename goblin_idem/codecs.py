@@ -30,8 +30,9 @@ import typing
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from .record import Format, RecordError
-from .sealing import Sealer, SealError, sealed_key_id
+from .exceptions import RecordError, SealError
+from .record import Format
+from .sealing_impl import Sealer, sealed_key_id
 
 __all__ = ["Codec", "DataclassCodec", "JsonCodec", "PydanticCodec", "codec_for"]
 

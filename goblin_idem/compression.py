@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODECS", "IDENTITY", "ZLIB", "ZSTD", "Codec", "codec", "decompress"]
+__all__ = ["CODECS", "IDENTITY", "ZLIB", "ZSTD", "Compressor", "compressor", "decompress"]
 
 IDENTITY = 0
 ZLIB = 1
@@ -25,7 +25,9 @@ ZSTD_LEVEL = 3  # zstd's own default
 
 
 @dataclass(frozen=True, slots=True)
-class Codec:
+class Compressor:
+    """A body compression the record names by `id` (its codec byte)."""
+
     id: int
     name: str
     compress: Callable[[bytes], bytes]
@@ -46,9 +48,9 @@ def _is_zstandard(module: Any) -> bool:
     return not hasattr(module, "CompressionParameter")
 
 
-def codec(name: str) -> Codec:
+def compressor(name: str) -> Compressor:
     if name == "zlib":
-        return Codec(ZLIB, "zlib", lambda data: zlib.compress(data, ZLIB_LEVEL))
+        return Compressor(ZLIB, "zlib", lambda data: zlib.compress(data, ZLIB_LEVEL))
     if name == "zstd":
         module = _zstd()
         if module is None:
@@ -57,8 +59,8 @@ def codec(name: str) -> Codec:
                 "(pip install zstandard); or use compression='zlib'"
             )
         if _is_zstandard(module):
-            return Codec(ZSTD, "zstd", module.ZstdCompressor(level=ZSTD_LEVEL).compress)
-        return Codec(ZSTD, "zstd", lambda data: module.compress(data, level=ZSTD_LEVEL))
+            return Compressor(ZSTD, "zstd", module.ZstdCompressor(level=ZSTD_LEVEL).compress)
+        return Compressor(ZSTD, "zstd", lambda data: module.compress(data, level=ZSTD_LEVEL))
     raise ValueError(f"compression must be 'zlib', 'zstd' or None, not {name!r}")
 
 

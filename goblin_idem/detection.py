@@ -18,7 +18,7 @@ from typing import Any, Final, Literal, TypeAlias
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoPermissionError, ResponseError
 
-from .errors import NotReplicatedError, StorePermissionError
+from .exceptions import NotReplicatedError, StorePermissionError
 from .executors import Executor
 from .protocol import Store
 from .replies import SCRIPT_CALLS, acl_rule, permission_error

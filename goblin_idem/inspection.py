@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import codecs
+from .exceptions import RecordError
 from .keys import KeyNames, key_names, names_of
-from .record import Format, Record, RecordError, decode, format_of
-from .sealing import Sealer
+from .record import Format, Record, decode, format_of
+from .sealing_impl import Sealer
 from .store import KeyT, Store, as_bytes
 
 __all__ = [

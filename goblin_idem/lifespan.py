@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from starlette.types import Message, Receive, Scope, Send
 
 from . import _log
-from .errors import StorePermissionError, describe
+from ._log import describe
+from .exceptions import StorePermissionError
 from .memory import MemoryStore
 from .store import RedisStore
 

@@ -12,8 +12,8 @@ from typing import Protocol, TypeAlias
 
 from redis.exceptions import ResponseError
 
-from .errors import WRONGTYPE, invalid_expire
 from .protocol import CLAIMED, ClaimReply, KeyT, Published
+from .replies import WRONGTYPE, invalid_expire
 from .rules import (
     DEFAULT_MAX_VALUE_BYTES,
     WRITTEN,

@@ -44,7 +44,7 @@ from .keys import (
 from .lease import Watchdog
 from .lifespan import Refused, run_lifespan
 from .openapi import document_openapi
-from .sealing import Sealer
+from .sealing_impl import Sealer
 from .store import CLAIMED, Store
 
 __all__ = ["Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]

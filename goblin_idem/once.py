@@ -31,20 +31,14 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from . import options
-from .claim import (
-    Claim,
-    current,
-    free_claim,
-    new_token,
-    poll_claim,
-    publish_retried,
-    run_to_end,
-)
+from ._log import describe
+from .claim import Claim, current, new_token, poll_claim
+from .closing import free_claim, publish_retried, run_to_end
 from .codecs import Codec, codec_for, from_stored, to_stored
-from .errors import InFlightError, describe
+from .exceptions import InFlightError
 from .keys import KeyNames, key_names
 from .lease import Lease, Watchdog
-from .sealing import Sealer
+from .sealing_impl import Sealer
 from .store import CLAIMED, ClaimReply, Published, Store
 
 __all__ = ["once"]

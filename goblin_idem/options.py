@@ -14,12 +14,12 @@ from typing import Any
 
 from . import compression as _compression
 from .memory import MemoryStore
-from .sealing import ENV_VAR, Sealer, keys_from_env
+from .sealing_impl import ENV_VAR, Sealer, keys_from_env
 from .store import Store
 
 __all__ = [
     "callable_or_none",
-    "codec",
+    "compressor",
     "flag",
     "header_names",
     "http_tokens",
@@ -219,10 +219,10 @@ def require_sealed(value: object, sealer: Sealer | None) -> bool:
     return required
 
 
-def codec(value: object) -> _compression.Codec | None:
+def compressor(value: object) -> _compression.Compressor | None:
     """`compression`: 'zlib', 'zstd' or None (bodies stored as sent)."""
     if value is None:
         return None
     if not isinstance(value, str):
         raise TypeError(f"compression must be 'zlib', 'zstd' or None, not {_kind(value)}")
-    return _compression.codec(value)
+    return _compression.compressor(value)

@@ -35,7 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import compression
-from .sealing import Sealer, SealError, sealed_key_id
+from .exceptions import RecordError, SealError
+from .sealing_impl import Sealer, sealed_key_id
 
 __all__ = ["Format", "Record", "RecordError", "decode", "encode", "fingerprint", "format_of"]
 
@@ -55,10 +56,6 @@ _PAYLOAD = struct.Struct(">BH16sBH")
 _NAME = struct.Struct(">H")
 _COUNT = struct.Struct(">H")
 _VALUE = struct.Struct(">I")
-
-
-class RecordError(ValueError):
-    """The stored bytes are not a record this reader can read (or open)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +94,7 @@ def encode(
     *,
     sealer: Sealer | None = None,
     name: bytes = b"",
-    codec: compression.Codec | None = None,
+    codec: compression.Compressor | None = None,
     compress_above: int = 1024,
 ) -> bytes:
     """The record's bytes. With `sealer`, sealed for the store key `name`; with `codec`, a

@@ -22,19 +22,11 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 
 from . import autopipeline, scripts
 from .autopipeline import AutoPipeline
+from .cluster import Clustered, ClusterPipelined
 from .detection import Detection, Mode, node_name
-from .executors import (
-    Clustered,
-    ClusterPipelined,
-    Command,
-    Direct,
-    Executor,
-    Pipelined,
-    Wait,
-    copy_client,
-    startup_nodes,
-)
+from .executors import Command, Executor, Wait
 from .protocol import CLAIMED, ClaimReply, KeyT, Published
+from .redis_compat import copy_client, startup_nodes
 from .replies import normalize, renewal_reply, unwrap
 from .rules import (
     DEFAULT_MAX_VALUE_BYTES,
@@ -46,6 +38,7 @@ from .rules import (
     claim_seconds,
     publish_ttl,
 )
+from .single import Direct, Pipelined
 
 __all__ = ["AnyRedis", "Mode", "RedisStore"]
 

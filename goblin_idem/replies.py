@@ -13,9 +13,32 @@ from typing import Any, Final
 
 from redis.exceptions import NoPermissionError, ResponseError
 
-from .errors import WRONGTYPE, StorePermissionError
+from .exceptions import StorePermissionError
 
-__all__ = ["SCRIPT_CALLS", "acl_rule", "normalize", "permission_error", "renewal_reply", "unwrap"]
+__all__ = [
+    "NOT_INTEGER",
+    "SCRIPT_CALLS",
+    "VALUE_TOO_LARGE",
+    "WRONGTYPE",
+    "acl_rule",
+    "invalid_expire",
+    "normalize",
+    "permission_error",
+    "renewal_reply",
+    "unwrap",
+]
+
+# The spec's reply texts (../spec), as every store gives them; redis-py strips the leading
+# ``ERR `` of an error reply, as it does for any server.
+WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
+NOT_INTEGER = "value is not an integer or out of range"
+VALUE_TOO_LARGE = (
+    "new cannot fit the configured value encoding (larger values belong in a blob store)"
+)
+
+
+def invalid_expire(command: str) -> str:
+    return f"invalid expire time in '{command}' command"
 
 
 # How servers word an ACL refusal: Redis 7 and Valkey name the command ("... no permissions to

@@ -9,7 +9,7 @@ commands reach a server), `detection` (what is checked before the first command)
 
 from __future__ import annotations
 
-from .errors import NotReplicatedError, StorePermissionError
+from .exceptions import NotReplicatedError, StorePermissionError
 from .protocol import CLAIMED, Claimed, ClaimReply, KeyT, Published, Store
 from .redis_store import RedisStore
 from .rules import as_bytes

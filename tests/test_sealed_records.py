@@ -18,7 +18,7 @@ import redis.asyncio
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
-from goblin_idem.compression import codec as make_codec
+from goblin_idem.compression import compressor as make_codec
 from goblin_idem.keys import key_names
 from goblin_idem.record import Record, RecordError, decode, encode, fingerprint, format_of
 from goblin_idem.sealing import Sealer, SealError, key_id, keys_from_env
@@ -269,7 +269,7 @@ SIZES = [0, 1, 1023, 1024, 1025, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024]
 
 @pytest.mark.parametrize("codec", ["zlib", "zstd"])
 def test_compression_round_trips_byte_exactly(codec: str) -> None:
-    from goblin_idem.compression import codec as make
+    from goblin_idem.compression import compressor as make
 
     rng = random.Random(16)
     c = make(codec)

@@ -1,61 +1,44 @@
-"""Exceptions and the exact reply texts of the GOBLIN command spec.
+"""Every exception goblin-idem raises, in one tree.
 
-Store errors are `redis.exceptions.ResponseError` whatever the store, so one `except`
-clause serves MemoryStore and RedisStore in every mode, and the texts are the ones a
-Goblin server replies (redis-py strips the leading ``ERR `` as it does for any server).
+    GoblinError
+    ├── LockError                  a Lock could not be acquired or released as asked
+    │   └── LockNotOwnedError      its lease was lost while the caller believed it held it
+    ├── InFlightError              `once`: another run holds the key; nothing ran
+    ├── ClaimLostError             the running work no longer holds its claim
+    ├── RecordError (ValueError)   stored bytes this reader cannot read or open
+    ├── SealError (ValueError)     a sealed value that does not open
+    ├── NotReplicatedError (redis.exceptions.RedisError)
+    │                              fewer replicas than asked acknowledged a write
+    └── StorePermissionError (redis.exceptions.NoPermissionError)
+                                   the store's ACL user may not run a command it needs
+
+The two store errors are also redis-py errors, so the middleware answers them as any store
+failure (503, nothing run). A store's own error replies (a wrong type, a value too large,
+memory) are redis-py's `ResponseError`, whatever the store, with the spec's texts
+(`goblin_idem.store`); configuration mistakes are `TypeError` and `ValueError` raised at
+construction, with what to change.
 """
 
 from __future__ import annotations
 
-import os
-
-from redis.exceptions import NoPermissionError, RedisError, ResponseError
+from redis.exceptions import NoPermissionError, RedisError
 
 __all__ = [
-    "NOT_INTEGER",
-    "VALUE_TOO_LARGE",
-    "WRONGTYPE",
     "ClaimLostError",
     "GoblinError",
     "InFlightError",
     "LockError",
     "LockNotOwnedError",
     "NotReplicatedError",
-    "ResponseError",
+    "RecordError",
+    "SealError",
     "StorePermissionError",
-    "describe",
-    "invalid_expire",
 ]
-
-WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
-NOT_INTEGER = "value is not an integer or out of range"
-VALUE_TOO_LARGE = (
-    "new cannot fit the configured value encoding (larger values belong in a blob store)"
-)
-
-
-def invalid_expire(command: str) -> str:
-    return f"invalid expire time in '{command}' command"
-
-
-def describe(exc: BaseException) -> str:
-    """`TypeName: message` for a log line or an error message (redis-py's repr of its
-    errors drops the message), and the system's words for an OS error behind it
-    (redis-py says "Error 111 connecting to ...", not "Connection refused")."""
-    text = f"{type(exc).__name__}: {exc}"
-    cause: BaseException | None = exc
-    seen: set[int] = set()  # a chain can loop back on itself
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, OSError) and cause.errno:
-            words = os.strerror(cause.errno)
-            return text if words in text else f"{text} ({words})"
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return text
 
 
 class GoblinError(Exception):
-    """Base of the errors goblin-idem raises itself (store replies are ResponseError)."""
+    """Base of the errors goblin-idem raises itself (a store's own replies are
+    redis-py's ResponseError, whatever the store)."""
 
 
 class LockError(GoblinError):
@@ -113,3 +96,14 @@ class StorePermissionError(GoblinError, NoPermissionError):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self)!r})"
+
+
+class RecordError(GoblinError, ValueError):
+    """Stored bytes that this reader cannot read: a newer release's format, a sealed record
+    no configured key opens, a record in the clear where sealed ones are required, or
+    damaged bytes. The work they record happened: it is never run again because of this."""
+
+
+class SealError(GoblinError, ValueError):
+    """A sealed value that does not open: unknown key id, altered, truncated, or stored
+    under another name than the one it was sealed for."""
