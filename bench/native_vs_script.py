@@ -26,7 +26,7 @@ from pathlib import Path
 import redis
 
 from goblin_idem.native import build_module
-from goblin_idem.scripts import CAD_LUA, CAEXPIRE_LUA, CAS_LUA, CLAIM_LUA
+from goblin_idem.store._scripts import CAD_LUA, CAEXPIRE_LUA, CAS_LUA, CLAIM_LUA
 
 Cmd = tuple[object, ...]
 

@@ -147,7 +147,7 @@ def target_app(args: argparse.Namespace) -> Asgi:
 
 async def measure(store: Any, args: argparse.Namespace) -> list[str]:
     from goblin_idem import IdempotencyMiddleware
-    from goblin_idem.keys import key_names
+    from goblin_idem._keys import key_names
 
     bare_app = target_app(args)
     seen = Collections()
@@ -207,7 +207,7 @@ def recording_sdk() -> str:
 
 def _names(mw: Any, names: Any) -> tuple[bytes, bytes]:
     """The in-flight key's claim and result under `mw`'s namespace."""
-    from goblin_idem.keys import names_of
+    from goblin_idem._keys import names_of
 
     mine = names_of(mw.namespace, names.hash)
     return mine.claim, mine.result

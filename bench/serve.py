@@ -83,7 +83,7 @@ def current_stats() -> dict[str, int]:
 def count_store_calls(store: Any) -> None:
     """Count each call into RedisStore's shared connection (a cluster store's: each
     primary's, as it is made) as one round trip."""
-    from goblin_idem import executors
+    from goblin_idem.store import _cluster as executors
 
     executor = store._executor
     # getattr: PYTHONPATH may name a release without the cluster fast path
@@ -132,7 +132,7 @@ def goblin(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare
     from starlette.middleware import Middleware
 
     from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
-    from goblin_idem.keys import key_names
+    from goblin_idem._keys import key_names
 
     store: Any
     if variant == "goblin-memory":

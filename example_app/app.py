@@ -44,7 +44,7 @@ from goblin_idem import (
     Watchdog,
     idempotent,
 )
-from goblin_idem.keys import DEFAULT_KEY_PATTERN, credentials_scope, key_names, valid_key
+from goblin_idem._keys import DEFAULT_KEY_PATTERN, credentials_scope, key_names, valid_key
 
 from .ledger import charge, get_payment, ledger_view
 

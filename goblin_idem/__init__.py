@@ -1,8 +1,10 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
 
 from . import _log
-from .claim import Claim, current_claim
-from .codecs import Codec
+from ._claim import Claim, current_claim
+from ._keys import cookie_scope, header_scope
+from ._lease import Lease, Watchdog
+from ._lock import Lock
 from .exceptions import (
     ClaimLostError,
     GoblinError,
@@ -12,14 +14,12 @@ from .exceptions import (
     NotReplicatedError,
     StorePermissionError,
 )
-from .keys import cookie_scope, header_scope
-from .lease import Lease, Watchdog
-from .lock import Lock
-from .memory import MemoryStore
-from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
-from .once import once
-from .sealing_impl import Sealer
+from .middleware._middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
+from .once._codecs import Codec
+from .once._once import once
+from .records._sealing import Sealer
 from .store import CLAIMED, Claimed, ClaimReply, KeyT, RedisStore, Store
+from .store._memory import MemoryStore
 
 __all__ = [
     "CLAIMED",

@@ -32,11 +32,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from . import codecs
+from ._keys import KeyNames, key_names, names_of
 from .exceptions import RecordError
-from .keys import KeyNames, key_names, names_of
-from .record import Format, Record, decode, format_of
-from .sealing_impl import Sealer
+from .once import _codecs as codecs
+from .records._format import Format, Record, decode, format_of
+from .records._sealing import Sealer
 from .store import KeyT, Store, as_bytes
 
 __all__ = [

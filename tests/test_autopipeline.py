@@ -20,9 +20,10 @@ from redis.exceptions import AuthenticationError, DataError, NoScriptError, Resp
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from goblin_idem import CLAIMED, RedisStore, autopipeline
-from goblin_idem import redis_store as goblin_store
-from goblin_idem.autopipeline import (
+from goblin_idem import CLAIMED, RedisStore
+from goblin_idem.store import _autopipeline as autopipeline
+from goblin_idem.store import _redis as goblin_store
+from goblin_idem.store._autopipeline import (
     MAX_DRAINING,
     STALL_SECONDS,
     AutoPipeline,

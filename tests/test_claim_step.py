@@ -13,8 +13,8 @@ from redis.exceptions import ResponseError
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore, Store
-from goblin_idem.errors import WRONGTYPE
-from goblin_idem.keys import key_names
+from goblin_idem._keys import key_names
+from goblin_idem.store._server_errors import WRONGTYPE
 from tests.support.backends import Backend
 from tests.support.inproc import CountingApp, send_once
 from tests.support.servers import Server

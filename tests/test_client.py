@@ -29,6 +29,7 @@ import httpx
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from goblin_idem._keys import key_names, names_of
 from goblin_idem.client import (
     AsyncIdempotentTransport,
     IdempotentTransport,
@@ -39,7 +40,6 @@ from goblin_idem.client import (
     backoff_delay,
     parse_retry_after,
 )
-from goblin_idem.keys import key_names, names_of
 from tests.support.procs import APPS, ROOT, start_example_app, start_uvicorn, stop
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, free_port, start_server

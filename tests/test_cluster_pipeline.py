@@ -20,9 +20,9 @@ from redis.crc import key_slot
 from redis.credentials import UsernamePasswordCredentialProvider
 
 from goblin_idem import CLAIMED, RedisStore
-from goblin_idem.autopipeline import AutoPipeline
-from goblin_idem.executors import Clustered, ClusterPipelined
 from goblin_idem.store import Published
+from goblin_idem.store._autopipeline import AutoPipeline
+from goblin_idem.store._cluster import Clustered, ClusterPipelined
 from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.support.servers import KINDS, Cluster, Server, start_cluster
 

@@ -13,8 +13,8 @@ import pytest
 from redis.exceptions import ResponseError
 
 from goblin_idem import CLAIMED
-from goblin_idem.errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
 from goblin_idem.store import Store
+from goblin_idem.store._server_errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
 from tests.support.backends import Backend
 
 BINARY_KEY = b"claim:\x00\xff\xfe{tag}\r\n"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
-from goblin_idem.keys import key_names
+from goblin_idem._keys import key_names
 from tests.support.inproc import CountingApp, send_once
 from tests.support.servers import Server, start_server
 

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store, once
+from goblin_idem._keys import key_names
 from goblin_idem.inspection import (
     COMPLETED,
     FREE,
@@ -30,7 +31,6 @@ from goblin_idem.inspection import (
     inspect_key,
     names_for_hash,
 )
-from goblin_idem.keys import key_names
 from goblin_idem.sealing import Sealer, key_id
 from tests.support.servers import Server, free_port
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, Store
-from goblin_idem.keys import key_names, string_key
+from goblin_idem._keys import key_names, string_key
 from tests.support.asgi import Handler, problem, request
 from tests.support.procs import start_uvicorn, stop
 from tests.support.servers import Server, free_port

@@ -19,8 +19,8 @@ from starlette.routing import Mount, Route
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store, idempotent
-from goblin_idem.keys import key_names
-from goblin_idem.record import decode
+from goblin_idem._keys import key_names
+from goblin_idem.records._format import decode
 from tests.support.asgi import Handler, problem, request
 from tests.support.backends import Backend, stored_items
 from tests.support.servers import Server, free_port

@@ -26,7 +26,7 @@ import redis
 import redis.exceptions
 
 from goblin_idem.native import build_module, source_path
-from goblin_idem.scripts import CAD_LUA, CAEXPIRE_LUA, CAS_LUA, CLAIM_LUA
+from goblin_idem.store._scripts import CAD_LUA, CAEXPIRE_LUA, CAS_LUA, CLAIM_LUA
 from tests.support.servers import KINDS, Cluster, Server, start_cluster, start_server
 
 Arg = bytes | str | int

@@ -29,8 +29,8 @@ from goblin_idem import (
     current_claim,
     once,
 )
-from goblin_idem.keys import key_names
-from goblin_idem.record import RecordError
+from goblin_idem._keys import key_names
+from goblin_idem.exceptions import RecordError
 from tests.support.asgi import request
 from tests.support.backends import Backend, server_for
 from tests.support.procs import APPS, spawn, stop

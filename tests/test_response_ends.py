@@ -17,8 +17,9 @@ import pytest
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore
-from goblin_idem.keys import key_names
-from goblin_idem.record import Record, RecordError, decode, encode
+from goblin_idem._keys import key_names
+from goblin_idem.exceptions import RecordError
+from goblin_idem.records._format import Record, decode, encode
 from tests.support.asgi import Reply, request
 from tests.support.procs import APPS, start_granian, stop
 from tests.support.servers import Server, free_port

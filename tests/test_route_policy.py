@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Match, Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store, idempotent
-from goblin_idem.keys import key_names
+from goblin_idem._keys import key_names
 from tests.support.servers import Server
 
 MISSING_KEY = "urn:goblin-idem:problem:missing-key"

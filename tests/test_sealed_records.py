@@ -18,9 +18,10 @@ import redis.asyncio
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
-from goblin_idem.compression import compressor as make_codec
-from goblin_idem.keys import key_names
-from goblin_idem.record import Record, RecordError, decode, encode, fingerprint, format_of
+from goblin_idem._keys import key_names
+from goblin_idem.exceptions import RecordError
+from goblin_idem.records._compression import compressor as make_codec
+from goblin_idem.records._format import Record, decode, encode, fingerprint, format_of
 from goblin_idem.sealing import Sealer, SealError, key_id, keys_from_env
 from tests.support.asgi import request
 from tests.support.backends import server_for
@@ -269,7 +270,7 @@ SIZES = [0, 1, 1023, 1024, 1025, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024]
 
 @pytest.mark.parametrize("codec", ["zlib", "zstd"])
 def test_compression_round_trips_byte_exactly(codec: str) -> None:
-    from goblin_idem.compression import compressor as make
+    from goblin_idem.records._compression import compressor as make
 
     rng = random.Random(16)
     c = make(codec)
@@ -444,7 +445,7 @@ def test_a_hash_starting_with_a_closing_brace_keeps_both_keys_in_one_slot() -> N
 
 async def put_previous(store: RedisStore, key: str, result: bytes | None) -> None:
     """What 0.1.0 left for `key`: its claim, and its result if given, under the hex names."""
-    from goblin_idem.keys import previous_names
+    from goblin_idem._keys import previous_names
 
     old = previous_names(b"idem", key_names(b"idem", b"", key.encode()).hash)
     assert old.claim == b"idem:{%s}:c" % key_names(b"idem", b"", key.encode()).hash.encode()

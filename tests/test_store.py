@@ -20,9 +20,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
 
 from goblin_idem import CLAIMED, Lock, MemoryStore, RedisStore, Store
-from goblin_idem.errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
-from goblin_idem.scripts import ALL as ALL_SCRIPTS
 from goblin_idem.store import Published
+from goblin_idem.store._scripts import ALL as ALL_SCRIPTS
+from goblin_idem.store._server_errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
 from tests.support.backends import (
     Backend,
     TypedMemoryStore,

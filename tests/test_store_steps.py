@@ -21,8 +21,8 @@ from redis.exceptions import (
 )
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
-from goblin_idem.keys import key_names
-from goblin_idem.record import decode
+from goblin_idem._keys import key_names
+from goblin_idem.records._format import decode
 from goblin_idem.store import Published
 from tests.support.asgi import request
 from tests.support.proxy import Proxy

@@ -29,8 +29,8 @@ from typing import Any
 
 import httpx
 
-from ..keys import credentials_scope, key_names
-from ..problems import (
+from .._keys import credentials_scope, key_names
+from ..middleware._problems import (
     BODY_TOO_LARGE,
     IN_FLIGHT,
     INVALID_KEY,

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from redis.asyncio.cluster import RedisCluster
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
-from goblin_idem.keys import key_names
+from goblin_idem._keys import key_names
 from tests.reliability.cluster import (
     failover,
     settled_cluster,

@@ -35,11 +35,11 @@ from redis.crc import key_slot
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, RedisStore
-from goblin_idem.errors import NotReplicatedError
-from goblin_idem.executors import TRYAGAIN_SECONDS
-from goblin_idem.keys import key_names
-from goblin_idem.record import decode
+from goblin_idem._keys import key_names
+from goblin_idem.exceptions import NotReplicatedError
+from goblin_idem.records._format import decode
 from goblin_idem.store import Published
+from goblin_idem.store._cluster import TRYAGAIN_SECONDS
 from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.reliability.failover import FailoverResult, failover_under_load
 from tests.reliability.report import FULL, ms, pick, record

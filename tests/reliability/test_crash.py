@@ -23,7 +23,7 @@ import time
 import httpx
 from redis.asyncio import Redis
 
-from goblin_idem.keys import key_names
+from goblin_idem._keys import key_names
 from tests.reliability.report import ms, pct, pick, record
 from tests.support.http_pool import HttpPool, Response
 from tests.support.procs import Uvicorn, start_uvicorn, stop

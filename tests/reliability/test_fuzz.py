@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from starlette.types import Message, Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store
-from goblin_idem.keys import DEFAULT_KEY_PATTERN
+from goblin_idem._keys import DEFAULT_KEY_PATTERN
 from tests.reliability.report import pick, record
 from tests.support.backends import stored_items
 from tests.support.responses import problem_slug

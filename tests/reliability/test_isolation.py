@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, Store
-from goblin_idem.keys import key_names
+from goblin_idem._keys import key_names
 from tests.reliability.report import pick, record
 from tests.support.asgi import request
 from tests.support.backends import Backend

@@ -22,7 +22,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
-from goblin_idem.keys import key_names
+from goblin_idem._keys import key_names
 from tests.reliability.report import mean, pick, record
 from tests.support.asgi import request
 from tests.support.servers import Server, start_server

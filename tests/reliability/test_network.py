@@ -21,7 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
-from goblin_idem.keys import key_names
+from goblin_idem._keys import key_names
 from tests.reliability.report import latency_figures, pick, record
 from tests.support.inproc import CountingApp, Tally, send_once, until_done
 from tests.support.proxy import Proxy

@@ -29,7 +29,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, RedisStore, once
-from goblin_idem.keys import key_names
+from goblin_idem._keys import key_names
 from tests.reliability.report import latency_figures, ms, pick, record
 from tests.support.http_pool import HttpPool
 from tests.support.inproc import CountingApp, send_once

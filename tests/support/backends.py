@@ -11,8 +11,8 @@ import redis.asyncio
 from redis.exceptions import ResponseError
 
 from goblin_idem import MemoryStore, RedisStore
-from goblin_idem.errors import WRONGTYPE
 from goblin_idem.store import KeyT, Store, as_bytes
+from goblin_idem.store._server_errors import WRONGTYPE
 from tests.support.servers import Server
 
 # Every store the conformance suite runs against: the embedded store; the Lua scripts on a

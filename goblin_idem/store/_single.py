@@ -8,10 +8,10 @@ from typing import Any
 
 import redis.asyncio
 
-from . import scripts
-from .autopipeline import AutoPipeline
-from .executors import NOT_WAITED, Acked, Command, Executor, Where, no_script
-from .redis_compat import drop_pool
+from . import _scripts as scripts
+from ._autopipeline import AutoPipeline
+from ._executor import NOT_WAITED, Acked, Command, Executor, Where, no_script
+from ._redis_compat import drop_pool
 
 __all__ = ["Direct", "Pipelined"]
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import options
+from . import _options as options
 from ._log import describe
 from .inspection import SCOPE_ENV, KeyState, format_state, inspect_key, names_for_hash
 from .store import RedisStore

@@ -20,15 +20,9 @@ import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from . import autopipeline, scripts
-from .autopipeline import AutoPipeline
-from .cluster import Clustered, ClusterPipelined
-from .detection import Detection, Mode, node_name
-from .executors import Command, Executor, Wait
-from .protocol import CLAIMED, ClaimReply, KeyT, Published
-from .redis_compat import copy_client, startup_nodes
-from .replies import normalize, renewal_reply, unwrap
-from .rules import (
+from . import _autopipeline as autopipeline
+from . import _scripts as scripts
+from ._arguments import (
     DEFAULT_MAX_VALUE_BYTES,
     WRITTEN,
     as_bytes,
@@ -38,7 +32,14 @@ from .rules import (
     claim_seconds,
     publish_ttl,
 )
-from .single import Direct, Pipelined
+from ._autopipeline import AutoPipeline
+from ._cluster import Clustered, ClusterPipelined
+from ._detection import Detection, Mode, node_name
+from ._executor import Command, Executor, Wait
+from ._protocol import CLAIMED, ClaimReply, KeyT, Published
+from ._redis_compat import copy_client, startup_nodes
+from ._server_errors import normalize, renewal_reply, unwrap
+from ._single import Direct, Pipelined
 
 __all__ = ["AnyRedis", "Mode", "RedisStore"]
 

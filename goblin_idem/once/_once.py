@@ -30,16 +30,16 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from . import options
-from ._log import describe
-from .claim import Claim, current, new_token, poll_claim
-from .closing import free_claim, publish_retried, run_to_end
-from .codecs import Codec, codec_for, from_stored, to_stored
-from .exceptions import InFlightError
-from .keys import KeyNames, key_names
-from .lease import Lease, Watchdog
-from .sealing_impl import Sealer
-from .store import CLAIMED, ClaimReply, Published, Store
+from .. import _options as options
+from .._claim import Claim, current, new_token, poll_claim
+from .._closing import free_claim, publish_retried, run_to_end
+from .._keys import KeyNames, key_names
+from .._lease import Lease, Watchdog
+from .._log import describe
+from ..exceptions import InFlightError
+from ..records._sealing import Sealer
+from ..store import CLAIMED, ClaimReply, Published, Store
+from ._codecs import Codec, codec_for, from_stored, to_stored
 
 __all__ = ["once"]
 

@@ -13,8 +13,8 @@ from typing import Final
 
 from redis.exceptions import ResponseError
 
-from .protocol import CLAIMED, ClaimReply, Published
-from .replies import NOT_INTEGER, VALUE_TOO_LARGE, invalid_expire
+from ._protocol import CLAIMED, ClaimReply, Published
+from ._server_errors import NOT_INTEGER, VALUE_TOO_LARGE, invalid_expire
 
 __all__ = [
     "DEFAULT_MAX_VALUE_BYTES",

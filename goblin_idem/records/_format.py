@@ -34,9 +34,9 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from . import compression
-from .exceptions import RecordError, SealError
-from .sealing_impl import Sealer, sealed_key_id
+from ..exceptions import RecordError, SealError
+from . import _compression as compression
+from ._sealing import Sealer, sealed_key_id
 
 __all__ = ["Format", "Record", "RecordError", "decode", "encode", "fingerprint", "format_of"]
 

@@ -24,19 +24,19 @@ from typing import Any
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import options
+from .. import _options as options
+from .._claim import Claim, current
+from .._closing import ClosingStep, free_claim, publish_retried, run_to_end
+from .._keys import KeyNames
+from .._lease import Lease, Watchdog
+from .._log import describe
+from ..records._compression import Compressor
+from ..records._format import Record, encode
+from ..records._sealing import Sealer
+from ..store import Published, Store
+from ..store._server_errors import VALUE_TOO_LARGE
 from ._events import Events
-from ._log import describe
 from ._routes import Settings
-from .claim import Claim, current
-from .closing import ClosingStep, free_claim, publish_retried, run_to_end
-from .compression import Compressor
-from .keys import KeyNames
-from .lease import Lease, Watchdog
-from .record import Record, encode
-from .replies import VALUE_TOO_LARGE
-from .sealing_impl import Sealer
-from .store import Published, Store
 
 __all__ = ["Run", "RunConfig", "log_store_error"]
 

@@ -31,11 +31,11 @@ try:
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("otel=True needs OpenTelemetry: pip install 'goblin-idem[otel]'") from exc
 
-from . import __version__
-from .store import Store
+from .. import __version__
+from ..store import Store
 
 if TYPE_CHECKING:
-    from .middleware import IdempotencyMiddleware
+    from ._middleware import IdempotencyMiddleware
 
 __all__ = ["TimedStore", "instrument"]
 

@@ -18,11 +18,11 @@ from typing import Any, Final, Literal, TypeAlias
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoPermissionError, ResponseError
 
-from .exceptions import NotReplicatedError, StorePermissionError
-from .executors import Executor
-from .protocol import Store
-from .replies import SCRIPT_CALLS, acl_rule, permission_error
-from .rules import DEFAULT_MAX_VALUE_BYTES, as_bytes
+from ..exceptions import NotReplicatedError, StorePermissionError
+from ._arguments import DEFAULT_MAX_VALUE_BYTES, as_bytes
+from ._executor import Executor
+from ._protocol import Store
+from ._server_errors import SCRIPT_CALLS, acl_rule, permission_error
 
 __all__ = ["Detection", "Mode", "node_name"]
 

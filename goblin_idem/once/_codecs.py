@@ -30,9 +30,9 @@ import typing
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from .exceptions import RecordError, SealError
-from .record import Format
-from .sealing_impl import Sealer, sealed_key_id
+from ..exceptions import RecordError, SealError
+from ..records._format import Format
+from ..records._sealing import Sealer, sealed_key_id
 
 __all__ = ["Codec", "DataclassCodec", "JsonCodec", "PydanticCodec", "codec_for"]
 

@@ -9,10 +9,10 @@ commands reach a server), `detection` (what is checked before the first command)
 
 from __future__ import annotations
 
-from .exceptions import NotReplicatedError, StorePermissionError
-from .protocol import CLAIMED, Claimed, ClaimReply, KeyT, Published, Store
-from .redis_store import RedisStore
-from .rules import as_bytes
+from ..exceptions import NotReplicatedError, StorePermissionError
+from ._arguments import as_bytes
+from ._protocol import CLAIMED, Claimed, ClaimReply, KeyT, Published, Store
+from ._redis import RedisStore
 
 __all__ = [
     "CLAIMED",

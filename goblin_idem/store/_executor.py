@@ -41,9 +41,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import scripts
-from .exceptions import NotReplicatedError
-from .redis_compat import drop_pool, shut_down
+from ..exceptions import NotReplicatedError
+from . import _scripts as scripts
+from ._redis_compat import drop_pool, shut_down
 
 __all__ = [
     "NOT_WAITED",

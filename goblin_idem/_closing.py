@@ -19,9 +19,9 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from ._keys import KeyNames
+from ._lease import Lease
 from ._log import describe
-from .keys import KeyNames
-from .lease import Lease
 from .store import Published, Store
 
 __all__ = ["ClosingStep", "free_claim", "publish_deadline", "publish_retried", "run_to_end"]

@@ -18,11 +18,11 @@ import sys
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from . import problems
-from .keys import DEFAULT_KEY_PATTERN
+from .._keys import DEFAULT_KEY_PATTERN
+from . import _problems as problems
 
 if TYPE_CHECKING:
-    from .middleware import IdempotencyMiddleware
+    from ._middleware import IdempotencyMiddleware
 
 __all__ = ["PROBLEM_SCHEMA", "document_openapi", "idempotency_openapi"]
 

@@ -9,8 +9,8 @@ import secrets
 import time
 from types import TracebackType
 
+from ._lease import Lease, Watchdog
 from .exceptions import LockError, LockNotOwnedError
-from .lease import Lease, Watchdog
 from .store import KeyT, Store, as_bytes
 
 __all__ = ["Lock"]

@@ -12,10 +12,10 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import compression as _compression
-from .memory import MemoryStore
-from .sealing_impl import ENV_VAR, Sealer, keys_from_env
+from .records import _compression
+from .records._sealing import ENV_VAR, Sealer, keys_from_env
 from .store import Store
+from .store._memory import MemoryStore
 
 __all__ = [
     "callable_or_none",

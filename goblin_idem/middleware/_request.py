@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from starlette.types import Message, Receive, Scope
 
-from .keys import KeyNames, credential_header, credentials_scope, key_names
-from .record import fingerprint
+from .._keys import KeyNames, credential_header, credentials_scope, key_names
+from ..records._format import fingerprint
 
 __all__ = ["BodyTooLarge", "Identity", "ReplayReceive", "read_body"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-from ._log import describe
-from .closing import free_claim
-from .keys import KeyNames, previous_names
-from .store import CLAIMED, ClaimReply, Store
+from .._closing import free_claim
+from .._keys import KeyNames, previous_names
+from .._log import describe
+from ..store import CLAIMED, ClaimReply, Store
 
 __all__ = ["previous_reply"]
 

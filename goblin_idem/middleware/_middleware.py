@@ -27,25 +27,26 @@ from typing import Any, Concatenate, ParamSpec
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import _routes, options
-from ._answers import Answers
-from ._events import Counters, Events
-from ._previous import previous_reply
-from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
-from ._routes import RoutePolicy, Routes, Settings, idempotent
-from ._run import Run, RunConfig, log_store_error
-from .claim import new_token, poll_claim
-from .keys import (
+from .. import _options as options
+from .._claim import new_token, poll_claim
+from .._keys import (
     DEFAULT_KEY_PATTERN,
     KeyNames,
     string_key,
     valid_key,
 )
-from .lease import Watchdog
-from .lifespan import Refused, run_lifespan
-from .openapi import document_openapi
-from .sealing_impl import Sealer
-from .store import CLAIMED, Store
+from .._lease import Watchdog
+from ..records._sealing import Sealer
+from ..store import CLAIMED, Store
+from . import _routes
+from ._events import Counters, Events
+from ._lifespan import Refused, run_lifespan
+from ._names_010 import previous_reply
+from ._openapi import document_openapi
+from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
+from ._responses import Answers
+from ._routes import RoutePolicy, Routes, Settings, idempotent
+from ._run import Run, RunConfig, log_store_error
 
 __all__ = ["Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
 
@@ -184,7 +185,7 @@ class IdempotencyMiddleware:
         self.watchdog = Watchdog.for_store(self.store)
         self._app: Any = None  # the application whose scopes this middleware serves
         if options.flag("otel", otel):
-            from .otel import instrument  # imported only when asked for
+            from ._otel import instrument  # imported only when asked for
 
             instrument(self)  # times self.store's calls, adds to on_event: before the runs'
         self.runs = RunConfig.from_options(

@@ -27,7 +27,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from .exceptions import SealError
+from ..exceptions import SealError
 
 __all__ = ["ENV_VAR", "KEY_BYTES", "SealError", "Sealer", "key_id", "keys_from_env"]
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar, overload
 from starlette.routing import Match
 from starlette.types import Scope
 
-from . import options
+from .. import _options as options
 
 __all__ = ["RoutePolicy", "Routes", "Settings", "idempotent", "marked_endpoints"]
 

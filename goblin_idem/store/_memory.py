@@ -12,9 +12,7 @@ from typing import Protocol, TypeAlias
 
 from redis.exceptions import ResponseError
 
-from .protocol import CLAIMED, ClaimReply, KeyT, Published
-from .replies import WRONGTYPE, invalid_expire
-from .rules import (
+from ._arguments import (
     DEFAULT_MAX_VALUE_BYTES,
     WRITTEN,
     as_bytes,
@@ -24,6 +22,8 @@ from .rules import (
     claim_seconds,
     publish_ttl,
 )
+from ._protocol import CLAIMED, ClaimReply, KeyT, Published
+from ._server_errors import WRONGTYPE, invalid_expire
 
 __all__ = ["MemoryStore"]
 

@@ -24,10 +24,10 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from . import scripts
-from .autopipeline import AutoPipeline
-from .executors import LOST, Address, Command, Executor, Outcome, Wait, Where, no_script, pipelined
-from .redis_compat import (
+from . import _scripts as scripts
+from ._autopipeline import AutoPipeline
+from ._executor import LOST, Address, Command, Executor, Outcome, Wait, Where, no_script, pipelined
+from ._redis_compat import (
     drop_cluster_nodes,
     drop_pool,
     mark_cluster_closed,

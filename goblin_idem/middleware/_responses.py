@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from starlette.types import Send
 
-from . import problems
+from .._keys import KeyNames
+from ..exceptions import RecordError
+from ..records._format import Record, decode
+from ..records._sealing import Sealer
+from . import _problems as problems
 from ._events import Events
-from .exceptions import RecordError
-from .keys import KeyNames
-from .record import Record, decode
-from .sealing_impl import Sealer
 
 __all__ = ["REPLAYED", "Answers"]
 

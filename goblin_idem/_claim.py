@@ -21,8 +21,8 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from ._lease import Lease
 from .exceptions import ClaimLostError
-from .lease import Lease
 from .store import ClaimReply, Store
 
 __all__ = ["Claim", "ClaimHolder", "current_claim", "new_token", "poll_claim"]

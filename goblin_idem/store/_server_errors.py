@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from redis.exceptions import NoPermissionError, ResponseError
 
-from .exceptions import StorePermissionError
+from ..exceptions import StorePermissionError
 
 __all__ = [
     "NOT_INTEGER",

@@ -39,7 +39,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .redis_compat import BaseParser, retries
+from ._redis_compat import BaseParser, retries
 
 try:
     import hiredis

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
-from . import _log
-from ._log import describe
-from .exceptions import StorePermissionError
-from .memory import MemoryStore
-from .store import RedisStore
+from .. import _log
+from .._log import describe
+from ..exceptions import StorePermissionError
+from ..store import RedisStore
+from ..store._memory import MemoryStore
 
 if TYPE_CHECKING:
-    from .middleware import IdempotencyMiddleware
+    from ._middleware import IdempotencyMiddleware
 
 __all__ = ["Refused", "run_lifespan", "startup_logger"]
 
