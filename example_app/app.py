@@ -333,7 +333,7 @@ def create_app(
         name: Annotated[str, Path(pattern=NAME)],
         duration_ms: Annotated[int, Query(ge=0, le=MAX_JOB_MS)] = 500,
     ) -> Response:
-        lock = Lock(the_store, f"job:{name}", lease_ms=job_lease_ms, blocking=False)
+        lock = Lock(the_store, f"job:{name}", lease_seconds=job_lease_ms / 1000, blocking=False)
         if not await lock.acquire():
             return problem(409, "job-running", "The job is running", f"Job {name} is running.")
         started = time.monotonic()

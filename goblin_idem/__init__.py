@@ -14,12 +14,10 @@ from .exceptions import (
     NotReplicatedError,
     StorePermissionError,
 )
-from .middleware._middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
-from .once._codecs import Codec
-from .once._once import once
+from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
+from .once import Codec, once
 from .records._sealing import Sealer
-from .store import CLAIMED, Claimed, ClaimReply, KeyT, RedisStore, Store
-from .store._memory import MemoryStore
+from .store import CLAIMED, Claimed, ClaimReply, KeyT, MemoryStore, RedisStore, Store
 
 __all__ = [
     "CLAIMED",

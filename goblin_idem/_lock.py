@@ -9,6 +9,7 @@ import secrets
 import time
 from types import TracebackType
 
+from . import _options as options
 from ._lease import Lease, Watchdog
 from .exceptions import LockError, LockNotOwnedError
 from .store import KeyT, Store, as_bytes
@@ -30,17 +31,22 @@ class Lock:
         store: Store,
         name: KeyT,
         *,
-        lease_ms: int = 30_000,
+        lease_seconds: float = 30,
         blocking: bool = True,
         timeout: float | None = None,
         retry_interval: float = 0.05,
         watchdog: Watchdog | None = None,
+        lease_ms: int | None = None,
     ) -> None:
-        if lease_ms <= 0:
-            raise ValueError("lease_ms must be positive")
+        lease = options.seconds(
+            "lease_seconds",
+            options.renamed_ms("lease_ms", lease_ms, "lease_seconds", lease_seconds, 2),
+            minimum=0.001,
+        )
         self.store = store
         self.name = as_bytes(name)
-        self.lease_ms = lease_ms
+        self.lease_seconds = lease
+        self.lease_ms = round(lease * 1000)  # the store's unit (SET PX, CAEXPIRE)
         self.blocking = blocking
         self.timeout = timeout
         self.retry_interval = retry_interval

@@ -12,10 +12,11 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ._durations import kind as _kind
+from ._durations import renamed_ms, seconds
 from .records import _compression
 from .records._sealing import ENV_VAR, Sealer, keys_from_env
-from .store import Store
-from .store._memory import MemoryStore
+from .store import MemoryStore, Store
 
 __all__ = [
     "callable_or_none",
@@ -28,20 +29,16 @@ __all__ = [
     "namespace",
     "patterns",
     "polling",
+    "renamed_ms",
     "require_sealed",
     "sealer",
+    "seconds",
     "store",
     "whole_number",
 ]
 
 # RFC 9110 token: the characters a header name or a method may consist of.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-
-
-def _kind(value: object) -> str:
-    """``an int``, ``a str``: the type of a refused value, for the message."""
-    name = type(value).__name__
-    return ("an " if name[:1] in "aeiou" else "a ") + name
 
 
 def whole_number(name: str, value: object, *, minimum: int) -> int:
@@ -113,17 +110,18 @@ def methods(value: object) -> frozenset[str]:
     return frozenset(m.upper() for m in http_tokens("methods", value, "method", allow_empty=False))
 
 
-def polling(wait_ms: object, poll_interval_ms: object) -> tuple[int, float]:
-    """How long a duplicate waits for the first request (ms), and the pause between two
-    polls of the claim (seconds)."""
-    wait = whole_number("wait_ms", wait_ms, minimum=0)
-    interval = whole_number("poll_interval_ms", poll_interval_ms, minimum=0)
-    if wait and not interval:
+def polling(wait: object, interval: object) -> tuple[float, float]:
+    """How long a duplicate waits for the first request, and the pause between two polls
+    of the claim (seconds)."""
+    waited = seconds("wait_seconds", wait, minimum=0)
+    pause = seconds("poll_interval_seconds", interval, minimum=0)
+    if waited and pause < 0.001:
         raise ValueError(
-            "poll_interval_ms must be >= 1 when wait_ms > 0: it is the pause between two "
-            "claim polls, and 0 would poll the store in a busy loop (50 is the default)"
+            "poll_interval_seconds must be >= 0.001 when wait_seconds > 0: it is the pause "
+            "between two claim polls, and 0 would poll the store in a busy loop (0.05 is the "
+            "default)"
         )
-    return wait, interval / 1000
+    return waited, pause
 
 
 def store(value: object) -> Store:

@@ -110,7 +110,7 @@ def test_a_cluster_store_used_before_a_fork_works_in_the_child() -> None:
     try:
         url = f"redis://127.0.0.1:{cluster.servers[0].port}/0"
         store = RedisStore.from_url(url, cluster=True, wait_replicas=0)
-        waiting = RedisStore.from_url(url, cluster=True, wait_replicas=1, wait_timeout_ms=50)
+        waiting = RedisStore.from_url(url, cluster=True, wait_replicas=1, wait_timeout_seconds=0.05)
         assert asyncio.run(exercise(store, "import")) == EXPECTED
         # The per-primary clients too (no replica here: WAIT answers 0, a clean refusal).
         assert "NotReplicatedError" in asyncio.run(_claim_error(waiting, "import-wait"))

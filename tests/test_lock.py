@@ -17,8 +17,8 @@ from tests.support.servers import Server
 
 
 async def test_only_one_holder_at_a_time(store: Store) -> None:
-    first = Lock(store, "job", lease_ms=5000)
-    second = Lock(store, "job", lease_ms=5000)
+    first = Lock(store, "job", lease_seconds=5)
+    second = Lock(store, "job", lease_seconds=5)
     assert await first.acquire()
     assert not await second.acquire(blocking=False)
     assert not await second.acquire(timeout=0.2)
@@ -30,8 +30,8 @@ async def test_only_one_holder_at_a_time(store: Store) -> None:
 async def test_renewal_keeps_a_long_holder(store: Store) -> None:
     # Renewed every 300 ms; a lease lapses only if a renewal is 600 ms late, which a loaded
     # machine's scheduling does not cause (a 300 ms lease did, once, under CI).
-    lock = Lock(store, "long", lease_ms=900)
-    other = Lock(store, "long", lease_ms=900)
+    lock = Lock(store, "long", lease_seconds=0.9)
+    other = Lock(store, "long", lease_seconds=0.9)
     async with lock:
         for _ in range(8):  # 2.4 s: over two and a half leases' worth
             await asyncio.sleep(0.3)
@@ -68,7 +68,7 @@ async def test_the_first_renewal_of_a_3_s_lease_comes_at_a_third_of_it() -> None
 
 
 async def test_lost_lock_raises_lock_not_owned(store: Store) -> None:
-    lock = Lock(store, "stolen", lease_ms=300)
+    lock = Lock(store, "stolen", lease_seconds=0.3)
     await lock.acquire()
     await store.set("stolen", "thief", px=10_000)
     for _ in range(50):  # the next renewal (due within 100 ms) finds the thief's token
@@ -84,9 +84,9 @@ async def test_lost_lock_raises_lock_not_owned(store: Store) -> None:
 
 
 async def test_blocking_acquire_waits_for_release(store: Store) -> None:
-    holder = Lock(store, "wait", lease_ms=5000)
+    holder = Lock(store, "wait", lease_seconds=5)
     await holder.acquire()
-    waiter = Lock(store, "wait", lease_ms=5000, retry_interval=0.02)
+    waiter = Lock(store, "wait", lease_seconds=5, retry_interval=0.02)
     task = asyncio.create_task(waiter.acquire(timeout=5))
     await asyncio.sleep(0.2)
     assert not task.done()
@@ -109,7 +109,7 @@ async def test_misuse_is_a_clear_error(store: Store) -> None:
         async with busy:
             pass
     with pytest.raises(ValueError):
-        Lock(store, "x", lease_ms=0)
+        Lock(store, "x", lease_seconds=0)
 
 
 async def test_middleware_and_locks_share_one_watchdog(backend: Backend) -> None:
@@ -166,7 +166,7 @@ async def test_killed_holder_frees_after_its_lease(redis_server: Server) -> None
         await wait_for(client, "log", 1)
         stop(proc, signal.SIGKILL)  # dies holding the lock
         killed_at = time.monotonic()
-        lock = Lock(store, "crashy", lease_ms=5000, retry_interval=0.05)
+        lock = Lock(store, "crashy", lease_seconds=5, retry_interval=0.05)
         assert not await lock.acquire(blocking=False)
         assert await lock.acquire(timeout=5)
         waited = time.monotonic() - killed_at
@@ -201,7 +201,7 @@ async def test_a_release_cancelled_while_a_renewal_is_in_flight_can_be_repeated(
     own_redis: Server, autopipeline: bool
 ) -> None:
     store = RedisStore.from_url(own_redis.url, autopipeline=autopipeline)
-    lock = Lock(store, "job", lease_ms=600)  # renewed every 200 ms
+    lock = Lock(store, "job", lease_seconds=0.6)  # renewed every 200 ms
     try:
         assert await lock.acquire()
         await cancel_release_on_a_paused_server(own_redis, lock, paused=0.3)
@@ -219,7 +219,7 @@ async def test_a_release_cancelled_while_its_delete_is_in_flight_can_be_repeated
     own_redis: Server, autopipeline: bool
 ) -> None:
     store = RedisStore.from_url(own_redis.url, autopipeline=autopipeline)
-    lock = Lock(store, "job", lease_ms=5000)
+    lock = Lock(store, "job", lease_seconds=5)
     try:
         assert await lock.acquire()
         await store.get("warm-up")  # the direct store's connection is open before the pause
@@ -237,7 +237,7 @@ async def test_a_cancelled_release_stops_the_renewals(own_redis: Server) -> None
     the lock: only the renewal already in flight lands, and the lock expires a lease later
     instead of being kept alive by this process."""
     store = RedisStore.from_url(own_redis.url)
-    lock = Lock(store, "job", lease_ms=600)
+    lock = Lock(store, "job", lease_seconds=0.6)
     try:
         assert await lock.acquire()
         await cancel_release_on_a_paused_server(own_redis, lock, paused=0.3)

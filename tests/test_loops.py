@@ -255,7 +255,7 @@ def test_a_lease_outlives_a_lease_taken_and_released_in_another_loop(
     first_held, second_done = threading.Event(), threading.Event()
 
     async def short_lease() -> tuple[bool, int]:
-        lock = Lock(store, f"{tag}-short", lease_ms=600)
+        lock = Lock(store, f"{tag}-short", lease_seconds=0.6)
         await lock.acquire()
         first_held.set()
         await asyncio.to_thread(second_done.wait, 10)
@@ -266,7 +266,7 @@ def test_a_lease_outlives_a_lease_taken_and_released_in_another_loop(
 
     async def long_lease() -> tuple[bool, int]:
         await asyncio.to_thread(first_held.wait, 10)
-        lock = Lock(store, f"{tag}-long", lease_ms=30_000)
+        lock = Lock(store, f"{tag}-long", lease_seconds=30)
         await lock.acquire()
         await asyncio.sleep(0.5)  # the first loop renews meanwhile
         owned = await lock.owned()

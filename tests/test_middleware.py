@@ -77,9 +77,9 @@ async def test_duplicate_in_flight_gets_409_with_retry_after(store: Store) -> No
     assert handler.runs == 1
 
 
-async def test_wait_ms_turns_an_in_flight_duplicate_into_a_replay(store: Store) -> None:
+async def test_wait_seconds_turns_an_in_flight_duplicate_into_a_replay(store: Store) -> None:
     handler = Handler(delay=0.3)
-    mw = IdempotencyMiddleware(handler, store=store, wait_ms=2000, poll_interval_ms=20)
+    mw = IdempotencyMiddleware(handler, store=store, wait_seconds=2, poll_interval_seconds=0.02)
     first = asyncio.create_task(request(mw, key="k"))
     await asyncio.sleep(0.05)
     waited = await request(mw, key="k")

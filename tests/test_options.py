@@ -11,6 +11,7 @@ import redis.asyncio
 
 from goblin_idem import (
     IdempotencyMiddleware,
+    Lock,
     MemoryStore,
     RedisStore,
     RoutePolicy,
@@ -37,7 +38,8 @@ BAD = [
     ({"methods": ["PO ST"]}, ValueError, ["not a valid method"]),
     ({"required": 1}, TypeError, ["required", "True or False"]),
     ({"lease_seconds": 0}, ValueError, ["lease_seconds", ">= 1"]),
-    ({"lease_seconds": 1.5}, TypeError, ["lease_seconds", "whole number"]),
+    ({"lease_seconds": 0.5}, ValueError, ["lease_seconds", ">= 1"]),
+    ({"lease_seconds": float("nan")}, ValueError, ["lease_seconds", "finite"]),
     ({"lease_seconds": True}, TypeError, ["lease_seconds", "not a bool"]),
     ({"ttl_seconds": -1}, ValueError, ["ttl_seconds", ">= 1"]),
     ({"ttl_seconds": "86400"}, TypeError, ["ttl_seconds", "not a str"]),
@@ -53,10 +55,14 @@ BAD = [
     ({"max_body_bytes": None}, TypeError, ["max_body_bytes", "whole number"]),
     ({"max_response_bytes": -1}, ValueError, ["max_response_bytes", ">= 0"]),
     ({"retry_after_seconds": -1}, ValueError, ["retry_after_seconds", ">= 0"]),
-    ({"retry_after_seconds": 1.5}, TypeError, ["retry_after_seconds", "whole number"]),
-    ({"wait_ms": -1}, ValueError, ["wait_ms", ">= 0"]),
-    ({"wait_ms": 500, "poll_interval_ms": 0}, ValueError, ["poll_interval_ms", "busy loop"]),
-    ({"poll_interval_ms": -5}, ValueError, ["poll_interval_ms", ">= 0"]),
+    ({"retry_after_seconds": "1"}, TypeError, ["retry_after_seconds", "number of seconds"]),
+    ({"wait_seconds": -1}, ValueError, ["wait_seconds", ">= 0"]),
+    (
+        {"wait_seconds": 0.5, "poll_interval_seconds": 0},
+        ValueError,
+        ["poll_interval_seconds", "busy loop"],
+    ),
+    ({"poll_interval_seconds": -5}, ValueError, ["poll_interval_seconds", ">= 0"]),
     ({"store_server_errors": "yes"}, TypeError, ["store_server_errors", "True or False"]),
     ({"fail_open": 1}, TypeError, ["fail_open", "True or False"]),
     ({"namespace": ""}, ValueError, ["namespace", "not be empty"]),
@@ -121,8 +127,8 @@ async def test_edge_values_that_do_work_are_accepted() -> None:
         methods=("post", "PUT"),
         max_response_bytes=0,
         retry_after_seconds=0,
-        wait_ms=0,
-        poll_interval_ms=0,  # unused without wait_ms
+        wait_seconds=0,
+        poll_interval_seconds=0,  # unused without wait_seconds
         lease_seconds=60,
         ttl_seconds=10,  # shorter than the lease: the result TTL wins once published
         include=["/api/*"],
@@ -137,7 +143,7 @@ async def test_edge_values_that_do_work_are_accepted() -> None:
 BAD_MARKS = [
     ({"ttl_seconds": 0}, ValueError, "ttl_seconds"),
     ({"ttl_seconds": True}, TypeError, "ttl_seconds"),
-    ({"lease_seconds": 1.5}, TypeError, "lease_seconds"),
+    ({"lease_seconds": 0.5}, ValueError, "lease_seconds"),
     ({"required": "yes"}, TypeError, "required"),
     ({"enabled": None}, TypeError, "enabled"),
 ]
@@ -156,3 +162,26 @@ def test_unworkable_route_mark_is_refused(
 def test_a_mark_given_a_positional_value_says_to_use_keywords() -> None:
     with pytest.raises(TypeError, match=r"keyword arguments only, as in @idempotent\("):
         idempotent(True)  # type: ignore[call-overload]
+
+
+def test_durations_are_seconds_and_the_old_millisecond_names_still_work() -> None:
+    """Every duration is in seconds (fractions too); wait_ms, poll_interval_ms,
+    Lock(lease_ms=) and RedisStore(wait_timeout_ms=) work for one more release, warned."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None: ...
+
+    mw = IdempotencyMiddleware(
+        app, wait_seconds=0.25, poll_interval_seconds=0.01, lease_seconds=1.5, ttl_seconds=2.5
+    )
+    assert (mw.wait_seconds, mw.poll_interval) == (0.25, 0.01)
+    settings = mw.routes.defaults
+    assert (settings.lease_ms, settings.claim_seconds, settings.ttl_ms) == (1500, 2, 2500)
+    with pytest.warns(DeprecationWarning, match="wait_ms is deprecated.*wait_seconds="):
+        old = IdempotencyMiddleware(app, wait_ms=250, poll_interval_ms=10)
+    assert (old.wait_seconds, old.poll_interval) == (0.25, 0.01)
+    with pytest.warns(DeprecationWarning, match="lease_ms is deprecated.*lease_seconds="):
+        lock = Lock(MemoryStore(), "x", lease_ms=1500)
+    assert (lock.lease_seconds, lock.lease_ms) == (1.5, 1500)
+    with pytest.warns(DeprecationWarning, match="wait_timeout_ms is deprecated"):
+        store = RedisStore.from_url("redis://127.0.0.1:1/0", wait_replicas=1, wait_timeout_ms=250)
+    assert (store.wait_timeout_seconds, store.wait_timeout_ms) == (0.25, 250)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import re
 import sys
 import weakref
@@ -121,8 +122,8 @@ class IdempotencyMiddleware:
         header: str = "Idempotency-Key",
         methods: Iterable[str] = ("POST", "PATCH"),
         required: bool = False,
-        lease_seconds: int = 30,
-        ttl_seconds: int = 86_400,
+        lease_seconds: float = 30,
+        ttl_seconds: float = 86_400,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] = (),
         required_paths: Sequence[str] = (),
@@ -131,9 +132,9 @@ class IdempotencyMiddleware:
         fingerprint_headers: Iterable[str] = (),
         max_body_bytes: int = 1024 * 1024,
         max_response_bytes: int = 1024 * 1024,
-        retry_after_seconds: int = 1,
-        wait_ms: int = 0,
-        poll_interval_ms: int = 50,
+        retry_after_seconds: float = 1,
+        wait_seconds: float = 0,
+        poll_interval_seconds: float = 0.05,
         store_server_errors: bool = False,
         fail_open: bool = False,
         namespace: str = "idem",
@@ -146,6 +147,8 @@ class IdempotencyMiddleware:
         compression: str | None = "zlib",
         compress_above_bytes: int = 1024,
         previous_key_names: bool = False,
+        wait_ms: int | None = None,
+        poll_interval_ms: int | None = None,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI application, not a {type(app).__name__}")
@@ -169,9 +172,18 @@ class IdempotencyMiddleware:
         )
         self._may_require = self.routes.may_require  # read by every request without a key
         self.max_body_bytes = options.whole_number("max_body_bytes", max_body_bytes, minimum=1)
-        retry_after = options.whole_number("retry_after_seconds", retry_after_seconds, minimum=0)
-        self.retry_after = str(retry_after).encode()
-        self.wait_ms, self.poll_interval = options.polling(wait_ms, poll_interval_ms)
+        retry_after = options.seconds("retry_after_seconds", retry_after_seconds, minimum=0)
+        self.retry_after = str(math.ceil(retry_after)).encode()  # delta-seconds: whole
+        self.wait_seconds, self.poll_interval = options.polling(
+            options.renamed_ms("wait_ms", wait_ms, "wait_seconds", wait_seconds, 3),
+            options.renamed_ms(
+                "poll_interval_ms",
+                poll_interval_ms,
+                "poll_interval_seconds",
+                poll_interval_seconds,
+                3,
+            ),
+        )
         self.fail_open = options.flag("fail_open", fail_open)
         self.namespace = options.namespace(namespace)
         self.previous_key_names = options.flag("previous_key_names", previous_key_names)
@@ -312,17 +324,17 @@ class IdempotencyMiddleware:
         token = new_token()
         try:
             reply = await self.store.claim_unless_done(
-                names.claim, names.result, token, settings.lease_seconds
+                names.claim, names.result, token, settings.claim_seconds
             )
-            if reply is None and self.wait_ms > 0:
+            if reply is None and self.wait_seconds > 0:
                 step = functools.partial(
                     self.store.claim_unless_done,
                     names.claim,
                     names.result,
                     token,
-                    settings.lease_seconds,
+                    settings.claim_seconds,
                 )
-                reply = await poll_claim(step, self.wait_ms / 1000, self.poll_interval)
+                reply = await poll_claim(step, self.wait_seconds, self.poll_interval)
             if reply is CLAIMED and self.previous_key_names:
                 reply = await previous_reply(self.store, self.namespace, names, token)
         except Exception as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -40,8 +41,8 @@ class RoutePolicy:
 
     enabled: bool = True
     required: bool | None = None
-    ttl_seconds: int | None = None
-    lease_seconds: int | None = None
+    ttl_seconds: float | None = None
+    lease_seconds: float | None = None
 
     def __post_init__(self) -> None:
         options.flag("@idempotent(enabled=...)", self.enabled)
@@ -50,7 +51,7 @@ class RoutePolicy:
         for name in ("ttl_seconds", "lease_seconds"):
             value = getattr(self, name)
             if value is not None:
-                options.whole_number(f"@idempotent({name}=...)", value, minimum=1)
+                options.seconds(f"@idempotent({name}=...)", value, minimum=1)
 
 
 @overload
@@ -62,8 +63,8 @@ def idempotent(
     *,
     enabled: bool = True,
     required: bool | None = None,
-    ttl_seconds: int | None = None,
-    lease_seconds: int | None = None,
+    ttl_seconds: float | None = None,
+    lease_seconds: float | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -73,8 +74,8 @@ def idempotent(
     *,
     enabled: bool = True,
     required: bool | None = None,
-    ttl_seconds: int | None = None,
-    lease_seconds: int | None = None,
+    ttl_seconds: float | None = None,
+    lease_seconds: float | None = None,
 ) -> F | Callable[[F], F]:
     """Mark a Starlette/FastAPI endpoint with its own idempotency settings.
 
@@ -100,11 +101,23 @@ def idempotent(
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What applies to one covered request."""
+    """What applies to one covered request, in the store's units: the claim's lease in
+    whole seconds (GOBLIN.CLAIM's EX, rounded up; the watchdog's first renewal, at a third
+    of the lease, makes it exact), the lease and the result's TTL in ms."""
 
     required: bool
     ttl_ms: int
-    lease_seconds: int
+    lease_ms: int
+    claim_seconds: int
+
+    @classmethod
+    def of(cls, required: bool, ttl_seconds: float, lease_seconds: float) -> Settings:
+        return cls(
+            required,
+            round(ttl_seconds * 1000),
+            round(lease_seconds * 1000),
+            math.ceil(lease_seconds),
+        )
 
 
 class Routes:
@@ -132,17 +145,17 @@ class Routes:
         cls,
         *,
         required: bool,
-        ttl_seconds: int,
-        lease_seconds: int,
+        ttl_seconds: float,
+        lease_seconds: float,
         include: Sequence[str] | None,
         exclude: Sequence[str],
         required_paths: Sequence[str],
     ) -> Routes:
         """The middleware's options, checked (a wrong one raises, naming it)."""
-        lease_seconds = options.whole_number("lease_seconds", lease_seconds, minimum=1)
-        ttl_seconds = options.whole_number("ttl_seconds", ttl_seconds, minimum=1)
+        lease = options.seconds("lease_seconds", lease_seconds, minimum=1)
+        ttl = options.seconds("ttl_seconds", ttl_seconds, minimum=1)
         return cls(
-            Settings(options.flag("required", required), ttl_seconds * 1000, lease_seconds),
+            Settings.of(options.flag("required", required), ttl, lease),
             options.patterns("include", include) if include is not None else None,
             options.patterns("exclude", exclude),
             options.patterns("required_paths", required_paths),
@@ -163,10 +176,12 @@ class Routes:
         if not policy.enabled:
             return None
         base = settings or self.defaults
+        ttl, lease = policy.ttl_seconds, policy.lease_seconds
         return Settings(
             base.required if policy.required is None else policy.required,
-            base.ttl_ms if policy.ttl_seconds is None else policy.ttl_seconds * 1000,
-            base.lease_seconds if policy.lease_seconds is None else policy.lease_seconds,
+            base.ttl_ms if ttl is None else round(ttl * 1000),
+            base.lease_ms if lease is None else round(lease * 1000),
+            base.claim_seconds if lease is None else math.ceil(lease),
         )
 
     def _settings_for_path(self, path: str) -> Settings | None:

@@ -160,7 +160,7 @@ class Run:
         self.lease = config.watchdog.hold(
             names.claim,
             self.token,
-            self.settings.lease_seconds * 1000,
+            self.settings.lease_ms,
             label=names.hash,
             on_lost=config.lease_lost,
         )

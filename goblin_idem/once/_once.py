@@ -26,6 +26,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import math
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
@@ -48,7 +49,7 @@ logger = logging.getLogger("goblin_idem.once")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-POLL_SECONDS = 0.05  # the middleware's default poll_interval_ms
+POLL_SECONDS = 0.05  # the middleware's default poll_interval_seconds
 RETRY_AFTER = 1.0  # the middleware's default Retry-After
 _background: set[asyncio.Task[Any]] = set()  # closing steps that outlive a cancelled call
 
@@ -57,8 +58,8 @@ def once(
     store: Store,
     *,
     key: Callable[..., str | bytes | int],
-    ttl_seconds: int = 86_400,
-    lease_seconds: int = 30,
+    ttl_seconds: float = 86_400,
+    lease_seconds: float = 30,
     namespace: str = "once",
     codec: Codec | None = None,
     wait_seconds: float = 0,
@@ -79,8 +80,8 @@ def once(
     the clear raises RecordError instead of being returned (README: Encryption at rest).
     """
     the_store = _checked(store, key, codec, wait_seconds, name)
-    ttl_seconds = options.whole_number("ttl_seconds", ttl_seconds, minimum=1)
-    lease_seconds = options.whole_number("lease_seconds", lease_seconds, minimum=1)
+    ttl = options.seconds("ttl_seconds", ttl_seconds, minimum=1)
+    lease = options.seconds("lease_seconds", lease_seconds, minimum=1)
     ns = options.namespace(namespace)
     sealer = options.sealer(encryption_keys)
     sealed_only = options.require_sealed(require_sealed, sealer)
@@ -100,8 +101,9 @@ def once(
             (name or _name_of(func)).encode(),
             ns,
             codec if codec is not None else codec_for(func),
-            ttl_seconds * 1000,
-            lease_seconds,
+            round(ttl * 1000),
+            round(lease * 1000),
+            math.ceil(lease),
             float(wait_seconds),
             sealer,
             sealed_only,
@@ -165,7 +167,8 @@ class _Once:
     namespace: bytes
     codec: Codec
     ttl_ms: int
-    lease_seconds: int
+    lease_ms: int
+    claim_seconds: int  # the claim's first lease, in GOBLIN.CLAIM's whole seconds
     wait_seconds: float
     sealer: Sealer | None
     require_sealed: bool  # a stored value in the clear raises RecordError
@@ -190,7 +193,7 @@ class _Once:
         names = self.names(args, kwargs)
         token = new_token()
         step = functools.partial(
-            self.store.claim_unless_done, names.claim, names.result, token, self.lease_seconds
+            self.store.claim_unless_done, names.claim, names.result, token, self.claim_seconds
         )
         reply: ClaimReply = await step()
         if reply is None and self.wait_seconds > 0:
@@ -198,7 +201,7 @@ class _Once:
         if reply is None:
             raise InFlightError(
                 f"{self.name.decode()}: another run holds key {names.hash} (or its worker "
-                f"died and its lease of {self.lease_seconds}s has not run out); nothing ran",
+                f"died and its lease of {self.lease_ms / 1000:g}s has not run out); nothing ran",
                 key_hash=names.hash,
                 retry_after=RETRY_AFTER,
             )
@@ -211,7 +214,7 @@ class _Once:
     async def _run(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], names: KeyNames, token: bytes
     ) -> Any:
-        lease = self.watchdog.hold(names.claim, token, self.lease_seconds * 1000, label=names.hash)
+        lease = self.watchdog.hold(names.claim, token, self.lease_ms, label=names.hash)
         try:
             held = current.set(Claim(self.store, lease))
             try:

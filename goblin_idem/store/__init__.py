@@ -1,16 +1,22 @@
-"""The store layer's names in one place: the Store protocol, `CLAIMED`, `Published`,
-RedisStore.
+"""The stores: the four GOBLIN commands (../spec) and the plain commands goblin-idem needs,
+behind one `Store` protocol.
 
-Where each piece lives: `protocol` (Store, CLAIMED, Published), `rules` (the argument and
-reply rules every store shares), `replies` (a server's error texts), `executors` (how
-commands reach a server), `detection` (what is checked before the first command),
-`redis_store` (RedisStore) and `memory` (MemoryStore).
+- `_protocol`: `Store`, `CLAIMED`, `Published`.
+- `_memory`: `MemoryStore`, the commands in this process.
+- `_redis`: `RedisStore`, the commands on a Redis-protocol server, natively or as Lua
+  (`_scripts`), checked before the first command (`_detection`).
+- `_executor`, `_single`, `_cluster`: how commands reach a server, chosen when the store is
+  made; `_autopipeline`: the connection every caller of one event loop shares;
+  `_redis_compat`: every use of redis-py's internals.
+- `_arguments`: the argument and reply rules every store shares; `_server_errors`: the
+  spec's reply texts, and what a server's error replies read as.
 """
 
 from __future__ import annotations
 
 from ..exceptions import NotReplicatedError, StorePermissionError
 from ._arguments import as_bytes
+from ._memory import MemoryStore
 from ._protocol import CLAIMED, Claimed, ClaimReply, KeyT, Published, Store
 from ._redis import RedisStore
 
@@ -19,6 +25,7 @@ __all__ = [
     "ClaimReply",
     "Claimed",
     "KeyT",
+    "MemoryStore",
     "NotReplicatedError",
     "Published",
     "RedisStore",

@@ -20,6 +20,7 @@ import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, ResponseError
 
+from .._durations import renamed_ms, seconds
 from . import _autopipeline as autopipeline
 from . import _scripts as scripts
 from ._arguments import (
@@ -63,17 +64,22 @@ class _StoreConnection:
         mode: Mode = "auto",
         max_value_bytes: int | None = None,
         wait_replicas: int = 0,
-        wait_timeout_ms: int = 1000,
+        wait_timeout_seconds: float = 1.0,
         autopipeline: bool = True,
+        wait_timeout_ms: int | None = None,
     ) -> None:
         _check_client(client)
-        _check_options(client, mode, wait_replicas, wait_timeout_ms)
+        wait_timeout = renamed_ms(
+            "wait_timeout_ms", wait_timeout_ms, "wait_timeout_seconds", wait_timeout_seconds, 2
+        )
+        _check_options(client, mode, wait_replicas, wait_timeout)
         self.client = client
         self.max_value_bytes = (
             DEFAULT_MAX_VALUE_BYTES if max_value_bytes is None else max_value_bytes
         )
         self.wait_replicas = wait_replicas
-        self.wait_timeout_ms = wait_timeout_ms
+        self.wait_timeout_seconds = wait_timeout
+        self.wait_timeout_ms = max(1, round(wait_timeout * 1000))  # WAIT's unit
         self._owns_client = False
         self._acl_user = str(client.get_connection_kwargs().get("username") or "default")
         # WAIT blocks its connection, so it never goes on a shared one.
@@ -84,7 +90,7 @@ class _StoreConnection:
                 "goblin-idem store: auto-pipelining is off because hiredis is not installed "
                 "(pip install 'goblin-idem[fast]'); every call goes through redis-py"
             )
-        self._wait = Wait(wait_replicas, wait_timeout_ms) if wait_replicas else None
+        self._wait = Wait(wait_replicas, self.wait_timeout_ms) if wait_replicas else None
         self._first = self._executor_for(client)
         # The executor of each event loop that has used the store, replaced whole (never
         # changed in place) under `_arriving`, so that a lookup needs no lock.
@@ -114,8 +120,9 @@ class _StoreConnection:
         pool_timeout: float = 5.0,
         socket_timeout: float = 5.0,
         wait_replicas: int = 0,
-        wait_timeout_ms: int = 1000,
+        wait_timeout_seconds: float = 1.0,
         autopipeline: bool = True,
+        wait_timeout_ms: int | None = None,
         **kwargs: Any,
     ) -> _S:
         """A store that owns its client (closed by `aclose`).
@@ -123,7 +130,7 @@ class _StoreConnection:
         The pool waits up to `pool_timeout` for a free connection instead of failing at
         `max_connections`, and a socket timeout bounds how long a request can hang on a
         store that stopped answering; both end in a store error, never a silent wait.
-        `wait_replicas`, `wait_timeout_ms` and `autopipeline` are the class's options.
+        `wait_replicas`, `wait_timeout_seconds` and `autopipeline` are the class's options.
         """
         client = _client_from_url(
             url, cluster, max_connections, pool_timeout, socket_timeout, **kwargs
@@ -133,7 +140,9 @@ class _StoreConnection:
             mode=mode,
             max_value_bytes=max_value_bytes,
             wait_replicas=wait_replicas,
-            wait_timeout_ms=wait_timeout_ms,
+            wait_timeout_seconds=renamed_ms(
+                "wait_timeout_ms", wait_timeout_ms, "wait_timeout_seconds", wait_timeout_seconds, 2
+            ),
             autopipeline=autopipeline,
         )
         store._owns_client = True
@@ -250,9 +259,9 @@ class RedisStore(_StoreConnection):
     Durability (``wait_replicas``, off by default): Redis replicates asynchronously, so a
     claim the primary acknowledged can be lost when a replica that had not received it is
     promoted, and the next duplicate then runs the work again. With ``wait_replicas=N``
-    every claim is followed by ``WAIT N wait_timeout_ms`` on the same connection, in one
+    every claim is followed by ``WAIT N`` (``wait_timeout_seconds``) on the same connection, in one
     pipeline (one round trip; WAIT measures the replication offset of the connection that
-    wrote). A won claim that fewer than N replicas acknowledged within ``wait_timeout_ms``
+    wrote). A won claim that fewer than N replicas acknowledged within ``wait_timeout_seconds``
     raises `NotReplicatedError` (a RedisError: the middleware answers 503 and runs nothing;
     the claim stays on the primary until its lease expires). Only won claims are checked;
     a claim that found the key held or done wrote nothing. `publish` is followed by the
@@ -261,7 +270,7 @@ class RedisStore(_StoreConnection):
     replicas acknowledged raises `NotReplicatedError` as well (the middleware retries it
     while the claim holds, then counts ``publish_errors``). Lease renewals are not waited
     for. Every keyed request pays the replication round trip, and while fewer than N
-    replicas are connected each claim waits the full ``wait_timeout_ms``. In a cluster
+    replicas are connected each claim waits the full ``wait_timeout_seconds``. In a cluster
     these pipelines go to the primary that serves the key over a plain connection
     (`executors.Clustered`).
 
@@ -555,7 +564,7 @@ def _check_client(client: object) -> None:
 
 
 def _check_options(
-    client: AnyRedis, mode: str, wait_replicas: object, wait_timeout_ms: object
+    client: AnyRedis, mode: str, wait_replicas: object, wait_timeout: object
 ) -> None:
     """A configuration error says what to change, at construction."""
     if mode not in ("auto", "native", "script"):
@@ -564,10 +573,7 @@ def _check_options(
         raise TypeError("wait_replicas must be an int")
     if wait_replicas < 0:
         raise ValueError("wait_replicas must be 0 (off) or a positive number of replicas")
-    if isinstance(wait_timeout_ms, bool) or not isinstance(wait_timeout_ms, int):
-        raise TypeError("wait_timeout_ms must be an int")
-    if wait_timeout_ms <= 0:
-        raise ValueError("wait_timeout_ms must be positive (WAIT 0 would block forever)")
+    seconds("wait_timeout_seconds", wait_timeout, minimum=0.001)  # WAIT 0 blocks forever
     if isinstance(client, RedisCluster):
         kwargs = client.get_connection_kwargs()
     else:

@@ -96,7 +96,7 @@ async def failover_under_load(
     warmup: float = 1.5,
     after: float = 2.5,
     lease: int = 2,
-    wait_timeout_ms: int = 1000,
+    wait_timeout_seconds: float = 1.0,
 ) -> FailoverResult:
     result = FailoverResult(mode, wait_replicas)
     handler = CountingApp(work_s=0.005)
@@ -116,7 +116,7 @@ async def failover_under_load(
                 cluster=True,
                 mode=mode,
                 wait_replicas=wait_replicas,
-                wait_timeout_ms=wait_timeout_ms,
+                wait_timeout_seconds=wait_timeout_seconds,
                 socket_timeout=1.0,
                 address_remap=lambda addr: real if tuple(addr) == announced else addr,
             )

@@ -212,8 +212,8 @@ async def test_wait_replicas_on_a_primary_with_a_replica() -> None:
     primary = start_server("redis", args=["--repl-diskless-sync-delay", "0"])
     replica = start_server("redis", args=["--replicaof", "127.0.0.1", str(primary.port)])
     handler = CountingApp()
-    store = RedisStore.from_url(primary.url, wait_replicas=1, wait_timeout_ms=300)
-    too_many = RedisStore.from_url(primary.url, wait_replicas=2, wait_timeout_ms=100)
+    store = RedisStore.from_url(primary.url, wait_replicas=1, wait_timeout_seconds=0.3)
+    too_many = RedisStore.from_url(primary.url, wait_replicas=2, wait_timeout_seconds=0.1)
     try:
         _wait_link(primary)
         mw = IdempotencyMiddleware(handler, store=store, lease_seconds=2)
@@ -268,7 +268,7 @@ async def test_a_publish_too_few_replicas_acknowledge_is_an_error_counted_and_lo
     its response."""
     primary = start_server("redis", args=["--repl-diskless-sync-delay", "0"])
     replica = start_server("redis", args=["--replicaof", "127.0.0.1", str(primary.port)])
-    store = RedisStore.from_url(primary.url, wait_replicas=1, wait_timeout_ms=100)
+    store = RedisStore.from_url(primary.url, wait_replicas=1, wait_timeout_seconds=0.1)
     handler = CountingApp()
     paused = False
 
@@ -355,19 +355,23 @@ def _wait_link(primary: Server) -> None:
 def test_wait_replicas_arguments() -> None:
     client = redis.asyncio.Redis()
     with pytest.raises(ValueError):
-        RedisStore(client, wait_replicas=1, wait_timeout_ms=0)
+        RedisStore(client, wait_replicas=1, wait_timeout_seconds=0)
     with pytest.raises(ValueError):
         RedisStore(client, wait_replicas=-1)
     with pytest.raises(TypeError):
         RedisStore(client, wait_replicas=True)
-    store = RedisStore.from_url("redis://127.0.0.1:1/0", wait_replicas=2, wait_timeout_ms=50)
+    store = RedisStore.from_url("redis://127.0.0.1:1/0", wait_replicas=2, wait_timeout_seconds=0.05)
     assert (store.wait_replicas, store.wait_timeout_ms) == (2, 50)
 
 
 async def test_wait_replicas_in_a_cluster_follows_the_primary(cluster: Cluster) -> None:
     await asyncio.to_thread(wait_settled, cluster)
     store = RedisStore.from_url(
-        cluster.servers[0].url, cluster=True, mode="script", wait_replicas=1, wait_timeout_ms=300
+        cluster.servers[0].url,
+        cluster=True,
+        mode="script",
+        wait_replicas=1,
+        wait_timeout_seconds=0.3,
     )
     try:
         await store.detect()

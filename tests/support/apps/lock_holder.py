@@ -16,7 +16,7 @@ from goblin_idem import Lock, RedisStore
 async def main(url: str, name: str, lease_ms: int, hold_ms: int, log_key: str) -> None:
     store = RedisStore.from_url(url)
     try:
-        async with Lock(store, name, lease_ms=lease_ms, timeout=30):
+        async with Lock(store, name, lease_seconds=lease_ms / 1000, timeout=30):
             await store.client.rpush(log_key, f"enter {os.getpid()}")
             await asyncio.sleep(hold_ms / 1000)
             await store.client.rpush(log_key, f"exit {os.getpid()}")
