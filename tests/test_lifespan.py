@@ -113,8 +113,8 @@ def test_check_store_false_starts_and_answers_503() -> None:
 REFUSED = {  # what misconfigured_app's BAD gives the middleware, and the message
     "store": "IdempotencyMiddleware: TypeError: store must be a Store, not a URL string: "
     "pass store=RedisStore.from_url(url)",
-    "lease": "IdempotencyMiddleware: TypeError: lease_seconds must be a whole number (int) "
-    ">= 1, not a float",
+    "lease": "IdempotencyMiddleware: ValueError: lease_seconds must be >= 1 (seconds, finite), "
+    "got 0.5",
 }
 
 
@@ -211,14 +211,14 @@ async def test_refused_options_fail_the_lifespan_and_every_request(framework: st
     transport = httpx.ASGITransport(app=build())
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         for _ in range(2):
-            with pytest.raises(TypeError, match="lease_seconds must be a whole number"):
+            with pytest.raises(ValueError, match="lease_seconds must be >= 1"):
                 await client.post("/x")
 
 
 def test_built_by_hand_it_raises_at_once() -> None:
     app = FastAPI()
-    with pytest.raises(TypeError, match="lease_seconds must be a whole number"):
-        IdempotencyMiddleware(app, lease_seconds=0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lease_seconds must be >= 1"):
+        IdempotencyMiddleware(app, lease_seconds=0.5)
 
 
 # -- in process: the lifespan messages themselves ------------------------------------------

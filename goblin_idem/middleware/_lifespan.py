@@ -13,20 +13,16 @@ refused while an app built the middleware fail the startup too (`Refused`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import _log
 from .._log import describe
 from ..exceptions import StorePermissionError
-from ..store import RedisStore
-from ..store._memory import MemoryStore
+from ..store import MemoryStore, RedisStore, Store
 
-if TYPE_CHECKING:
-    from ._middleware import IdempotencyMiddleware
-
-__all__ = ["Refused", "run_lifespan", "startup_logger"]
+__all__ = ["Lifespan", "Refused", "startup_logger"]
 
 logger = logging.getLogger("goblin_idem.lifespan")
 # What the app sends once it will not use the store again: the store is closed first.
@@ -44,43 +40,86 @@ def startup_logger() -> logging.Logger:
     return _log.server_log() or logger
 
 
-async def run_lifespan(
-    mw: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send
-) -> None:
-    message = await receive()
-    if message.get("type") != "lifespan.startup":  # not the protocol; the app decides
-        await mw.app(scope, _first(message, receive), send)
-        return
-    try:
-        await _startup(mw)
-    except Exception as exc:
-        await send({"type": "lifespan.startup.failed", "message": str(exc)})
-        return
-    answered = False  # the app said startup.complete or startup.failed
+@dataclass(frozen=True, slots=True)
+class Lifespan:
+    """The middleware's part in one app's lifespan, built from plain values: the app it
+    wraps, the store (as the application gave it), and the two options."""
 
-    async def app_send(message: Message) -> None:
-        nonlocal answered
-        kind = message["type"]
-        if kind in ("lifespan.startup.complete", "lifespan.startup.failed"):
-            answered = True
-        if kind in _CLOSING:
-            await _shutdown(mw)
-        await send(message)
+    app: ASGIApp
+    store: Store
+    check_store: bool
+    close_store: bool
 
-    try:
-        await mw.app(scope, _first(message, receive), app_send)
-    except Exception as exc:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = await receive()
+        if message.get("type") != "lifespan.startup":  # not the protocol; the app decides
+            await self.app(scope, _first(message, receive), send)
+            return
+        try:
+            await self._startup()
+        except Exception as exc:
+            await send({"type": "lifespan.startup.failed", "message": str(exc)})
+            return
+        answered = False  # the app said startup.complete or startup.failed
+
+        async def app_send(message: Message) -> None:
+            nonlocal answered
+            kind = message["type"]
+            if kind in ("lifespan.startup.complete", "lifespan.startup.failed"):
+                answered = True
+            if kind in _CLOSING:
+                await self._shutdown()
+            await send(message)
+
+        try:
+            await self.app(scope, _first(message, receive), app_send)
+        except Exception as exc:
+            if answered:
+                raise
+            logger.debug("the app does not take part in the lifespan (%r); answered alone", exc)
         if answered:
-            raise
-        logger.debug("the app does not take part in the lifespan (%r); answered alone", exc)
-    if answered:
-        return
-    # The app ignored the lifespan: the middleware completes it on its own.
-    await send({"type": "lifespan.startup.complete"})
-    while (await receive())["type"] != "lifespan.shutdown":
-        pass
-    await _shutdown(mw)
-    await send({"type": "lifespan.shutdown.complete"})
+            return
+        # The app ignored the lifespan: the middleware completes it on its own.
+        await send({"type": "lifespan.startup.complete"})
+        while (await receive())["type"] != "lifespan.shutdown":
+            pass
+        await self._shutdown()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def _startup(self) -> None:
+        store = self.store
+        log = startup_logger()
+        if isinstance(store, MemoryStore):
+            log.info(
+                "goblin-idem store: memory, in this process only (every worker process has "
+                "its own: use RedisStore when more than one serves the app)"
+            )
+            return
+        if not isinstance(store, RedisStore):
+            log.info("goblin-idem store: %s", type(store).__name__)
+            return
+        try:
+            notes = await store.detection_notes()
+        except Exception as exc:
+            problem = _unusable(store, exc)
+            if self.check_store:
+                raise RuntimeError(problem + "; or pass check_store=False to start anyway") from exc
+            log.warning("%s; starting anyway (check_store=False): those requests get 503", problem)
+            return
+        texts = [text.removeprefix("goblin-idem store").lstrip(": ") for _, text in notes]
+        modes = [text for text in texts if text.startswith("mode")] or [f"mode: {store.mode}"]
+        others = [text for text in texts if not text.startswith("mode")]
+        parts = [f"redis at {store.address}", *modes, "every command it sends is allowed", *others]
+        level = max((level for level, _ in notes), default=logging.INFO)
+        log.log(level, "goblin-idem store: %s", "; ".join(parts))
+
+    async def _shutdown(self) -> None:
+        if not self.close_store:
+            return
+        try:
+            await self.store.aclose()
+        except Exception as exc:  # shutting down goes on
+            logger.warning("could not close the goblin-idem store: %s", describe(exc))
 
 
 class Refused:
@@ -111,34 +150,6 @@ def _first(message: Message, receive: Receive) -> Receive:
     return first
 
 
-async def _startup(mw: IdempotencyMiddleware) -> None:
-    store = getattr(mw.store, "wrapped", mw.store)  # the store behind otel's timing
-    log = startup_logger()
-    if isinstance(store, MemoryStore):
-        log.info(
-            "goblin-idem store: memory, in this process only (every worker process has its "
-            "own: use RedisStore when more than one serves the app)"
-        )
-        return
-    if not isinstance(store, RedisStore):
-        log.info("goblin-idem store: %s", type(store).__name__)
-        return
-    try:
-        notes = await store.detection_notes()
-    except Exception as exc:
-        problem = _unusable(store, exc)
-        if mw.check_store:
-            raise RuntimeError(problem + "; or pass check_store=False to start anyway") from exc
-        log.warning("%s; starting anyway (check_store=False): those requests get 503", problem)
-        return
-    texts = [text.removeprefix("goblin-idem store").lstrip(": ") for _, text in notes]
-    modes = [text for text in texts if text.startswith("mode")] or [f"mode: {store.mode}"]
-    others = [text for text in texts if not text.startswith("mode")]
-    parts = [f"redis at {store.address}", *modes, "every command it sends is allowed", *others]
-    level = max((level for level, _ in notes), default=logging.INFO)
-    log.log(level, "goblin-idem store: %s", "; ".join(parts))
-
-
 def _unusable(store: RedisStore, exc: Exception) -> str:
     if isinstance(exc, StorePermissionError):
         return f"goblin-idem store at {store.address} refuses commands: {exc}"
@@ -146,12 +157,3 @@ def _unusable(store: RedisStore, exc: Exception) -> str:
         f"goblin-idem store: cannot use the Redis at {store.address} "
         f"({describe(exc)}); start it, or fix the URL the store is built from"
     )
-
-
-async def _shutdown(mw: IdempotencyMiddleware) -> None:
-    if not mw.close_store:
-        return
-    try:
-        await mw.store.aclose()
-    except Exception as exc:  # shutting down goes on
-        logger.warning("could not close the goblin-idem store: %s", describe(exc))

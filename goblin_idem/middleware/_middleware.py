@@ -41,9 +41,9 @@ from ..records._sealing import Sealer
 from ..store import CLAIMED, Store
 from . import _routes
 from ._events import Counters, Events
-from ._lifespan import Refused, run_lifespan
+from ._lifespan import Lifespan, Refused
 from ._names_010 import previous_reply
-from ._openapi import document_openapi
+from ._openapi import Coverage, document_openapi
 from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
 from ._responses import Answers
 from ._routes import RoutePolicy, Routes, Settings, idempotent
@@ -189,20 +189,22 @@ class IdempotencyMiddleware:
         self.previous_key_names = options.flag("previous_key_names", previous_key_names)
         self.check_store = options.flag("check_store", check_store)
         self.close_store = options.flag("close_store", close_store)
+        self._lifespan = Lifespan(app, self.store, self.check_store, self.close_store)
         self.counters = Counters()
         hook = options.callable_or_none(
             "on_event", on_event, "a function (event, key_hash) called on every counter increment"
         )
-        self.events = Events(self.counters, hook)
         self.watchdog = Watchdog.for_store(self.store)
-        self._app: Any = None  # the application whose scopes this middleware serves
+        self._store = self.store  # what requests call: `store`, timed with OpenTelemetry
         if options.flag("otel", otel):
-            from ._otel import instrument  # imported only when asked for
+            from ._otel import instrumented  # imported only when asked for
 
-            instrument(self)  # times self.store's calls, adds to on_event: before the runs'
+            self._store, hook = instrumented(self.store, hook, self.counters, self.watchdog)
+        self.events = Events(self.counters, hook)
+        self._app: Any = None  # the application whose scopes this middleware serves
         self.runs = RunConfig.from_options(
             app,
-            self.store,
+            self._store,
             self.watchdog,
             self.events,
             encryption_keys=encryption_keys,
@@ -214,6 +216,13 @@ class IdempotencyMiddleware:
         )
         self.sealer = self.runs.sealer
         self.require_sealed = options.require_sealed(require_sealed, self.sealer)
+        self._coverage = Coverage(
+            self.methods,
+            self.header_name,
+            self.key_pattern is DEFAULT_KEY_PATTERN,
+            self.fail_open,
+            self.routes,
+        )
         self.identity = Identity(
             self.namespace, self.scope_of, self.fingerprint_headers, self.header_name
         )
@@ -259,7 +268,7 @@ class IdempotencyMiddleware:
             _serving[app] = self
         except TypeError:  # None, or an app that cannot be weakly referenced: no `of`
             return
-        document_openapi(app, self)
+        document_openapi(app, self._coverage)
 
     # -- the request --
 
@@ -271,7 +280,7 @@ class IdempotencyMiddleware:
             self._adopt(scope.get("app"))
         if scope["type"] != "http" or scope["method"] not in self.methods:
             if scope["type"] == "lifespan":
-                await run_lifespan(self, scope, receive, send)
+                await self._lifespan(scope, receive, send)
                 return
             await self.app(scope, receive, send)
             return
@@ -323,12 +332,12 @@ class IdempotencyMiddleware:
         names, fp = self.identity.identify(scope, checked, body)
         token = new_token()
         try:
-            reply = await self.store.claim_unless_done(
+            reply = await self._store.claim_unless_done(
                 names.claim, names.result, token, settings.claim_seconds
             )
             if reply is None and self.wait_seconds > 0:
                 step = functools.partial(
-                    self.store.claim_unless_done,
+                    self._store.claim_unless_done,
                     names.claim,
                     names.result,
                     token,
@@ -336,7 +345,7 @@ class IdempotencyMiddleware:
                 )
                 reply = await poll_claim(step, self.wait_seconds, self.poll_interval)
             if reply is CLAIMED and self.previous_key_names:
-                reply = await previous_reply(self.store, self.namespace, names, token)
+                reply = await previous_reply(self._store, self.namespace, names, token)
         except Exception as exc:
             # Anything out of the store step, even a client library's own bug, means the
             # claim is in doubt: answer as for a store that is down, never run unprotected

@@ -16,15 +16,13 @@ from __future__ import annotations
 import re
 import sys
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from .._keys import DEFAULT_KEY_PATTERN
 from . import _problems as problems
+from ._routes import Routes
 
-if TYPE_CHECKING:
-    from ._middleware import IdempotencyMiddleware
-
-__all__ = ["PROBLEM_SCHEMA", "document_openapi", "idempotency_openapi"]
+__all__ = ["PROBLEM_SCHEMA", "Coverage", "document_openapi", "idempotency_openapi"]
 
 PROBLEM_SCHEMA = "IdempotencyProblem"
 _BY = "__goblin_idem_openapi__"  # on the wrapper: the middleware it documents
@@ -32,7 +30,20 @@ _PATH_PARAM = re.compile(r"\{([^{}]+)\}")
 _UUID = "00000000-0000-4000-8000-000000000000"
 
 
-def document_openapi(app: Any, mw: IdempotencyMiddleware) -> None:
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """What the document says of a middleware, in plain values: the methods it covers, its
+    key header, whether any printable key is accepted, whether a store outage runs the
+    handler (`fail_open`), and its routes (the settings a request meets)."""
+
+    methods: frozenset[str]
+    header_name: str
+    any_key: bool
+    fail_open: bool
+    routes: Routes
+
+
+def document_openapi(app: Any, mw: Coverage) -> None:
     """Wrap a FastAPI app's ``openapi`` (whatever it is now, FastAPI's or the app's own) so
     that the document it returns shows what `mw` does. Anything but a FastAPI app is left
     alone; FastAPI is not imported here."""
@@ -55,7 +66,7 @@ def document_openapi(app: Any, mw: IdempotencyMiddleware) -> None:
     app.openapi = openapi
 
 
-def idempotency_openapi(schema: dict[str, Any], app: Any, mw: IdempotencyMiddleware) -> None:
+def idempotency_openapi(schema: dict[str, Any], app: Any, mw: Coverage) -> None:
     """Add to `schema` (in place; doing it twice changes nothing) what `mw` does on each
     operation of `app`."""
     covered = False
@@ -96,10 +107,10 @@ def _request(
     }
 
 
-def _document(operation: dict[str, Any], mw: IdempotencyMiddleware, required: bool) -> None:
+def _document(operation: dict[str, Any], mw: Coverage, required: bool) -> None:
     name = mw.header_name
     key_schema: dict[str, Any] = {"type": "string"}
-    if mw.key_pattern is DEFAULT_KEY_PATTERN:
+    if mw.any_key:
         key_schema.update(minLength=1, maxLength=255)
     header = {
         "name": name,
@@ -147,7 +158,7 @@ def _document(operation: dict[str, Any], mw: IdempotencyMiddleware, required: bo
             response.setdefault("headers", {})["Retry-After"] = _RETRY_AFTER
 
 
-def _cases(mw: IdempotencyMiddleware, required: bool) -> dict[int, list[problems.Problem]]:
+def _cases(mw: Coverage, required: bool) -> dict[int, list[problems.Problem]]:
     """The problems the middleware can answer on an operation, by status."""
     cases = [problems.INVALID_KEY]
     if required:

@@ -24,7 +24,7 @@ import collections
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 try:
     from opentelemetry import metrics, trace
@@ -32,12 +32,11 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("otel=True needs OpenTelemetry: pip install 'goblin-idem[otel]'") from exc
 
 from .. import __version__
+from .._lease import Watchdog
 from ..store import Store
+from ._events import Counters
 
-if TYPE_CHECKING:
-    from ._middleware import IdempotencyMiddleware
-
-__all__ = ["TimedStore", "instrument"]
+__all__ = ["TimedStore", "instrumented"]
 
 T = TypeVar("T")
 _SECONDS = [
@@ -66,36 +65,43 @@ _OPERATIONS = {
 }
 
 
-def instrument(mw: IdempotencyMiddleware) -> None:
-    """Observe `mw`'s counters and leases, time its store calls, and set its outcome on
-    the current span."""
+def instrumented(
+    store: Store,
+    on_event: Callable[[str, str], None] | None,
+    counters: Counters,
+    watchdog: Watchdog,
+) -> tuple[Store, Callable[[str, str], None]]:
+    """A middleware's store and event hook, instrumented: its store calls timed, its
+    outcome set on the current span (before `on_event`, the application's own hook); its
+    counters and leases observed when metrics are collected."""
     duration = _instruments()
-    _instrumented.add(mw)
+    _counters.append(weakref.ref(counters))
+    _watchdogs.add(watchdog)
 
-    def on_event(event: str, key_hash: str) -> None:
+    def outcome(event: str, key_hash: str) -> None:
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attribute("goblin_idem.outcome", event)
             if key_hash:
                 span.set_attribute("goblin_idem.key_hash", key_hash)
 
-    user = mw.on_event
-    if user is None:
-        mw.on_event = on_event
-    else:
+    timed = cast(Store, TimedStore(store, duration.record))
+    if on_event is None:
+        return timed, outcome
+    user = on_event
 
-        def both(event: str, key_hash: str) -> None:
-            on_event(event, key_hash)
-            user(event, key_hash)
+    def both(event: str, key_hash: str) -> None:
+        outcome(event, key_hash)
+        user(event, key_hash)
 
-        mw.on_event = both
-    mw.store = cast(Store, TimedStore(mw.store, duration.record))
+    return timed, both
 
 
-# Every instrumented middleware of the process; the counters and leases are read from them
-# when metrics are collected, not counted again on each request (the SDK's add() costs
-# about 10 us a call, which a counter the middleware keeps anyway need not pay).
-_instrumented: weakref.WeakSet[IdempotencyMiddleware] = weakref.WeakSet()
+# The counters and watchdogs of every instrumented middleware of the process, read when
+# metrics are collected, not counted again on each request (the SDK's add() costs about
+# 10 us a call, which a counter the middleware keeps anyway need not pay).
+_counters: list[weakref.ref[Counters]] = []  # Counters compare by value: no WeakSet
+_watchdogs: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 _duration: list[metrics.Histogram] = []  # the one histogram, made with the first middleware
 
 
@@ -130,8 +136,11 @@ def _instruments() -> metrics.Histogram:
 
 def _outcomes(options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
     totals: collections.Counter[str] = collections.Counter()
-    for mw in list(_instrumented):
-        totals.update(mw.counters.as_dict())
+    _counters[:] = [ref for ref in _counters if ref() is not None]
+    for ref in _counters:
+        counters = ref()
+        if counters is not None:
+            totals.update(counters.as_dict())
     return [
         metrics.Observation(count, {"goblin_idem.outcome": outcome})
         for outcome, count in totals.items()
@@ -139,8 +148,7 @@ def _outcomes(options: metrics.CallbackOptions) -> Iterable[metrics.Observation]
 
 
 def _leases(options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-    watchdogs = {id(mw.watchdog): mw.watchdog for mw in list(_instrumented)}
-    return [metrics.Observation(sum(len(w) for w in watchdogs.values()))]
+    return [metrics.Observation(sum(len(w) for w in list(_watchdogs)))]
 
 
 class TimedStore:
