@@ -1,5 +1,7 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
 
+__version__ = "0.2.0"  # the one place: pyproject.toml reads it
+
 from . import _log
 from ._claim import Claim, current_claim
 from ._keys import cookie_scope, header_scope
@@ -50,6 +52,5 @@ __all__ = [
     "once",
 ]
 
-__version__ = "0.1.0"
 
 _log.install()  # goblin-idem's lines in the server's log, until the app configures logging
