@@ -33,8 +33,8 @@ Directives, an HTML comment on the line just before a block (GitHub and the site
 What a block sees:
 
 - ``python``, ``pip`` and the console scripts of the test run's environment (its
-  interpreter's directory first on ``PATH``). A block that sources ``DIR/bin/activate`` puts
-  ``DIR/bin`` first for the page's later blocks; ``export NAME=VALUE`` sets NAME for them.
+  interpreter's directory first on ``PATH``). What a shell block exports stays set for the
+  page's later blocks, as in one shell: ``export NAME=...``, a venv's ``bin/activate``.
 - ``REDIS_URL``: a redis-server the fixtures started on a free loopback port (its data
   flushed before each page), until the page exports its own.
 - Ports: every port number a page writes after ``127.0.0.1:``, ``localhost:`` or ``--port``
@@ -71,8 +71,7 @@ FENCE = re.compile(
 )
 DIRECTIVE = re.compile(r"<!--\s*(serve|not run:[^>]*?)\s*-->\s*$")
 PORT = re.compile(r"(127\.0\.0\.1:|localhost:|--port[ =])(\d{2,5})\b")
-ACTIVATE = re.compile(r"(?:^|&&|;)\s*(?:\.|source)\s+(\S+)/bin/activate\b", re.M)
-EXPORT = re.compile(r"^\s*export\s+([A-Za-z_]\w*)=(.*)$", re.M)
+SHELL_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})  # bash's, not the page's
 DEFAULT_PORT = 8000  # uvicorn's and the example app's
 END = "--- end of output ---"
 TIMEOUT = 300.0
@@ -230,11 +229,14 @@ class Session:
                 self.expect(block, printed, output)
         else:
             self.shell(block, block.body)
-        self.follow(block)
 
     def shell(self, block: Block, script: str) -> str:
+        """Run `script`; what it exports (``export``, a venv's ``activate``) stays set for
+        the page's later blocks, as in one shell."""
+        saved = self.scratch / "env"
+        script = f"{self.ported(script)}\nenv -0 > {shlex.quote(str(saved))}"
         proc = subprocess.run(
-            ["bash", "-e", "-o", "pipefail", "-c", self.ported(script)],
+            ["bash", "-e", "-o", "pipefail", "-c", script],
             cwd=self.dir,
             env=self.env,
             stdin=subprocess.DEVNULL,
@@ -244,6 +246,8 @@ class Session:
         )
         out = proc.stdout.decode(errors="replace")
         assert proc.returncode == 0, f"{block.where}: exit status {proc.returncode}\n{out}"
+        pairs = (item.split("=", 1) for item in saved.read_text().split("\0") if "=" in item)
+        self.env = {k: v for k, v in pairs if k not in SHELL_OWN}
         return out
 
     def expect(self, block: Block, printed: list[str], output: str) -> None:
@@ -286,18 +290,6 @@ class Session:
         output = server.stop()
         if server.block.lang == "console":
             self.expect(server.block, server.block.printed()[-1], output)
-
-    def follow(self, block: Block) -> None:
-        """What a block changes for the page's later blocks: an activated venv, exports."""
-        if block.lang not in ("sh", "bash", "console"):
-            return
-        text = self.ported("\n".join(block.commands()))
-        for venv in ACTIVATE.findall(text):
-            path = (self.dir / venv).resolve()
-            self.env["VIRTUAL_ENV"] = str(path)
-            self.env["PATH"] = f"{path / 'bin'}{os.pathsep}{self.env['PATH']}"
-        for name, value in EXPORT.findall(text):
-            self.env[name] = " ".join(shlex.split(value, comments=True))
 
     def close(self) -> None:
         servers, self.servers = self.servers, []

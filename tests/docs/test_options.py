@@ -36,8 +36,13 @@ def tables() -> Iterator[tuple[Path, str, str, list[list[str]]]]:
 
 
 def resolve(dotted: str) -> Callable[..., Any]:
-    module, _, name = dotted.rpartition(".")
-    target = getattr(importlib.import_module(module), name)
+    """`goblin_idem.Lock` (its ``__init__``), `goblin_idem.RedisStore.from_url`, ..."""
+    parts = dotted.split(".")
+    target: Any = importlib.import_module(parts[0])
+    for at, part in enumerate(parts[1:], 2):
+        if not hasattr(target, part):  # a subpackage not imported yet: goblin_idem.client
+            importlib.import_module(".".join(parts[:at]))
+        target = getattr(target, part)
     return target.__init__ if inspect.isclass(target) else target  # type: ignore[no-any-return]
 
 
