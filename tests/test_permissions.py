@@ -88,8 +88,8 @@ async def test_a_command_the_scripts_call_is_named(
 
 
 def readme_rule(mode: str) -> list[str]:
-    """The ACL rule the README gives for a mode, as arguments after the user name."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    """The ACL rule the Permissions page gives for a mode, as arguments after the user name."""
+    readme = (Path(__file__).parent.parent / "docs" / "operating" / "permissions.md").read_text()
     marker = "+evalsha" if mode == "script" else "+goblin.claim"
     rules = re.findall(r"^ACL SETUSER app on >secret (.+)$", readme, re.M)
     (rule,) = [r for r in rules if marker in r.split()]
