@@ -39,9 +39,10 @@ What a block sees:
   flushed before each page), until the page exports its own.
 - Ports: every port number a page writes after ``127.0.0.1:``, ``localhost:`` or ``--port``
   stands for a free loopback port, the same one wherever the page writes that number (in
-  code and in printed output alike). A uvicorn or ``python -m example_app`` server command
-  that names no port serves on 8000, their default, and is given the port that stands for
-  8000. No block ever reaches a server that the page or the fixtures did not start.
+  code and in printed output alike). A server command of uvicorn, ``python -m example_app``
+  or ``mkdocs serve`` that names no port serves on 8000, their default, and is given the port
+  that stands for 8000. No block ever reaches a server that the page or the fixtures did not
+  start.
 - ``XDG_CACHE_HOME``: a scratch directory (``build-module`` caches its build there).
 """
 
@@ -72,7 +73,13 @@ FENCE = re.compile(
 DIRECTIVE = re.compile(r"<!--\s*(serve|not run:[^>]*?)\s*-->\s*$")
 PORT = re.compile(r"(127\.0\.0\.1:|localhost:|--port[ =])(\d{2,5})\b")
 SHELL_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})  # bash's, not the page's
-DEFAULT_PORT = 8000  # uvicorn's and the example app's
+DEFAULT_PORT = 8000  # uvicorn's, the example app's and mkdocs serve's
+LISTEN = re.compile(r"(?:--port[ =]|--dev-addr[ =]127\.0\.0\.1:)(\d+)")  # a server's own
+DEFAULT_ADDRESS = {  # how each server that defaults to it is told a port
+    r"\buvicorn ": " --port {}",
+    r"-m example_app\b": " --port {}",
+    r"\bmkdocs serve\b": " --dev-addr 127.0.0.1:{}",
+}
 END = "--- end of output ---"
 TIMEOUT = 300.0
 
@@ -259,10 +266,11 @@ class Session:
         if before:
             self.shell(block, "\n".join(before))
         command = command.split(" #", 1)[0].rstrip()
-        if "--port" not in command and re.search(r"\buvicorn |-m example_app\b", command):
-            command += f" --port {DEFAULT_PORT}"
+        for server, form in DEFAULT_ADDRESS.items():
+            if re.search(server, command) and not LISTEN.search(command):
+                command += form.format(DEFAULT_PORT)
         command = self.ported(command)
-        port = int(re.findall(r"--port[ =](\d+)", command)[-1])
+        port = int(LISTEN.findall(command)[-1])
         for server in [s for s in self.servers if s.port == port]:
             self.servers.remove(server)
             self.finish(server)
