@@ -222,15 +222,15 @@ class Session:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(self.ported(block.body))
         elif block.lang == "python":
-            script = self.scratch / f"block_{block.line}.py"
-            script.write_text(self.ported(block.body))
-            self.shell(block, f"python -c {shlex.quote(RUNNER)} {shlex.quote(str(script))}")
+            path = self.scratch / f"block_{block.line}.py"
+            path.write_text(self.ported(block.body))
+            self.shell(block, f"python -c {shlex.quote(RUNNER)} {shlex.quote(str(path))}")
         elif block.directive == "serve":
             self.serve(block)
         elif block.lang == "console":
             between = f"printf '\\n%s\\n' {shlex.quote(END)}"  # each command's output apart
-            script = [f"{c}\n{between}" for c in block.commands()]
-            out = self.shell(block, "\n".join([*script, "wait"]))
+            each = [f"{c}\n{between}" for c in block.commands()]
+            out = self.shell(block, "\n".join([*each, "wait"]))
             outputs = out.split(f"\n{END}\n")
             for printed, output in zip(block.printed(), outputs, strict=False):
                 self.expect(block, printed, output)
@@ -266,14 +266,14 @@ class Session:
         if before:
             self.shell(block, "\n".join(before))
         command = command.split(" #", 1)[0].rstrip()
-        for server, form in DEFAULT_ADDRESS.items():
-            if re.search(server, command) and not LISTEN.search(command):
+        for name, form in DEFAULT_ADDRESS.items():
+            if re.search(name, command) and not LISTEN.search(command):
                 command += form.format(DEFAULT_PORT)
         command = self.ported(command)
         port = int(LISTEN.findall(command)[-1])
-        for server in [s for s in self.servers if s.port == port]:
-            self.servers.remove(server)
-            self.finish(server)
+        for taken in [s for s in self.servers if s.port == port]:
+            self.servers.remove(taken)
+            self.finish(taken)
         log = self.scratch / f"server_{block.line}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(

@@ -34,7 +34,7 @@ def test_only_the_ci_command_is_not_run() -> None:
 
 
 def test_a_transcript_matches_in_order_with_lines_left_out() -> None:
-    output = "HTTP/1.1 201 Created\r\ndate: Tue\r\nlocation: /p/1\r\n\r\n{\"id\": 7}\r\n"
+    output = 'HTTP/1.1 201 Created\r\ndate: Tue\r\nlocation: /p/1\r\n\r\n{"id": 7}\r\n'
     assert matches(["HTTP/1.1 201 Created", "location: /p/1", '{"id": ...}'], output) is None
     assert matches(["location: /p/1", "HTTP/1.1 201 Created"], output) == "HTTP/1.1 201 Created"
     assert matches(['{"id": 8}'], output) == '{"id": 8}'

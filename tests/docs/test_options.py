@@ -43,7 +43,7 @@ def resolve(dotted: str) -> Callable[..., Any]:
         if not hasattr(target, part):  # a subpackage not imported yet: goblin_idem.client
             importlib.import_module(".".join(parts[:at]))
         target = getattr(target, part)
-    return target.__init__ if inspect.isclass(target) else target  # type: ignore[no-any-return]
+    return target.__init__ if inspect.isclass(target) else target
 
 
 def keywords(dotted: str) -> dict[str, inspect.Parameter]:
