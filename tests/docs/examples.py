@@ -1,6 +1,6 @@
 """Every Python and shell block of README.md and docs/, run as a reader runs them.
 
-A page is one reader's session, top to bottom, in a scratch directory of its own
+A page is run as one reader runs it, top to bottom, in one shell, in a scratch directory of its own
 (README.md: in a copy of the checkout, since its Quick start starts from one). Fenced
 blocks, by language:
 
