@@ -1,8 +1,8 @@
 """Every Python and shell block of README.md and docs/, run as a reader runs them.
 
-A page is run as one reader runs it, top to bottom, in one shell, in a scratch directory of its own
-(README.md: in a copy of the checkout, since its Quick start starts from one). Fenced
-blocks, by language:
+A page is run as one reader runs it, top to bottom, in one shell, in a scratch directory
+of its own (README.md: in a copy of the checkout, since its Quick start starts from one).
+Fenced blocks, by language:
 
 - ``python`` with ``title="PATH.py"``: saved as PATH.py (relative to the page's directory)
   for another block to run (``python PATH.py``, ``uvicorn PATH:app``); a saved file that no
