@@ -299,14 +299,38 @@ def med(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def cell(values: list[float], form: str) -> str:
-    """The median of `values` in `form`, or '-' when there are none."""
-    return format(med(values), form) if values else "-"
+FIGURES = (  # Run fields, medians of which make a row of the table and of --results
+    "rps", "p50_ms", "p99_ms", "rps_ratio", "p99_ratio", "cpu_us", "cpu_ratio", "gc_us",
+    "gc_full", "round_trips", "server_reads", "commands",
+)  # fmt: skip
+
+
+def medians(v: Variant, runs: list[Run], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per scenario of `v`: the median of each figure over the repetitions (None when
+    no run has it); each run's ratios are to the bare app's runs on either side of it."""
+    rows = []
+    for scenario in args.scenarios:
+        mine = [r for r in runs if r.variant == v.name and r.scenario == scenario]
+        if not mine:
+            continue
+        row: dict[str, Any] = {"variant": v.name, "label": v.label, "scenario": scenario}
+        for name in FIGURES:
+            values = [getattr(r, name) for r in mine if getattr(r, name) is not None]
+            row[name] = med(values) if values else None
+        if v.name == "bare":
+            row.update(rps_ratio=1.0, p99_ratio=1.0, cpu_ratio=1.0)
+        row["check"] = check(v, mine, args.connections * args.threads)
+        rows.append(row)
+    return rows
+
+
+def cell(value: float | None, form: str) -> str:
+    """`value` in `form`, or '-' when there is none."""
+    return "-" if value is None else format(value, form)
 
 
 def table(variants: list[Variant], runs: list[Run], args: argparse.Namespace) -> str:
-    """One row per variant and scenario: medians over the repetitions; each run's ratios
-    are taken to the bare app's runs on either side of it, then their median."""
+    """One row per variant and scenario, of the medians over the repetitions."""
     lines = [
         "| variant | scenario | req/s | p50 ms | p99 ms | req/s / bare | p99 / bare "
         "| CPU us/req | capacity / bare | GC us/req | full GCs/1k req | round trips/req "
@@ -320,27 +344,23 @@ def table(variants: list[Variant], runs: list[Run], args: argparse.Namespace) ->
                 f"| does not work: {v.broken} |"
             )
             continue
-        for scenario in args.scenarios:
-            mine = [r for r in runs if r.variant == v.name and r.scenario == scenario]
-            if not mine:
-                continue
-            bare = v.name == "bare"
+        for m in medians(v, runs, args):
             row = [
                 v.label,
-                SCENARIO_TITLES[scenario],
-                cell([r.rps for r in mine], ",.0f"),
-                cell([r.p50_ms for r in mine], ".2f"),
-                cell([r.p99_ms for r in mine], ".2f"),
-                "1.00x" if bare else cell([r.rps_ratio for r in mine if r.rps_ratio], ".2f") + "x",
-                "1.00x" if bare else cell([r.p99_ratio for r in mine if r.p99_ratio], ".2f") + "x",
-                cell([r.cpu_us for r in mine], ".1f"),
-                "1.00x" if bare else cell([r.cpu_ratio for r in mine if r.cpu_ratio], ".3f") + "x",
-                cell([r.gc_us for r in mine], ".1f"),
-                cell([r.gc_full for r in mine], ".1f"),
-                cell([r.round_trips for r in mine if r.round_trips is not None], ".2f"),
-                cell([r.server_reads for r in mine if r.server_reads is not None], ".2f"),
-                cell([r.commands for r in mine if r.commands is not None], ".2f"),
-                check(v, mine, args.connections * args.threads),
+                SCENARIO_TITLES[m["scenario"]],
+                cell(m["rps"], ",.0f"),
+                cell(m["p50_ms"], ".2f"),
+                cell(m["p99_ms"], ".2f"),
+                cell(m["rps_ratio"], ".2f") + "x",
+                cell(m["p99_ratio"], ".2f") + "x",
+                cell(m["cpu_us"], ".1f"),
+                cell(m["cpu_ratio"], ".3f") + "x",
+                cell(m["gc_us"], ".1f"),
+                cell(m["gc_full"], ".1f"),
+                cell(m["round_trips"], ".2f"),
+                cell(m["server_reads"], ".2f"),
+                cell(m["commands"], ".2f"),
+                m["check"],
             ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -411,6 +431,12 @@ def parse_args() -> argparse.Namespace:
         help="servers set the collector's first threshold (default 700; 0: no collections)",
     )
     p.add_argument("--json", type=Path, help="also write every run's figures here")
+    p.add_argument(
+        "--results",
+        type=Path,
+        help="also write the table's medians here, for bench/charts.py "
+        "(bench/results/http.json is the committed run's)",
+    )
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
@@ -527,6 +553,15 @@ def main() -> None:
     print(command_table(variants, runs, args))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    if args.results:
+        rows = [m for v in variants if not v.broken for m in medians(v, runs, args)]
+        results = {
+            "command": "python3 bench/http_bench.py",
+            "environment": environment(args, redis_version).splitlines(),
+            "total_minutes": round(elapsed / 60, 1),
+            "rows": rows,
+        }
+        args.results.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ scenario starts runs on 127.0.0.1 and is stopped by PID when the scenario ends.
 Usage (from the project root, with the test extras installed):
 
     python bench/reliability.py                   # full size, writes docs/RELIABILITY.md
+                                                  # and bench/results/reliability.json
     python bench/reliability.py --scale small     # the CI size, same report format
     python bench/reliability.py -k storm --out /tmp/storm.md
 
@@ -34,6 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "RELIABILITY.md"
+DEFAULT_RESULTS = ROOT / "bench" / "results" / "reliability.json"  # bench/charts.py reads it
 
 # Report order, and the figures that make each scenario's summary line.
 SCENARIOS: list[tuple[str, str, list[str]]] = [
@@ -233,6 +235,12 @@ def main() -> int:
     parser.add_argument("--scale", choices=["small", "full"], default="full")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("-k", dest="select", help="run only the scenarios pytest -k selects")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        help="the figures as JSON, for bench/charts.py "
+        f"(default: {DEFAULT_RESULTS.relative_to(ROOT)} when --out is the default)",
+    )
     args = parser.parse_args()
     extra = ["-k", args.select] if args.select else []
     command = "python bench/reliability.py" + (
@@ -263,6 +271,19 @@ def main() -> int:
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
+    results = args.results or (DEFAULT_RESULTS if args.out == DEFAULT_OUT else None)
+    if results is not None:
+        figures = {
+            "command": command,
+            "date": started,
+            "size": args.scale,
+            "seconds": round(seconds),
+            "status": status,
+            "machine": machine(),
+            "entries": entries,
+        }
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(figures, indent=1) + "\n")
     print(f"wrote {args.out} ({len(entries)} scenario reports, {seconds:.0f} s)")
     return status
 

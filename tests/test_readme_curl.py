@@ -1,5 +1,5 @@
-"""README's curl blocks as a reader pastes them: each one whole, into bash, against
-``python -m example_app``."""
+"""The example app page's curl blocks as a reader pastes them: each one whole, into bash,
+against ``python -m example_app``."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ pytestmark = pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl
 
 
 def curl_block(containing: str) -> list[str]:
-    """The commands of the block of README's "Trying it with curl" that shows `containing`."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Trying it with curl") :]
-    blocks = re.findall(r"```text\n(.*?)```", section, re.S)
+    """The commands of the block of "Trying it with curl" that shows `containing`."""
+    page = (ROOT / "docs" / "example-app.md").read_text()
+    section = page[page.index("## Trying it with curl") :]
+    blocks = re.findall(r"```console\n(.*?)```", section, re.S)
     (block,) = [b for b in blocks if containing in b]
     return [line.removeprefix("$ ") for line in block.splitlines() if line.startswith("$ ")]
 

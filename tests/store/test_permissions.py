@@ -88,8 +88,9 @@ async def test_a_command_the_scripts_call_is_named(
 
 
 def readme_rule(mode: str) -> list[str]:
-    """The ACL rule the README gives for a mode, as arguments after the user name."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    """The ACL rule the Permissions page gives for a mode, as arguments after the user name."""
+    page = Path(__file__).parents[2] / "docs" / "operating" / "permissions.md"
+    readme = page.read_text()
     marker = "+evalsha" if mode == "script" else "+goblin.claim"
     rules = re.findall(r"^ACL SETUSER app on >secret (.+)$", readme, re.M)
     (rule,) = [r for r in rules if marker in r.split()]

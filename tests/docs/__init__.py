@@ -1,0 +1,1 @@
+"""The documentation's examples and reference tables, checked against the code."""

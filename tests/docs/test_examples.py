@@ -1,0 +1,40 @@
+"""Every Python and shell block of README.md and docs/ runs as printed (see examples.py for
+how a page is run, and the conventions its blocks follow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.docs.examples import PAGES, blocks, matches, run_page
+from tests.support.procs import ROOT
+from tests.support.servers import Server
+
+
+def runnable(page: Path) -> bool:
+    return any(block.runs for block in blocks(page))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if runnable(p)], ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_every_block_of_the_page_runs(page: Path, redis_server: Server, tmp_path: Path) -> None:
+    with redis_server.sync_client() as client:
+        client.flushall()
+    ran = list(run_page(page, redis_server.url, tmp_path))
+    assert ran
+
+
+def test_only_the_ci_command_is_not_run() -> None:
+    """The one block the tests cannot run is the command that runs them."""
+    skipped = [b for page in PAGES for b in blocks(page) if b.directive.startswith("not run")]
+    assert [b.body.strip() for b in skipped] == ["bash .ci/run"], [b.where for b in skipped]
+
+
+def test_a_transcript_matches_in_order_with_lines_left_out() -> None:
+    output = 'HTTP/1.1 201 Created\r\ndate: Tue\r\nlocation: /p/1\r\n\r\n{"id": 7}\r\n'
+    assert matches(["HTTP/1.1 201 Created", "location: /p/1", '{"id": ...}'], output) is None
+    assert matches(["location: /p/1", "HTTP/1.1 201 Created"], output) == "HTTP/1.1 201 Created"
+    assert matches(['{"id": 8}'], output) == '{"id": 8}'
