@@ -232,6 +232,41 @@ class _StoreConnection:
         with self._arriving:
             self._loops = self._drop_closed()
 
+    # -- plain commands, through the running loop's redis-py client --
+
+    async def _plain(self, command: Awaitable[Any]) -> Any:
+        """A redis-py call (not yet started) of the running loop's client."""
+        try:
+            return await command
+        except ResponseError as exc:
+            raise normalize(exc, self._acl_user) from None
+
+    async def get(self, key: KeyT) -> bytes | None:
+        reply = await self._plain(self._executor.client.get(as_bytes(key)))
+        return None if reply is None else as_bytes(reply, "reply")
+
+    async def set(
+        self,
+        key: KeyT,
+        value: KeyT,
+        *,
+        ex: int | None = None,
+        px: int | None = None,
+        nx: bool = False,
+    ) -> bool:
+        v = check_size(as_bytes(value, "value"), self.max_value_bytes)
+        client = self._executor.client
+        return bool(await self._plain(client.set(as_bytes(key), v, ex=ex, px=px, nx=nx)))
+
+    async def pttl(self, key: KeyT) -> int:
+        return int(await self._plain(self._executor.client.pttl(as_bytes(key))))
+
+    async def delete(self, *keys: KeyT) -> int:
+        if not keys:
+            return 0
+        client = self._executor.client
+        return int(await self._plain(client.delete(*(as_bytes(k) for k in keys))))
+
 
 # Every RedisStore of the process, for the fork handler.
 _stores: weakref.WeakSet[_StoreConnection] = weakref.WeakSet()
@@ -485,41 +520,6 @@ class RedisStore(_StoreConnection):
         ]
         replies = await self._executor.send_each(commands)
         return [renewal_reply(r, self._acl_user) for r in replies]
-
-    # -- plain commands --
-
-    async def _plain(self, command: Awaitable[Any]) -> Any:
-        """A redis-py call (not yet started) of the running loop's client."""
-        try:
-            return await command
-        except ResponseError as exc:
-            raise normalize(exc, self._acl_user) from None
-
-    async def get(self, key: KeyT) -> bytes | None:
-        reply = await self._plain(self._executor.client.get(as_bytes(key)))
-        return None if reply is None else as_bytes(reply, "reply")
-
-    async def set(
-        self,
-        key: KeyT,
-        value: KeyT,
-        *,
-        ex: int | None = None,
-        px: int | None = None,
-        nx: bool = False,
-    ) -> bool:
-        v = check_size(as_bytes(value, "value"), self.max_value_bytes)
-        client = self._executor.client
-        return bool(await self._plain(client.set(as_bytes(key), v, ex=ex, px=px, nx=nx)))
-
-    async def pttl(self, key: KeyT) -> int:
-        return int(await self._plain(self._executor.client.pttl(as_bytes(key))))
-
-    async def delete(self, *keys: KeyT) -> int:
-        if not keys:
-            return 0
-        client = self._executor.client
-        return int(await self._plain(client.delete(*(as_bytes(k) for k in keys))))
 
 
 def _client_from_url(

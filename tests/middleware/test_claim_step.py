@@ -36,10 +36,12 @@ async def test_a_lost_claim_whose_result_survives_replays_instead_of_running(
     assert again.status == 201 and again.replayed and again.body == first.body
     assert len(handler.runs["lost"]) == 1
     assert mw.counters.claimed == 1 and mw.counters.replayed == 1
+    started = time.monotonic()
     result_ttl = await backend.store.pttl(names.result)
     claim_ttl = await backend.store.pttl(names.claim)
+    between_ms = (time.monotonic() - started) * 1000  # a loaded machine reads slowly
     assert 590_000 < result_ttl <= 600_000  # the claim retaken for the result's TTL:
-    assert result_ttl - 10 <= claim_ttl <= 600_000  # (PTTL rounds to the millisecond)
+    assert result_ttl - 10 - between_ms <= claim_ttl <= 600_000  # (PTTL rounds to the ms)
     third = await send_once(mw, "lost")  # answered by the claim alone again
     assert third.replayed and len(handler.runs["lost"]) == 1
 
