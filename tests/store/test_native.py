@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pytest
 import redis
@@ -482,7 +482,7 @@ def test_command_table(server: Server, r: redis.Redis) -> None:
     assert r.command_getkeys("goblin.cas", "k", "t", "n") == ["k"]
     assert r.command_getkeys("goblin.cad", "k", "t") == ["k"]
     specs = info["goblin.claim"]["key_specifications"]
-    assert [set(s[b"flags"]) for s in specs] == [{b"OW", b"insert"}, {b"RO", b"access"}]
+    assert [set(as_map(s)[b"flags"]) for s in specs] == [{b"OW", b"insert"}, {b"RO", b"access"}]
 
 
 def test_acl_key_permissions_follow_key_specs(server: Server, r: redis.Redis) -> None:
@@ -1060,7 +1060,7 @@ def test_module_is_loaded_once(module_command_server: Server, module_path: Path)
         with pytest.raises(redis.exceptions.ResponseError):
             c.execute_command("MODULE", "LOAD", str(module_path))
         assert c.ping()
-        names = [m[b"name"] for m in c.execute_command("MODULE", "LIST")]
+        names = [as_map(m)[b"name"] for m in c.execute_command("MODULE", "LIST")]
         assert names.count(b"goblin") == 1
         c.set("k", "v")
         assert c.execute_command("GOBLIN.CAD", "k", "v") == 1
@@ -1179,3 +1179,9 @@ def test_cli_prints_the_path_last(tmp_path: Path) -> None:
     ).stdout
     path = Path(out.strip().splitlines()[-1])
     assert path == (tmp_path / "goblin.so").absolute() and os.access(path, os.X_OK)
+
+
+def as_map(reply: Any) -> dict[Any, Any]:
+    """A map reply as redis-py gives it: a dict (redis-py 8), or the flat list of pairs
+    earlier releases give for a RESP2 map."""
+    return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
