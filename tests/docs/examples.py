@@ -44,6 +44,9 @@ What a block sees:
   that stands for 8000. No block ever reaches a server that the page or the fixtures did not
   start.
 - ``XDG_CACHE_HOME``: a scratch directory (``build-module`` caches its build there).
+- ``PYTHONPATH``: the checkout, as for a reader whose shell is in it (the Quick start's), so
+  ``python -m example_app`` is found; the example app is not part of the installed package.
+  A page's own files are written to a directory of its own, not to the checkout.
 """
 
 from __future__ import annotations
@@ -339,7 +342,7 @@ NOT_SOURCE = shutil.ignore_patterns(
 def environment(scratch: Path, redis_url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GOBLIN_"))}
     env.pop("VIRTUAL_ENV", None)
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(ROOT)  # as from a shell in the checkout: `python -m example_app`
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["REDIS_URL"] = redis_url
     env["XDG_CACHE_HOME"] = str(scratch / "cache")

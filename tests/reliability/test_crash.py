@@ -40,10 +40,13 @@ async def test_worker_killed_mid_handler(redis_server: Server) -> None:
     client = redis_server.client()
     await client.flushall()
     env = {"REDIS_URL": redis_server.url, "LEASE_SECONDS": "2"}
-    port = free_port()
+    port, other_port = free_port(), free_port()
     worker = start_uvicorn(port, env)
-    replacement = None
+    # The retries go to a second worker, up before the kill: a replacement started after it
+    # could take longer than the lease to come up on a loaded machine.
+    replacement = start_uvicorn(other_port, env)
     url = f"http://127.0.0.1:{port}/task/charge"
+    retry_url = f"http://127.0.0.1:{other_port}/task/charge"
     headers = {"Idempotency-Key": "order-1"}
     try:
         async with httpx.AsyncClient(timeout=10) as http:
@@ -57,7 +60,7 @@ async def test_worker_killed_mid_handler(redis_server: Server) -> None:
             killed_at = time.monotonic()
             await asyncio.gather(doomed, return_exceptions=True)
 
-            replacement = start_uvicorn(port, env)
+            url = retry_url
             statuses = []
             while True:
                 reply = await http.post(url, headers=headers)
