@@ -26,10 +26,9 @@ import queue
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .claim import Claim, ClaimHolder, current
 from ._loop import LoopThread
 
-__all__ = ["DONE", "Exchange", "InThread", "Raised", "ThreadClaim", "in_thread"]
+__all__ = ["DONE", "Exchange", "Raised"]
 
 T = TypeVar("T")
 POLL_SECONDS = 1.0  # how often a waiting caller checks that the loop thread still runs
@@ -186,41 +185,3 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
     else:
         future.set_exception(error)
-
-
-# -- the claim, as the caller's thread sees it --
-
-
-class ThreadClaim(Claim):
-    """A run's claim in the sync code its caller's thread runs (a WSGI or Django view, a
-    sync `once` function): `ensure_owned()` is a plain call there, one round trip through
-    the loop thread, that raises ClaimLostError unless the claim is still this run's."""
-
-    __slots__ = ("_thread",)
-
-    def __init__(self, claim: Claim, thread: LoopThread) -> None:
-        super().__init__(claim._store, claim._lease)
-        self._thread = thread
-
-    def ensure_owned(self) -> None:  # type: ignore[override]
-        self._thread.run(Claim.ensure_owned(self))
-
-
-class InThread:
-    """The holder of a run's claim, handed to its caller's thread (`current` there)."""
-
-    __slots__ = ("holder", "thread")
-
-    def __init__(self, holder: ClaimHolder, thread: LoopThread) -> None:
-        self.holder = holder
-        self.thread = thread
-
-    def claim(self) -> Claim:
-        return ThreadClaim(self.holder.claim(), self.thread)
-
-
-def in_thread(thread: LoopThread) -> ClaimHolder | None:
-    """The claim holder of the coroutine running now (None outside a run), for its caller's
-    thread: called on the loop thread, where the run set it."""
-    holder = current.get()
-    return None if holder is None else InThread(holder, thread)

@@ -9,14 +9,14 @@ Fork safety (``gunicorn --preload`` imports the app, which may use a store, then
 a child has no thread but the one that forked, so it starts a loop thread of its own on
 first use; the parent's loop object is left untouched there (never run, closed or freed,
 since its selector is an epoll instance the child shares with the parent), and the stores
-drop, in the child, the connections they inherited. At exit the loop runs what is still
-scheduled (a closing step in flight) for up to `DRAIN_SECONDS`, then stops.
+drop, in the child, the connections they inherited. The thread is a daemon: it ends with
+the process, which a server ends once its requests are answered (and with them every
+publish, which a request waits for).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import os
 import threading
 from collections.abc import Coroutine
@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 __all__ = ["LoopThread", "loop_thread"]
 
 T = TypeVar("T")
-DRAIN_SECONDS = 2.0
 
 _current: LoopThread | None = None
 _starting = threading.Lock()
@@ -39,9 +38,7 @@ class LoopThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.pid = os.getpid()
-        self._thread = threading.Thread(
-            target=self._run, name="goblin-idem loop", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="goblin-idem loop", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -59,25 +56,6 @@ class LoopThread:
             coro.close()
             raise RuntimeError("LoopThread.run called from the loop thread itself")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self, drain_seconds: float = DRAIN_SECONDS) -> None:
-        """Let the tasks still running end (for up to `drain_seconds`), then stop the loop
-        and wait for its thread."""
-        if not self.alive or self.pid != os.getpid():
-            return
-        try:
-            self.run(_drain(drain_seconds), drain_seconds + 1)
-        except Exception:  # timed out, or the loop is stopping anyway
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(drain_seconds)
-
-
-async def _drain(seconds: float) -> None:
-    me = asyncio.current_task()
-    others = [task for task in asyncio.all_tasks() if task is not me]
-    if others:
-        await asyncio.wait(others, timeout=seconds)
 
 
 def loop_thread() -> LoopThread:
@@ -105,11 +83,5 @@ def _forget_after_fork() -> None:
         _current = None
 
 
-def _stop_at_exit() -> None:
-    if _current is not None:
-        _current.stop()
-
-
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
-atexit.register(_stop_at_exit)

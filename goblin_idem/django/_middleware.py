@@ -21,21 +21,21 @@ import weakref
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
-from django.core.exceptions import ImproperlyConfigured
-from django.http import HttpRequest
-from django.http.response import HttpResponseBase
-from django.urls import Resolver404, resolve
+from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-untyped]
+from django.http import HttpRequest  # type: ignore[import-untyped]
+from django.http.response import HttpResponseBase  # type: ignore[import-untyped]
+from django.urls import Resolver404, get_resolver, resolve  # type: ignore[import-untyped]
+from starlette.types import Scope
 
-from .. import _routes
 from .._exchange import Exchange
 from .._loop import loop_thread
-from .._routes import RoutePolicy
-from ..lifespan import _startup
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
+from ..middleware import _routes
+from ..middleware._routes import RESOLVED_POLICY, RoutePolicy, policy_of
 from ..store import Store
 from ..wsgi._app import scope_of
 from ..wsgi._bridge import HANDOFF, Handoff, Outer, thread_app
-from ..wsgi._marks import RESOLVED, policy_of
+from ..wsgi._middleware import check_store
 from . import _settings
 from ._responses import DJANGO_REQUEST, AsyncCall, DjangoResponder, django_app, response_of
 
@@ -68,6 +68,7 @@ class IdempotencyMiddleware:
         self.max_body_bytes = self.core.max_body_bytes
         self.key_name = "HTTP_" + self.core.header_name.upper().replace("-", "_")
         self._check(self.core)
+        get_resolver().url_patterns  # noqa: B018  # see _covered
 
     @staticmethod
     def _check(core: ASGIIdempotencyMiddleware) -> None:
@@ -75,7 +76,7 @@ class IdempotencyMiddleware:
         if core.store in _checked:
             return
         try:
-            loop_thread().run(_startup(core))
+            check_store(core)
         except RuntimeError as exc:
             raise ImproperlyConfigured(f"settings.{_settings.SETTING}['STORE']: {exc}") from exc
         _checked.add(core.store)
@@ -88,19 +89,23 @@ class IdempotencyMiddleware:
             return self.get_response(request)
         return self._bridged(request, scope)
 
-    def _covered(self, request: HttpRequest) -> dict[str, Any] | None:
-        """The ASGI scope of a request the middleware covers; None for the others."""
+    def _covered(self, request: HttpRequest) -> Scope | None:
+        """The ASGI scope of a request the middleware covers; None for the others.
+
+        Marks are looked up while any endpoint is marked: the views' modules must have
+        been imported by then, so the URLconf (which imports them) is loaded when the
+        middleware is made, not at the first request as Django would; one a middleware
+        sets for the request (``request.urlconf``) is looked up in any case."""
         if request.method not in self.methods:
             return None
         key = request.META.get(self.key_name)
-        marks = _routes.marked_endpoints
+        marks = _routes.marked_endpoints or hasattr(request, "urlconf")
         if key is None and not marks and not self.core.routes.may_require:
             return None  # the common case: nothing to do, fast
         scope = _scope(request)
         scope[DJANGO_REQUEST] = request
         if marks:
-            scope["app"] = RESOLVED
-            scope[RESOLVED.key] = _policy(request)
+            scope[RESOLVED_POLICY] = _policy(request)
         if key is None:
             settings = self.core.routes.settings(scope)
             if settings is None or not settings.required:
@@ -112,11 +117,12 @@ class IdempotencyMiddleware:
         length = request.META.get("CONTENT_LENGTH", "")
         if not length.isdigit() or int(length) > self.max_body_bytes:
             return None
-        return request.body
+        body: bytes = request.body
+        return body
 
     # -- under WSGI: the request's thread --
 
-    def _bridged(self, request: HttpRequest, scope: dict[str, Any]) -> HttpResponseBase:
+    def _bridged(self, request: HttpRequest, scope: Scope) -> HttpResponseBase:
         exchange = Exchange(loop_thread())
         responder = DjangoResponder(self.get_response, request)
         body = self._body(request)
@@ -144,7 +150,7 @@ class IdempotencyMiddleware:
         response = responder.response
         if outer.passed_through and response is not None:
             if response.streaming:
-                response.streaming_content = outer.chunks()  # type: ignore[attr-defined]
+                response.streaming_content = outer.chunks()
             else:
                 outer.finish()
             return response
@@ -173,7 +179,7 @@ class IdempotencyMiddleware:
             inner = call.response
             if start is call.start_message and inner is not None:  # passed through
                 if inner.streaming:
-                    inner.streaming_content = call.stream(chunk)  # type: ignore[attr-defined]
+                    inner.streaming_content = call.stream(chunk)
                 else:
                     await call.next()
                 handed = True
@@ -191,7 +197,7 @@ class IdempotencyMiddleware:
                 await sync_to_async(call.response.close)()
 
 
-def _scope(request: HttpRequest) -> dict[str, Any]:
+def _scope(request: HttpRequest) -> Scope:
     """The request's ASGI scope: a copy of its own under ASGI, else made from its environ."""
     asgi_scope = getattr(request, "scope", None)
     if asgi_scope is None:

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Coroutine, Iterable
 from contextlib import aclosing
 from typing import Any
 
-from django.http import FileResponse, HttpRequest, HttpResponse, StreamingHttpResponse
-from django.http.response import HttpResponseBase
+from django.http import FileResponse, HttpRequest, HttpResponse, StreamingHttpResponse  # type: ignore[import-untyped]
+from django.http.response import HttpResponseBase  # type: ignore[import-untyped]
 from starlette.types import Message, Receive, Scope, Send
 
 from ..wsgi._bridge import END, HANDOFF, ClientGone, Responder
@@ -86,8 +86,9 @@ class DjangoResponder(Responder):
         # The body: Django's request holds it, read (request.body) as the middleware did.
         response = self.response = _blocks(self.get_response(self.request))
         if response.streaming:
-            return iter(response)  # type: ignore[arg-type]
-        return [response.content]  # type: ignore[attr-defined]
+            chunks: Iterable[bytes] = iter(response)
+            return chunks
+        return [response.content]
 
     def head(self) -> tuple[int, list[tuple[bytes, bytes]]]:
         assert self.response is not None
@@ -180,11 +181,11 @@ async def django_app(scope: Scope, receive: Receive, send: Send) -> None:
     call.start_message = start_message(response)
     await send(call.start_message)
     if not response.streaming:
-        body = response.content  # type: ignore[attr-defined]
+        body = response.content
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return
     remaining = _length(call.start_message)
-    async with aclosing(aiter(response)) as content:  # type: ignore[call-overload]
+    async with aclosing(aiter(response)) as content:
         async for part in content:
             if not part:
                 continue
@@ -192,9 +193,7 @@ async def django_app(scope: Scope, receive: Receive, send: Send) -> None:
                 remaining -= len(part)
                 if remaining <= 0:  # the whole body: drained, then sent as the last message
                     rest = [p async for p in content]
-                    await send(
-                        {"type": "http.response.body", "body": b"".join([part, *rest])}
-                    )
+                    await send({"type": "http.response.body", "body": b"".join([part, *rest])})
                     return
             await send({"type": "http.response.body", "body": bytes(part), "more_body": True})
     await send(END)

@@ -19,13 +19,12 @@ import re
 import threading
 from typing import Any
 
-from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
-from django.utils.module_loading import import_string
+from django.conf import settings  # type: ignore[import-untyped]
+from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-untyped]
+from django.utils.module_loading import import_string  # type: ignore[import-untyped]
 
-from ..memory import MemoryStore
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
-from ..store import RedisStore, Store
+from ..store import MemoryStore, RedisStore, Store
 
 __all__ = ["SETTING", "read", "refused"]
 
@@ -75,13 +74,13 @@ def _value(key: str, name: str, value: object) -> object:
     return value
 
 
-def _imported(key: str, path: str) -> object:
+def _imported(key: str, path: str, example: str = "myproject.idem.caller_scope") -> object:
     try:
         return import_string(path)
     except ImportError as exc:
         raise ImproperlyConfigured(
             f"settings.{SETTING}[{key!r}]: cannot import {path!r} ({exc}); give the dotted "
-            "path of a function, as in 'myproject.idem.caller_scope'"
+            f"path of a function, as in {example!r}"
         ) from None
 
 
@@ -114,8 +113,17 @@ def _made(setting: str) -> Store:
             "redis://, rediss:// or unix:// (a Redis-protocol server), or the dotted path "
             "of a function that returns a store"
         )
-    found = _imported(key, setting)
-    store = found() if callable(found) and not isinstance(found, Store) else found
+    found = _imported(key, setting, "myproject.idem.make_store")
+    store = found
+    if callable(found) and not isinstance(found, Store):
+        try:
+            store = found()
+        except Exception as exc:
+            raise ImproperlyConfigured(
+                f"settings.{SETTING}[{key!r}]: calling {setting!r} raised "
+                f"{type(exc).__name__}: {exc}; it must be a function of no arguments that "
+                "returns a store"
+            ) from exc
     if not isinstance(store, Store):
         raise ImproperlyConfigured(
             f"settings.{SETTING}[{key!r}]: {setting!r} gave a {type(store).__name__}, not a "

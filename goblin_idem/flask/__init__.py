@@ -6,7 +6,7 @@ MethodView class, or the class's method for the request's method) is found with 
 own URL map, as Flask routes the request.
 """
 
-from .._routes import idempotent
+from ..middleware import idempotent
 from ._extension import Idempotency
 
 __all__ = ["Idempotency", "idempotent"]

@@ -10,10 +10,9 @@ from flask import Flask
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import RequestRedirect
 
-from .._routes import RoutePolicy
+from ..middleware._routes import RoutePolicy, policy_of
 from ..store import Store
 from ..wsgi import IdempotencyMiddleware
-from ..wsgi._marks import policy_of
 
 __all__ = ["Idempotency"]
 

@@ -32,8 +32,8 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from .._exchange import DONE, Exchange, in_thread
-from ..claim import ClaimHolder, current
+from .._claim import ClaimHolder, current, for_sync_code
+from .._exchange import DONE, Exchange
 
 __all__ = [
     "HANDOFF",
@@ -123,7 +123,11 @@ class Responder:
         messages: list[Message] = []
         if self.start_message is None:
             status, headers = self.head()
-            self.start_message = {"type": "http.response.start", "status": status, "headers": headers}
+            self.start_message = {
+                "type": "http.response.start",
+                "status": status,
+                "headers": headers,
+            }
             messages.append(self.start_message)
             self._remaining = _content_length(headers)
         if chunk is None:
@@ -212,7 +216,7 @@ class Handoff:
         read up front, or None: the app reads the request's own stream."""
         if not self.consumed:
             return self._body
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -240,7 +244,7 @@ async def thread_app(scope: Scope, receive: Receive, send: Send) -> None:
     handoff: Handoff = scope[HANDOFF]
     exchange, responder = handoff.exchange, handoff.responder
     body = await handoff.app_body(receive)
-    holder = in_thread(exchange.thread)
+    holder = for_sync_code(current.get())
     try:
         messages = await exchange.call(responder.start, body, holder)
         while True:
@@ -356,4 +360,3 @@ def status_line(status: int) -> str:
 
 def latin1(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in headers]
-

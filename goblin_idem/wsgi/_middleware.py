@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeAlias
 
-from .. import _routes
+from starlette.types import Scope
+
 from .._exchange import Exchange
 from .._loop import loop_thread
-from ..lifespan import _startup
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
+from ..middleware import _routes
+from ..middleware._lifespan import Lifespan
+from ..middleware._routes import RESOLVED_POLICY, RoutePolicy
 from ..store import Store
 from ._app import WSGIApp, WSGIResponder, body_reader, read_whole, scope_of
 from ._bridge import HANDOFF, Handoff, Outer, latin1, status_line, thread_app
-from ._marks import RESOLVED, PolicyOf
 
-__all__ = ["IdempotencyMiddleware"]
+PolicyOf: TypeAlias = Callable[[dict[str, Any]], RoutePolicy | None]
+
+__all__ = ["IdempotencyMiddleware", "PolicyOf", "check_store"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -49,7 +53,7 @@ class IdempotencyMiddleware:
         self.max_body_bytes = self.core.max_body_bytes
         self.key_name = "HTTP_" + self.core.header_name.upper().replace("-", "_")
         self.policy_of: PolicyOf | None = None  # a framework's route marks (Flask's)
-        loop_thread().run(_startup(self.core))  # raises for an unusable store, as a lifespan
+        check_store(self.core)  # raises for an unusable store, as a lifespan's startup
 
     @property
     def counters(self) -> Any:
@@ -66,8 +70,7 @@ class IdempotencyMiddleware:
             return self.app(environ, start_response)  # the common case: nothing to do, fast
         scope = scope_of(environ, None)
         if policy_of is not None:
-            scope["app"] = RESOLVED
-            scope[RESOLVED.key] = policy_of(environ)
+            scope[RESOLVED_POLICY] = policy_of(environ)
         if key is None:
             settings = self.core.routes.settings(scope)
             if settings is None or not settings.required:
@@ -78,7 +81,7 @@ class IdempotencyMiddleware:
         self,
         environ: dict[str, Any],
         start_response: Callable[..., Any],
-        scope: dict[str, Any],
+        scope: Scope,
         keyed: bool,
     ) -> Iterable[bytes]:
         """The ASGI middleware on the loop thread, the app run back in this thread."""
@@ -106,3 +109,9 @@ class IdempotencyMiddleware:
             responder.close()
             raise
 
+
+def check_store(core: ASGIIdempotencyMiddleware) -> None:
+    """The store checked as an ASGI lifespan's startup checks it (a sync app has none),
+    through the loop thread: RuntimeError, saying what to change, if it cannot be used."""
+    lifespan = Lifespan(core.app, core.store, core.check_store, close_store=False)
+    loop_thread().run(lifespan.startup())

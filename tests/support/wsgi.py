@@ -186,7 +186,7 @@ class Gunicorn:
     def stop(self) -> None:
         self.worker_pids()
         known = set(self._seen)
-        stop(self.proc)
+        stop(self.proc, signal.SIGINT)  # gunicorn's quick shutdown
         for pid in known:
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError):

@@ -20,12 +20,14 @@ import pytest
 
 from goblin_idem import (
     ClaimLostError,
-    IdempotencyMiddleware as ASGIMiddleware,
     MemoryStore,
     RedisStore,
     Store,
     current_claim,
     header_scope,
+)
+from goblin_idem import (
+    IdempotencyMiddleware as ASGIMiddleware,
 )
 from goblin_idem._loop import loop_thread
 from goblin_idem.wsgi import IdempotencyMiddleware
@@ -49,6 +51,13 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
     store = RedisStore.from_url(server.url, mode=request.param.split("-")[1])
     yield store
     loop_thread().run(store.aclose())
+
+
+def fresh_store(server: Server) -> RedisStore:
+    """A store on `server`, emptied first (the server is the session's)."""
+    with server.sync_client() as client:
+        client.flushall()
+    return RedisStore.from_url(server.url)
 
 
 class App:
@@ -309,7 +318,7 @@ def test_a_file_wrapper_response_is_stored_and_the_file_closed(
 def test_current_claim_in_the_app_thread_and_ensure_owned_as_a_plain_call(
     redis_server: Server,
 ) -> None:
-    store = RedisStore.from_url(redis_server.url)
+    store = fresh_store(redis_server)
     checks: list[str] = []
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -333,22 +342,6 @@ def test_current_claim_in_the_app_thread_and_ensure_owned_as_a_plain_call(
     loop_thread().run(store.aclose())
 
 
-def test_the_lease_is_renewed_through_a_handler_three_leases_long(redis_server: Server) -> None:
-    store = RedisStore.from_url(redis_server.url)
-    app = App(delay=3.2)
-    mw = IdempotencyMiddleware(app, store=store, lease_seconds=1)
-    first = threading.Thread(target=call, args=(mw,), kwargs={"key": "long"})
-    first.start()
-    duplicates = []
-    while first.is_alive():
-        time.sleep(0.4)
-        duplicates.append(call(mw, key="long").code)
-    first.join()
-    assert set(duplicates[:-1]) == {409} and app.runs == 1
-    assert call(mw, key="long").header("Idempotent-Replayed") == "true"
-    loop_thread().run(store.aclose())
-
-
 # -- options, scope, the store --------------------------------------------------------------
 
 
@@ -358,13 +351,13 @@ def test_options_and_a_store_that_cannot_work_fail_at_construction(own_redis: Se
         IdempotencyMiddleware(app, lease=3)
     with pytest.raises(ValueError, match="lease_seconds must be >= 1"):
         IdempotencyMiddleware(app, lease_seconds=0)
-    with pytest.raises(TypeError, match="RedisStore.from_url"):
+    with pytest.raises(TypeError, match=r"RedisStore\.from_url"):
         IdempotencyMiddleware(app, store=RedisStore)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="WSGI application"):
         IdempotencyMiddleware("app")  # type: ignore[arg-type]
     url = own_redis.url
     own_redis.stop()
-    with pytest.raises(RuntimeError, match="cannot use the Redis at .*check_store=False"):
+    with pytest.raises(RuntimeError, match=r"cannot use the Redis at .*check_store=False"):
         IdempotencyMiddleware(app, store=RedisStore.from_url(url))
     IdempotencyMiddleware(app, store=RedisStore.from_url(url), check_store=False)  # starts
 
@@ -396,7 +389,7 @@ async def test_a_wsgi_and_an_asgi_service_on_one_store_share_keys_and_records(
 ) -> None:
     """The same request, keyed alike, first to the WSGI app: the ASGI middleware replays
     what the WSGI app answered (one record format, one key naming)."""
-    wsgi_store = RedisStore.from_url(redis_server.url)
+    wsgi_store = fresh_store(redis_server)
     asgi_store = RedisStore.from_url(redis_server.url)
     app = App()
     wsgi_mw = IdempotencyMiddleware(app, store=wsgi_store)
@@ -406,7 +399,10 @@ async def test_a_wsgi_and_an_asgi_service_on_one_store_share_keys_and_records(
         raise AssertionError("the ASGI app ran for a key the WSGI app completed")
 
     replayed = await asgi_request(
-        ASGIMiddleware(never_run, store=asgi_store), path="/shared", body=b'{"n": 2}', key="shared-key"
+        ASGIMiddleware(never_run, store=asgi_store),
+        path="/shared",
+        body=b'{"n": 2}',
+        key="shared-key",
     )
     assert replayed.status == 201 and replayed.body == first.body
     assert replayed.header("idempotent-replayed") == b"true"
@@ -420,7 +416,7 @@ def test_a_store_and_the_loop_thread_used_before_a_fork_work_in_the_child(
     """gunicorn --preload: the app built (and its store checked, on the loop thread) in
     the parent, then forked; the child starts its own loop thread on its own connections,
     and the parent's keep working."""
-    store = RedisStore.from_url(redis_server.url)
+    store = fresh_store(redis_server)
     app = App()
     mw = IdempotencyMiddleware(app, store=store)  # checks the store through the loop thread
     assert call(mw, key="parent-1").code == 201

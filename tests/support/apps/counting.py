@@ -15,6 +15,12 @@ _local: collections.Counter[str] = collections.Counter()
 _lock = threading.Lock()
 
 
+def note(name: str, value: object) -> None:
+    """Write `value` under `name` where the test can read it (the store's server)."""
+    if _client is not None:
+        _client.set(name, str(value))
+
+
 def count(key: str) -> int:
     """This run of `key`'s work: 1 for its first run, 2 for a second."""
     if _client is not None:

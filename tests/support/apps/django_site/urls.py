@@ -14,6 +14,7 @@ urlpatterns = [
     path("fail", views.fail),
     path("stream", views.stream),
     path("cookie", views.cookie),
+    path("form", views.form),
     path("required", views.required),
     path("marked", views.MarkedView.as_view()),
     path("api/payments", views.PaymentsAPI.as_view()),

@@ -26,10 +26,12 @@ def health(request: HttpRequest) -> HttpResponse:
 
 
 def work(request: HttpRequest) -> HttpResponse:
-    """Counts its run, works for ?ms= (checking its claim at the end), answers 201."""
+    """Counts its run, works for the Work-Ms header's milliseconds (a header, so that a
+    retry of the request may work less), checks its claim, answers 201."""
     key = request.headers.get("Idempotency-Key", "-")
     run = counting.count(key)
-    time.sleep(int(request.GET.get("ms", "0")) / 1000)
+    counting.note(f"pid:{key}", os.getpid())  # the worker a test may kill mid-run
+    time.sleep(int(request.headers.get("Work-Ms", "0")) / 1000)
     claim = current_claim()
     if claim is not None:
         claim.ensure_owned()
@@ -91,3 +93,22 @@ class OrdersViewSet(viewsets.ViewSet):
     def refund(self, request: Request, pk: Any = None) -> Response:
         key = request.headers.get("Idempotency-Key", "-")
         return Response({"run": counting.count(key), "order": pk}, status=201)
+
+
+def form(request: HttpRequest) -> HttpResponse:
+    """Reads the form the middleware has read as the body already."""
+    counting.count(request.headers.get("Idempotency-Key", "-"))
+    return JsonResponse({"name": request.POST.get("name")}, status=201)
+
+
+def tenant(scope: dict[str, Any]) -> str:
+    """A scope= function (by dotted path in GOBLIN_IDEM): the request's tenant header."""
+    request: HttpRequest = scope["django.request"]
+    return request.headers.get("X-Tenant", "")
+
+
+def store() -> object:
+    """A STORE factory (by dotted path in GOBLIN_IDEM)."""
+    from goblin_idem import MemoryStore
+
+    return MemoryStore()
