@@ -69,14 +69,13 @@ DONE: Any = object()  # what `next` returns once the coroutine has ended without
 class Exchange:
     """A coroutine on the loop thread and the thread that waits for it."""
 
-    __slots__ = ("_abandoned", "_jobs", "_pending", "_task", "done", "loop", "thread")
+    __slots__ = ("_abandoned", "_jobs", "_task", "done", "loop", "thread")
 
     def __init__(self, thread: LoopThread) -> None:
         self.thread = thread
         self.loop = thread.loop
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._task: asyncio.Task[None] | None = None
-        self._pending: asyncio.Future[Any] | None = None  # the call the coroutine awaits
         self._abandoned = False  # the caller's thread stopped waiting
         self.done: _Done | None = None  # set in the caller's thread, once it has seen the end
 
@@ -133,11 +132,11 @@ class Exchange:
         return self._abandoned
 
     def abandon(self) -> None:
-        """The caller's thread stops waiting: cancel the coroutine, fail its calls."""
+        """The caller's thread stops waiting: cancel the coroutine (the call it awaits
+        with it), and fail its later calls at once."""
         self._abandoned = True
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self._cancel)
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._cancel)
 
     # -- the loop thread --
 
@@ -159,22 +158,15 @@ class Exchange:
         if self._abandoned:
             raise asyncio.CancelledError
         future: asyncio.Future[T] = self.loop.create_future()
-        self._pending = future
         self._jobs.put(_Call(fn, args, future))
-        try:
-            return await future
-        finally:
-            self._pending = None
+        return await future
 
     def post(self, item: Any) -> None:
         """Hand `item` over to the caller's thread (`next` returns it)."""
         self._jobs.put(item)
 
     def _cancel(self) -> None:
-        pending = self._pending
-        if pending is not None and not pending.done():
-            pending.cancel()
-        if self._task is not None:
+        if self._task is not None:  # started before: `start` was called first
             self._task.cancel()
 
 

@@ -198,11 +198,13 @@ class IdempotencyMiddleware:
 
 
 def _scope(request: HttpRequest) -> Scope:
-    """The request's ASGI scope: a copy of its own under ASGI, else made from its environ."""
+    """The request's ASGI scope: a copy of its own under ASGI (without the app of an outer
+    framework that Django may be mounted in), else made from its environ."""
     asgi_scope = getattr(request, "scope", None)
     if asgi_scope is None:
-        return scope_of(request.META, None)
+        return scope_of(request.META)
     scope = dict(asgi_scope)
+    scope.pop("app", None)
     query = scope.get("query_string", b"")
     if isinstance(query, str):  # Django's test client's scopes
         scope["query_string"] = query.encode("latin-1")

@@ -11,7 +11,7 @@ other repeated headers joined with commas (a Django response holds one value per
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from contextlib import aclosing
 from typing import Any
 
@@ -143,7 +143,12 @@ class AsyncCall:
 
     def start(self, coro: Coroutine[Any, Any, None]) -> None:
         self.task = asyncio.ensure_future(coro)
-        self.task.add_done_callback(lambda _: self._items.put_nowait(None))
+        self.task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._items.put_nowait(None)  # for `next`, which raises the task's error
+        if self.gone and not task.cancelled():
+            task.exception()  # nobody reads on: the ClientGone it ended with is expected
 
     async def next(self) -> tuple[Message | None, Message] | None:
         """The middleware's next message; None once it has ended (its error raised)."""
@@ -160,18 +165,37 @@ class AsyncCall:
         self.gone = True
         self._room.release()
 
-    async def stream(self, first: bytes) -> AsyncIterator[bytes]:
-        """The rest of a streamed response, for Django to iterate."""
-        try:
-            if first:
-                yield first
-            while (item := await self.next()) is not None:
-                chunk = item[1].get("body", b"")
-                if chunk:
-                    yield bytes(chunk)
-        finally:
-            if self.task is not None and not self.task.done():
-                self.leave()
+    def stream(self, first: bytes) -> AsyncBody:
+        return AsyncBody(self, first)
+
+
+class AsyncBody:
+    """The rest of a streamed response, for Django to iterate (`async for`) and close (as
+    a response closes its content, iterated or not: early, the client left)."""
+
+    def __init__(self, call: AsyncCall, first: bytes) -> None:
+        self.call = call
+        self._first: bytes | None = first
+
+    def __aiter__(self) -> AsyncBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        first = self._first
+        if first:
+            self._first = None
+            return first
+        self._first = None
+        while (item := await self.call.next()) is not None:
+            chunk = item[1].get("body", b"")
+            if chunk:
+                return bytes(chunk)
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        task = self.call.task
+        if task is not None and not task.done():
+            self.call.leave()
 
 
 async def django_app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -17,7 +17,7 @@ from wsgiref.util import FileWrapper
 
 from starlette.types import Scope
 
-from ._bridge import HANDOFF, Handoff, Responder
+from ._bridge import Responder
 
 __all__ = ["WSGIApp", "WSGIResponder", "body_reader", "scope_of"]
 
@@ -29,7 +29,7 @@ READ_BYTES = 64 * 1024  # a request body read in chunks of this size
 FILE_BLOCK_BYTES = 64 * 1024  # wsgi.file_wrapper's block, at least: one crossing per block
 
 
-def scope_of(environ: dict[str, Any], handoff: Handoff | None) -> Scope:
+def scope_of(environ: dict[str, Any]) -> Scope:
     headers = [
         (name[5:].replace("_", "-").lower().encode("latin-1"), value.encode("latin-1"))
         for name, value in environ.items()
@@ -55,8 +55,6 @@ def scope_of(environ: dict[str, Any], handoff: Handoff | None) -> Scope:
         "server": _address(environ.get("SERVER_NAME"), environ.get("SERVER_PORT")),
         "wsgi.environ": environ,
     }
-    if handoff is not None:
-        scope[HANDOFF] = handoff
     return scope
 
 

@@ -10,7 +10,6 @@ and ASGI services on one store share keys and records.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
@@ -18,8 +17,8 @@ from starlette.types import Scope
 
 from .._exchange import Exchange
 from .._loop import loop_thread
+from ..middleware import Counters, _routes
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
-from ..middleware import _routes
 from ..middleware._lifespan import Lifespan
 from ..middleware._routes import RESOLVED_POLICY, RoutePolicy
 from ..store import Store
@@ -29,9 +28,6 @@ from ._bridge import HANDOFF, Handoff, Outer, latin1, status_line, thread_app
 PolicyOf: TypeAlias = Callable[[dict[str, Any]], RoutePolicy | None]
 
 __all__ = ["IdempotencyMiddleware", "PolicyOf", "check_store"]
-
-logger = logging.getLogger("goblin_idem.middleware")
-
 
 class IdempotencyMiddleware:
     """Makes a WSGI app's POST/PATCH endpoints safe to retry with an ``Idempotency-Key``
@@ -56,7 +52,8 @@ class IdempotencyMiddleware:
         check_store(self.core)  # raises for an unusable store, as a lifespan's startup
 
     @property
-    def counters(self) -> Any:
+    def counters(self) -> Counters:
+        """The ASGI middleware's counters: every request this middleware covered."""
         return self.core.counters
 
     def __call__(
@@ -68,7 +65,7 @@ class IdempotencyMiddleware:
         policy_of = self.policy_of if _routes.marked_endpoints else None
         if key is None and policy_of is None and not self.core.routes.may_require:
             return self.app(environ, start_response)  # the common case: nothing to do, fast
-        scope = scope_of(environ, None)
+        scope = scope_of(environ)
         if policy_of is not None:
             scope[RESOLVED_POLICY] = policy_of(environ)
         if key is None:

@@ -6,6 +6,7 @@ and uvicorn: tests/wsgi/test_servers.py."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -165,3 +166,25 @@ def test_marks_hold_for_a_fresh_process_s_first_request() -> None:
     settings = {"DJANGO_SETTINGS_MODULE": "tests.support.apps.django_site.settings"}
     code, said = run_until_exit(["-c", first_request], settings)
     assert code == 400 % 256, said  # the exit status holds the HTTP status, modulo 256
+
+
+def test_a_streamed_response_closed_unread_frees_its_key() -> None:
+    """The server closes the response before reading its body (the client left): the
+    view's stream is cut, and the key released for the retry."""
+    client, k = Client(), key()
+    post(client, "/stream?kb=4", k).close()
+    again = post(client, "/stream?kb=4", k)
+    assert "Idempotent-Replayed" not in again and b"".join(again.streaming_content) == b"x" * 4096
+
+
+async def test_the_async_path_frees_the_key_of_a_stream_closed_unread() -> None:
+    client, k = AsyncClient(), key()
+    headers = {"Idempotency-Key": k}
+    first = await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
+    first.close()
+    for _ in range(100):  # the middleware's task ends in the loop: let it
+        await asyncio.sleep(0.01)
+        again = await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
+        if again.status_code != 409:
+            break
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again
