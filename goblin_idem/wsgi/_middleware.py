@@ -29,6 +29,7 @@ PolicyOf: TypeAlias = Callable[[dict[str, Any]], RoutePolicy | None]
 
 __all__ = ["IdempotencyMiddleware", "PolicyOf", "check_store"]
 
+
 class IdempotencyMiddleware:
     """Makes a WSGI app's POST/PATCH endpoints safe to retry with an ``Idempotency-Key``
     header, as goblin_idem.IdempotencyMiddleware does for an ASGI app: the same options
