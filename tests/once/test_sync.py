@@ -172,16 +172,20 @@ def test_a_sync_function_called_from_a_coroutine_checks_its_claim_too() -> None:
     store = MemoryStore()
 
     @once(store, key=lambda n: n)
-    def commit(n: int) -> bool:
+    def commit(n: int) -> str:
         claim = current_claim()
         assert claim is not None
-        claim.ensure_owned()
-        return claim.lost
+        loop_thread().run(store.delete(claim._lease.key))  # an operator deletes the key
+        try:
+            claim.ensure_owned()
+        except ClaimLostError:
+            return "stopped before the commit"
+        return "committed"
 
-    async def caller() -> bool:
+    async def caller() -> str:
         return commit(1)
 
-    assert asyncio.run(caller()) is False
+    assert asyncio.run(caller()) == "stopped before the commit"
 
 
 def test_the_lease_is_renewed_for_a_run_of_three_leases(redis_server: Server) -> None:
@@ -224,3 +228,34 @@ def test_a_function_used_before_a_fork_works_in_the_child(redis_server: Server) 
     assert in_child(lambda: [job(1), job(2), job(2)]) == [10, 20, 20]
     assert job(2) == 20 and runs == [1]  # the child's run of 2 is stored: none here
     loop_thread().run(store.aclose())
+
+
+async def test_a_sync_endpoint_of_an_asgi_app_checks_its_claim_with_a_plain_call() -> None:
+    """Starlette and FastAPI run a ``def`` endpoint in a thread without an event loop: the
+    request's claim is checked there by calling ensure_owned(), as in any sync code."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from goblin_idem import IdempotencyMiddleware
+    from tests.support.asgi import request
+
+    store = MemoryStore()
+    checks: list[str] = []
+
+    def pay(request: Request) -> PlainTextResponse:
+        claim = current_claim()
+        assert claim is not None
+        claim.ensure_owned()  # a plain call: no loop runs in this thread
+        checks.append("owned")
+        loop_thread().run(store.delete(claim._lease.key))  # an operator deletes the key
+        try:
+            claim.ensure_owned()
+        except ClaimLostError:
+            checks.append("lost")
+        return PlainTextResponse("paid", status_code=201)
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    reply = await request(IdempotencyMiddleware(app, store=store), path="/pay", key="k")
+    assert reply.status == 201 and checks == ["owned", "lost"]
