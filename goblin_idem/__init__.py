@@ -1,4 +1,4 @@
-"""goblin-idem: exactly-once POST/PATCH for ASGI apps on atomic Redis-protocol claims."""
+"""goblin-idem: exactly-once POST/PATCH for ASGI and WSGI apps on atomic Redis-protocol claims."""
 
 __version__ = "0.2.0"  # the one place: pyproject.toml reads it
 

@@ -18,14 +18,22 @@ import itertools
 import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, Protocol
 
 from ._lease import Lease
+from ._loop import loop_thread
 from .exceptions import ClaimLostError
 from .store import ClaimReply, Store
 
-__all__ = ["Claim", "ClaimHolder", "current_claim", "new_token", "poll_claim"]
+__all__ = [
+    "Claim",
+    "ClaimHolder",
+    "current_claim",
+    "for_sync_code",
+    "new_token",
+    "poll_claim",
+]
 
 logger = logging.getLogger("goblin_idem.claim")
 
@@ -59,11 +67,12 @@ if hasattr(os, "register_at_fork"):
 class Claim:
     """One run's claim: its key hash (what logs show), token, and whether it is still held."""
 
-    __slots__ = ("_lease", "_store")
+    __slots__ = ("_lease", "_store", "_sync")
 
-    def __init__(self, store: Store, lease: Lease) -> None:
+    def __init__(self, store: Store, lease: Lease, *, sync: bool = False) -> None:
         self._store = store
         self._lease = lease
+        self._sync = sync  # seen by sync code: ensure_owned() checks at once
 
     @property
     def key_hash(self) -> str:
@@ -78,14 +87,24 @@ class Claim:
         """True once a watchdog renewal found the claim no longer this run's (no round trip)."""
         return self._lease.lost
 
-    async def ensure_owned(self) -> None:
+    def ensure_owned(self) -> Awaitable[None]:
         """Raise ClaimLostError unless the store holds this run's token under the claim key.
+
+        In async code, await it. In sync code (a thread that runs no event loop: a WSGI or
+        Django view, a sync `once` function, a FastAPI ``def`` endpoint), call it: it checks
+        at once, through the process's loop thread (`_loop`), and raises there.
 
         One round trip (a GET of the claim key), none if the watchdog already saw the claim
         lost. It reads and never writes, so asking after the result was stored is harmless.
         What it proves holds when the store answered; the watchdog keeps renewing the claim
         after it, and no check closes the gap between itself and the commit that follows.
         """
+        if self._sync or not _in_event_loop():
+            loop_thread().run(self._check())
+            return _CHECKED
+        return self._check()
+
+    async def _check(self) -> None:
         lease = self._lease
         if not lease.lost and await self._store.get(lease.key) == lease.token:
             return
@@ -114,6 +133,43 @@ class ClaimHolder(Protocol):
 current: contextvars.ContextVar[ClaimHolder | None] = contextvars.ContextVar(
     "goblin_idem_claim", default=None
 )
+
+
+class _InSyncCode:
+    """A run's claim holder, as the sync code the run calls in a thread of its own sees it
+    (that thread may run an event loop of its own, blocked while it waits for the run)."""
+
+    __slots__ = ("holder",)
+
+    def __init__(self, holder: ClaimHolder) -> None:
+        self.holder = holder
+
+    def claim(self) -> Claim:
+        claim = self.holder.claim()
+        return Claim(claim._store, claim._lease, sync=True)
+
+
+def for_sync_code(holder: ClaimHolder | None) -> ClaimHolder | None:
+    """`holder` (the running coroutine's), for the sync code it calls in another thread."""
+    return None if holder is None else _InSyncCode(holder)
+
+
+class _Checked:
+    """What `ensure_owned` returns once it has checked: awaiting it does nothing more."""
+
+    def __await__(self) -> Generator[Any, None, None]:
+        yield from ()
+
+
+_CHECKED = _Checked()
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def current_claim() -> Claim | None:

@@ -53,7 +53,9 @@ EXPORTED = [
 PUBLIC_MODULES = {
     "goblin_idem",
     "goblin_idem.client",
+    "goblin_idem.django",
     "goblin_idem.exceptions",
+    "goblin_idem.flask",
     "goblin_idem.inspection",
     "goblin_idem.middleware",
     "goblin_idem.native",
@@ -61,6 +63,7 @@ PUBLIC_MODULES = {
     "goblin_idem.records",
     "goblin_idem.sealing",
     "goblin_idem.store",
+    "goblin_idem.wsgi",
 }
 
 

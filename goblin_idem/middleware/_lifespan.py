@@ -56,7 +56,7 @@ class Lifespan:
             await self.app(scope, _first(message, receive), send)
             return
         try:
-            await self._startup()
+            await self.startup()
         except Exception as exc:
             await send({"type": "lifespan.startup.failed", "message": str(exc)})
             return
@@ -86,7 +86,9 @@ class Lifespan:
         await self._shutdown()
         await send({"type": "lifespan.shutdown.complete"})
 
-    async def _startup(self) -> None:
+    async def startup(self) -> None:
+        """Check the store and log what it is (also the sync integrations' check, which
+        they make when they are built, having no lifespan)."""
         store = self.store
         log = startup_logger()
         if isinstance(store, MemoryStore):

@@ -3,7 +3,9 @@
 The middleware's options give the defaults and the path patterns (`include`, `exclude`,
 `required_paths`); an endpoint marked with `@idempotent` overrides them for its route. The
 mark is found the way the router finds the endpoint, so a request meets the policy of the
-route that serves it, and the OpenAPI document (openapi.py) says the same.
+route that serves it, and the OpenAPI document (openapi.py) says the same. A framework
+that routes by its own means (Flask's URL map, Django's resolver) resolves the endpoint
+itself and hands the middleware its mark in the scope (`RESOLVED_POLICY`, `policy_of`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,25 @@ from starlette.types import Scope
 
 from .. import _options as options
 
-__all__ = ["RoutePolicy", "Routes", "Settings", "idempotent", "marked_endpoints"]
+__all__ = [
+    "RESOLVED_POLICY",
+    "RoutePolicy",
+    "Routes",
+    "Settings",
+    "idempotent",
+    "marked_endpoints",
+    "policy_of",
+]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
 F = TypeVar("F", bound=Callable[..., Any])
 _POLICY_ATTR = "__goblin_idem__"
+
+#: The scope key of the mark (a RoutePolicy, or None for none) of the endpoint that the
+#: framework serving the request resolved by its own router; the middleware then takes it
+#: instead of asking the ASGI app's routes.
+RESOLVED_POLICY = "goblin_idem.route_policy"
 
 # How many endpoints @idempotent has marked in this process. While none has, no request
 # needs its route looked up, so a request without a key passes with a header scan only;
@@ -163,14 +178,7 @@ class Routes:
 
     def settings(self, scope: Scope) -> Settings | None:
         settings = self._for_path(scope["path"])
-        routes = getattr(scope.get("app"), "routes", None) if marked_endpoints else None
-        if not routes:
-            return settings
-        try:
-            policy = _route_policy(routes, dict(scope))  # a copy: matching must change nothing
-        except _EndpointHidden as exc:
-            self._warn_hidden(exc.args[0])
-            return settings
+        policy = self._policy(scope) if marked_endpoints else None
         if policy is None:
             return settings
         if not policy.enabled:
@@ -183,6 +191,20 @@ class Routes:
             base.lease_ms if lease is None else round(lease * 1000),
             base.claim_seconds if lease is None else math.ceil(lease),
         )
+
+    def _policy(self, scope: Scope) -> RoutePolicy | None:
+        """The mark of the endpoint that will serve the request, if it has one."""
+        if RESOLVED_POLICY in scope:
+            resolved: RoutePolicy | None = scope[RESOLVED_POLICY]
+            return resolved
+        routes = getattr(scope.get("app"), "routes", None)
+        if not routes:
+            return None
+        try:
+            return _route_policy(routes, dict(scope))  # a copy: matching must change nothing
+        except _EndpointHidden as exc:
+            self._warn_hidden(exc.args[0])
+            return None
 
     def _settings_for_path(self, path: str) -> Settings | None:
         def any_match(patterns: Sequence[str]) -> bool:
@@ -207,6 +229,16 @@ class Routes:
             "included routers: upgrade FastAPI",
             route,
         )
+
+
+def policy_of(*candidates: object) -> RoutePolicy | None:
+    """The mark of the first candidate that has one: for a framework's own resolver, the
+    handler of the request's method first, then the view, then the view's class."""
+    for candidate in candidates:
+        policy = getattr(candidate, _POLICY_ATTR, None)
+        if isinstance(policy, RoutePolicy):
+            return policy
+    return None
 
 
 class _EndpointHidden(Exception):

@@ -16,8 +16,9 @@ a request:
   next call runs again: the function must leave nothing behind that a second run would
   duplicate, as a handler must.
 
-Only `async def` functions: a sync function run in a thread cannot be stopped when its
-lease is lost or its caller cancelled, so it could commit after another run took over.
+A plain ``def`` runs in its caller's thread and the rest of its call on the process's loop
+thread (`_sync`): the same steps, the lease renewed while it runs; what no thread can be is
+stopped, so it checks `current_claim().ensure_owned()` before it commits.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from .. import _options as options
 from .._claim import Claim, current, new_token, poll_claim
@@ -41,6 +42,7 @@ from ..exceptions import InFlightError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, ClaimReply, Published, Store
 from ._codecs import Codec, codec_for, from_stored, to_stored
+from ._sync import in_callers_thread
 
 __all__ = ["once"]
 
@@ -52,6 +54,18 @@ R = TypeVar("R")
 POLL_SECONDS = 0.05  # the middleware's default poll_interval_seconds
 RETRY_AFTER = 1.0  # the middleware's default Retry-After
 _background: set[asyncio.Task[Any]] = set()  # closing steps that outlive a cancelled call
+
+
+class Decorator(Protocol):
+    """What `once(...)` returns: an ``async def`` stays one, a plain ``def`` stays one."""
+
+    @overload
+    def __call__(
+        self, func: Callable[P, Awaitable[R]], /
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    @overload
+    def __call__(self, func: Callable[P, R], /) -> Callable[P, R]: ...
 
 
 def once(
@@ -66,8 +80,8 @@ def once(
     name: str | None = None,
     encryption_keys: Sequence[bytes] | Sealer | None = None,
     require_sealed: bool = False,
-) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
-    """Run the decorated ``async def`` at most once per key (see the module docstring).
+) -> Decorator:
+    """Run the decorated function at most once per key (see the module docstring).
 
     `key` is called with the function's arguments and returns the work's identity (an
     event or message id) as str, bytes or int (``1`` and ``"1"`` are the same key). Store
@@ -86,14 +100,14 @@ def once(
     sealer = options.sealer(encryption_keys)
     sealed_only = options.require_sealed(require_sealed, sealer)
 
-    def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         if not inspect.iscoroutinefunction(func):
-            raise TypeError(
-                f"once decorates async def functions only, and {_name_of(func)} is not one: "
-                "a sync function run in a thread could not be stopped when its claim is "
-                "lost. Make it async def (await asyncio.to_thread(...) inside it for "
-                "blocking calls, and check current_claim() before committing)"
-            )
+            if inspect.iscoroutinefunction(type(func).__call__):
+                raise TypeError(
+                    f"once decorates functions, and {_name_of(func)} is an object whose "
+                    "__call__ is async: decorate an async def that awaits it"
+                )
+            return in_callers_thread(decorate, func)
         run = _Once(
             the_store,
             func,
@@ -111,9 +125,8 @@ def once(
         )
 
         @functools.wraps(func)
-        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            result: R = await run(args, kwargs)
-            return result
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return await run(args, kwargs)
 
         return wrapper
 

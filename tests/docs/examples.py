@@ -77,7 +77,9 @@ DIRECTIVE = re.compile(r"<!--\s*(serve|not run:[^>]*?)\s*-->\s*$")
 PORT = re.compile(r"(127\.0\.0\.1:|localhost:|--port[ =])(\d{2,5})\b")
 SHELL_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})  # bash's, not the page's
 DEFAULT_PORT = 8000  # uvicorn's, the example app's and mkdocs serve's
-LISTEN = re.compile(r"(?:--port[ =]|--dev-addr[ =]127\.0\.0\.1:)(\d+)")  # a server's own
+LISTEN = re.compile(  # a server's own port: uvicorn's, mkdocs serve's, gunicorn's
+    r"(?:--port[ =]|--dev-addr[ =]127\.0\.0\.1:|--bind[ =]127\.0\.0\.1:)(\d+)"
+)
 DEFAULT_ADDRESS = {  # how each server that defaults to it is told a port
     r"\buvicorn ": " --port {}",
     r"-m example_app\b": " --port {}",

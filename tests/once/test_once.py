@@ -536,14 +536,15 @@ async def test_current_claim_in_a_handler_run_by_the_middleware(store: Store) ->
     assert seen[2] is None and current_claim() is None
 
 
-def test_sync_functions_and_bad_options_are_refused() -> None:
+def test_bad_options_and_objects_with_an_async_call_are_refused() -> None:
     store = MemoryStore()
-    with pytest.raises(TypeError, match="async def functions only"):
 
-        @once(store, key=lambda n: n)
-        def sync(n: int) -> int:
+    class Handler:
+        async def __call__(self, n: int) -> int:
             return n
 
+    with pytest.raises(TypeError, match="whose __call__ is async"):
+        once(store, key=lambda n: n)(Handler())
     with pytest.raises(TypeError, match=r"RedisStore\.from_url"):
         once("redis://127.0.0.1:1/0", key=lambda n: n)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="needs a store"):

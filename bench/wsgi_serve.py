@@ -1,0 +1,116 @@
+"""One WSGI benchmark app: a trivial JSON POST handler, bare or behind one idempotency
+variant, as gunicorn imports it (``wsgi_serve:app``). Configured by environment:
+WSGI_VARIANT (one of VARIANTS) and REDIS_URL.
+
+`POST /orders` is the handler under test (it counts its own runs); `GET /__stats` reports
+that count, so the driver can check that a replay never ran the handler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+VARIANTS = ("flask-bare", "flask-goblin", "django-bare", "django-goblin", "django-peer")
+STATS = {"handler_calls": 0}
+VARIANT = os.environ.get("WSGI_VARIANT", "flask-bare")
+REDIS_URL = os.environ.get("REDIS_URL", "")
+
+
+def flask_app() -> Any:
+    from flask import Flask, jsonify, request
+
+    app = Flask(__name__)
+
+    @app.post("/orders")
+    def orders() -> Any:
+        STATS["handler_calls"] += 1
+        data = request.get_json()
+        return jsonify(id=STATS["handler_calls"], sku=data["sku"]), 201
+
+    @app.get("/__stats")
+    def stats() -> Any:
+        return jsonify(STATS)
+
+    if VARIANT == "flask-goblin":
+        from goblin_idem import RedisStore
+        from goblin_idem.flask import Idempotency
+
+        Idempotency(app, store=RedisStore.from_url(REDIS_URL))
+    return app
+
+
+def django_app() -> Any:
+    """A one-module Django project; the peer (django-idempotency-key) stores responses in a
+    django-redis cache and locks the lookup with its Redis lock, as its documentation says
+    for several processes, and replays with the original status."""
+    import django
+    from django.conf import settings
+    from django.core.wsgi import get_wsgi_application
+
+    middleware: list[str] = []
+    extra: dict[str, Any] = {}
+    if VARIANT == "django-goblin":
+        middleware = ["goblin_idem.django.IdempotencyMiddleware"]
+        extra = {"GOBLIN_IDEM": {"STORE": REDIS_URL}}
+    elif VARIANT == "django-peer":
+        middleware = ["idempotency_key.middleware.IdempotencyKeyMiddleware"]
+        extra = {
+            "CACHES": {
+                "default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": REDIS_URL}
+            },
+            "IDEMPOTENCY_KEY": {
+                "CONFLICT_STATUS_CODE": None,
+                "STORAGE": {
+                    "CLASS": "idempotency_key.storage.CacheKeyStorage",
+                    "CACHE_NAME": "default",
+                },
+                "LOCK": {
+                    "CLASS": "idempotency_key.locks.redis.MultiProcessRedisLock",
+                    "LOCATION": REDIS_URL,
+                },
+            },
+        }
+    settings.configure(
+        SECRET_KEY="bench only",
+        DEBUG=False,
+        ALLOWED_HOSTS=["*"],
+        ROOT_URLCONF=__name__,
+        MIDDLEWARE=middleware,
+        DATABASES={},
+        INSTALLED_APPS=[],
+        **extra,
+    )
+    django.setup()
+    globals()["urlpatterns"] = _urlpatterns()  # before the app: goblin-idem's loads them
+    return get_wsgi_application()
+
+
+def _orders(request: Any) -> Any:
+    from django.http import JsonResponse
+
+    STATS["handler_calls"] += 1
+    data = json.loads(request.body)
+    return JsonResponse({"id": STATS["handler_calls"], "sku": data["sku"]}, status=201)
+
+
+def _stats(request: Any) -> Any:
+    from django.http import JsonResponse
+
+    return JsonResponse(STATS)
+
+
+def _urlpatterns() -> list[Any]:
+    from django.urls import path
+    from django.views.decorators.csrf import csrf_exempt
+
+    view = csrf_exempt(_orders)
+    if VARIANT == "django-peer":  # keys optional, as they are for the others
+        from idempotency_key.decorators import idempotency_key
+
+        view = idempotency_key(optional=True)(view)
+    return [path("orders", view), path("__stats", _stats)]
+
+
+app = django_app() if VARIANT.startswith("django") else flask_app()

@@ -1,0 +1,87 @@
+"""The process's event loop thread: where sync code (WSGI, Django, a sync `once`) calls
+stores through.
+
+One loop per process, in a daemon thread of its own, started on first use: every request
+thread's store calls share its connections (the auto-pipeline batches them) and its
+watchdog renews every lease they hold, whatever those threads are doing meanwhile.
+
+Fork safety (``gunicorn --preload`` imports the app, which may use a store, then forks):
+a child has no thread but the one that forked, so it starts a loop thread of its own on
+first use; the parent's loop object is left untouched there (never run, closed or freed,
+since its selector is an epoll instance the child shares with the parent), and the stores
+drop, in the child, the connections they inherited. The thread is a daemon: it ends with
+the process, which a server ends once its requests are answered (and with them every
+publish, which a request waits for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread", "loop_thread"]
+
+T = TypeVar("T")
+
+_current: LoopThread | None = None
+_starting = threading.Lock()
+_inherited: list[LoopThread] = []  # a parent's, in a fork's child: kept from the collector
+
+
+class LoopThread:
+    """An event loop running forever in a daemon thread (`loop_thread()` gives the
+    process's one)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name="goblin-idem loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and wait for its result here (never from the loop's
+        own thread, which would wait for itself)."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("LoopThread.run called from the loop thread itself")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def loop_thread() -> LoopThread:
+    """The process's loop thread, started on first use (again in a fork's child)."""
+    thread = _current
+    if thread is not None and thread.alive:
+        return thread
+    return _start()
+
+
+def _start() -> LoopThread:
+    global _current
+    with _starting:
+        if _current is None or not _current.alive:
+            _current = LoopThread()
+        return _current
+
+
+def _forget_after_fork() -> None:
+    """In a fork's child: the parent's loop thread did not come along."""
+    global _current, _starting
+    _starting = threading.Lock()  # another thread may have held it at the fork
+    if _current is not None:
+        _inherited.append(_current)
+        _current = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,238 @@
+"""``goblin_idem.django.IdempotencyMiddleware``: the ASGI middleware, for Django.
+
+Sync and async capable. Under WSGI (gunicorn) Django calls it in the request's thread: the
+ASGI middleware runs on the loop thread (`_loop`) and the rest of Django's chain back in
+the request's thread (`goblin_idem.wsgi._bridge`), as for a WSGI app. Under ASGI (uvicorn)
+it awaits the ASGI middleware in the request's own loop, the rest of the chain as its app.
+Either way one claim step, one watchdog, one record format and one set of options with
+the ASGI middleware: a Django service and a FastAPI service on one store share keys and
+records.
+
+A request no option covers (another method, no key on a route that does not require one)
+goes down the chain at once. ``@idempotent(...)`` on a view (a function, a class-based or
+Django REST framework view, or the class's handler for the request's method or its
+viewset action) is found with Django's resolver, as Django will route the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-untyped]
+from django.http import HttpRequest  # type: ignore[import-untyped]
+from django.http.response import HttpResponseBase  # type: ignore[import-untyped]
+from django.urls import Resolver404, get_resolver, resolve  # type: ignore[import-untyped]
+from starlette.types import Scope
+
+from .._exchange import Exchange
+from .._loop import loop_thread
+from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
+from ..middleware import _routes
+from ..middleware._routes import RESOLVED_POLICY, RoutePolicy, policy_of
+from ..store import Store
+from ..wsgi._app import scope_of
+from ..wsgi._bridge import HANDOFF, Handoff, Outer, thread_app
+from ..wsgi._middleware import check_store
+from . import _settings
+from ._responses import DJANGO_REQUEST, AsyncCall, DjangoResponder, django_app, response_of
+
+__all__ = ["IdempotencyMiddleware"]
+
+_checked: weakref.WeakSet[Store] = weakref.WeakSet()  # stores checked at startup
+
+
+class IdempotencyMiddleware:
+    """Makes Django's POST/PATCH views safe to retry with an ``Idempotency-Key`` header,
+    configured by ``settings.GOBLIN_IDEM`` (goblin_idem.django._settings): options and
+    store are checked when Django loads its middleware, and ImproperlyConfigured says
+    what to change."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+        options = _settings.read()
+        app = django_app if self.is_async else thread_app
+        try:
+            self.core = ASGIIdempotencyMiddleware(app, **options)
+        except (TypeError, ValueError) as exc:
+            raise _settings.refused(exc) from exc
+        self.methods = self.core.methods
+        self.max_body_bytes = self.core.max_body_bytes
+        self.key_name = "HTTP_" + self.core.header_name.upper().replace("-", "_")
+        self._check(self.core)
+        get_resolver().url_patterns  # noqa: B018  # see _covered
+
+    @staticmethod
+    def _check(core: ASGIIdempotencyMiddleware) -> None:
+        """The store, checked once per process (as an ASGI lifespan's startup would)."""
+        if core.store in _checked:
+            return
+        try:
+            check_store(core)
+        except RuntimeError as exc:
+            raise ImproperlyConfigured(f"settings.{_settings.SETTING}['STORE']: {exc}") from exc
+        _checked.add(core.store)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.is_async:
+            return self.__acall__(request)
+        scope = self._covered(request)
+        if scope is None:
+            return self.get_response(request)
+        return self._bridged(request, scope)
+
+    def _covered(self, request: HttpRequest) -> Scope | None:
+        """The ASGI scope of a request the middleware covers; None for the others.
+
+        Marks are looked up while any endpoint is marked: the views' modules must have
+        been imported by then, so the URLconf (which imports them) is loaded when the
+        middleware is made, not at the first request as Django would; one a middleware
+        sets for the request (``request.urlconf``) is looked up in any case."""
+        if request.method not in self.methods:
+            return None
+        key = request.META.get(self.key_name)
+        marks = _routes.marked_endpoints or hasattr(request, "urlconf")
+        if key is None and not marks and not self.core.routes.may_require:
+            return None  # the common case: nothing to do, fast
+        scope = _scope(request)
+        scope[DJANGO_REQUEST] = request
+        if marks:
+            scope[RESOLVED_POLICY] = _policy(request)
+        if key is None:
+            settings = self.core.routes.settings(scope)
+            if settings is None or not settings.required:
+                return None
+        return scope
+
+    def _body(self, request: HttpRequest) -> bytes | None:
+        """The body read up front (Django's own read) when it is within max_body_bytes."""
+        length = request.META.get("CONTENT_LENGTH", "")
+        if not length.isdigit() or int(length) > self.max_body_bytes:
+            return None
+        body: bytes = request.body
+        return body
+
+    # -- under WSGI: the request's thread --
+
+    def _bridged(self, request: HttpRequest, scope: Scope) -> HttpResponseBase:
+        exchange = Exchange(loop_thread())
+        responder = DjangoResponder(self.get_response, request)
+        body = self._body(request)
+        handoff = Handoff(exchange, responder, body, None if body is not None else _reader(request))
+        scope[HANDOFF] = handoff
+        exchange.start(self.core(scope, handoff.receive, handoff.send))
+        outer = Outer(handoff)
+        handed = False
+        try:
+            if not outer.begin():
+                raise RuntimeError("the idempotency middleware sent no response")
+            response = self._response(outer, responder)
+            handed = response is responder.response
+            return response
+        except BaseException:
+            if exchange.done is None:
+                exchange.abandon()
+            raise
+        finally:
+            if not handed:
+                responder.discard()
+
+    @staticmethod
+    def _response(outer: Outer, responder: DjangoResponder) -> HttpResponseBase:
+        response = responder.response
+        if outer.passed_through and response is not None:
+            if response.streaming:
+                response.streaming_content = outer.chunks()
+            else:
+                outer.finish()
+            return response
+        whole = outer.whole()
+        return response_of(outer.start, whole if whole is not None else outer.chunks())
+
+    # -- under ASGI: the request's loop --
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponseBase:
+        scope = self._covered(request)
+        if scope is None:
+            response: HttpResponseBase = await self.get_response(request)
+            return response
+        call = AsyncCall(self.get_response, request, self._body(request))
+        scope[HANDOFF] = call
+        call.start(self.core(scope, call.receive, call.send))
+        handed = False
+        try:
+            first = await call.next()
+            if first is None:
+                raise RuntimeError("the idempotency middleware sent no response")
+            start, message = first
+            assert start is not None
+            chunk = bytes(message.get("body", b""))
+            more = message.get("more_body", False)
+            inner = call.response
+            if start is call.start_message and inner is not None:  # passed through
+                if inner.streaming:
+                    inner.streaming_content = call.stream(chunk)
+                else:
+                    await call.next()
+                handed = True
+                return inner
+            if more:
+                return response_of(start, call.stream(chunk))  # type: ignore[arg-type]
+            await call.next()
+            return response_of(start, chunk)
+        except asyncio.CancelledError:  # Django cancels a view whose client left
+            if call.task is not None:
+                call.task.cancel()
+            raise
+        finally:
+            if not handed and call.response is not None:
+                await sync_to_async(call.response.close)()
+
+
+def _scope(request: HttpRequest) -> Scope:
+    """The request's ASGI scope: a copy of its own under ASGI (without the app of an outer
+    framework that Django may be mounted in), else made from its environ."""
+    asgi_scope = getattr(request, "scope", None)
+    if asgi_scope is None:
+        return scope_of(request.META)
+    scope = dict(asgi_scope)
+    scope.pop("app", None)
+    query = scope.get("query_string", b"")
+    if isinstance(query, str):  # Django's test client's scopes
+        scope["query_string"] = query.encode("latin-1")
+    return scope
+
+
+def _reader(request: HttpRequest) -> Any:
+    """The body as Django reads it, whole (for a body with no Content-Length, or one
+    over max_body_bytes, which the middleware refuses by its length before reading)."""
+
+    def read() -> tuple[bytes, bool]:
+        return request.body, False
+
+    return read
+
+
+def _policy(request: HttpRequest) -> RoutePolicy | None:
+    """The mark of the view Django routes the request to: on the handler of the request's
+    method (a class-based view's method, a viewset's action), on the view, or its class."""
+    try:
+        match = resolve(request.path_info, urlconf=getattr(request, "urlconf", None))
+    except Resolver404:
+        return None
+    view = match.func
+    cls = getattr(view, "view_class", None) or getattr(view, "cls", None)
+    handler = None
+    if cls is not None:
+        method = (request.method or "").lower()
+        actions = getattr(view, "actions", None)  # a REST framework viewset's
+        handler = getattr(cls, actions.get(method, method) if actions else method, None)
+    return policy_of(handler, view, cls)

@@ -1,0 +1,144 @@
+"""``settings.GOBLIN_IDEM``: the ASGI middleware's options, in upper case.
+
+``"STORE"`` is a URL (``redis://...``, ``rediss://...``, ``unix://...``: RedisStore.from_url),
+the dotted path of a function that returns a store (``"myproject.idem.store"``, called with
+no arguments), or a store itself; ``"memory"``, or no STORE, is a MemoryStore (one per
+process). ``"SCOPE"`` and
+``"ON_EVENT"`` take a function or its dotted path; ``"KEY_PATTERN"`` a regular expression
+(a str, compiled to match bytes) or a function. Every other key is the option of the same
+name, lowercased. A value refused raises ImproperlyConfigured naming the key and what to
+change, when Django loads its middleware (at startup).
+
+Stores are made once per process and setting, so every middleware built from the same
+settings (the test client builds one per client) shares one store and its watchdog.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+from typing import Any
+
+from django.conf import settings  # type: ignore[import-untyped]
+from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-untyped]
+from django.utils.module_loading import import_string  # type: ignore[import-untyped]
+
+from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
+from ..store import MemoryStore, RedisStore, Store
+
+__all__ = ["SETTING", "read", "refused"]
+
+SETTING = "GOBLIN_IDEM"
+URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_FUNCTIONS = ("scope", "on_event")
+# Every option of the ASGI middleware, by name, but its app and the millisecond names it
+# keeps for one release (the settings are new: seconds only).
+OPTIONS = frozenset(inspect.signature(ASGIIdempotencyMiddleware.__init__).parameters) - {
+    "self",
+    "app",
+    "wait_ms",
+    "poll_interval_ms",
+}
+_stores: dict[str, Store] = {}
+_making = threading.Lock()
+
+
+def read() -> dict[str, Any]:
+    """The ASGI middleware's keyword arguments, from ``settings.GOBLIN_IDEM``."""
+    given = getattr(settings, SETTING, {})
+    if not isinstance(given, dict):
+        raise ImproperlyConfigured(
+            f"settings.{SETTING} must be a dict of options (such as "
+            f'{{"STORE": "redis://127.0.0.1:6379/0"}}), not a {type(given).__name__}'
+        )
+    options: dict[str, Any] = {}
+    for key, value in given.items():
+        name = key.lower() if isinstance(key, str) else None
+        if name is None or key != key.upper() or name not in OPTIONS:
+            raise ImproperlyConfigured(
+                f"settings.{SETTING} has an unknown option {key!r}; the options are "
+                f"{', '.join(sorted(o.upper() for o in OPTIONS))}"
+            )
+        options[name] = _value(key, name, value)
+    options["store"] = _store(options.get("store"))
+    return options
+
+
+def _value(key: str, name: str, value: object) -> object:
+    if name in _FUNCTIONS and isinstance(value, str):
+        return _imported(key, value)
+    if name == "key_pattern" and isinstance(value, str):
+        try:
+            return re.compile(value.encode())
+        except re.error as exc:
+            raise ImproperlyConfigured(
+                f"settings.{SETTING}[{key!r}] is not a valid regular expression: {exc}"
+            ) from None
+    return value
+
+
+def _imported(key: str, path: str, example: str = "myproject.idem.caller_scope") -> object:
+    try:
+        return import_string(path)
+    except ImportError as exc:
+        raise ImproperlyConfigured(
+            f"settings.{SETTING}[{key!r}]: cannot import {path!r} ({exc}); give the dotted "
+            f"path of a function, as in {example!r}"
+        ) from None
+
+
+def _store(setting: object) -> Store | None:
+    """The store the setting names, made once per process (see the module docstring)."""
+    if setting is None or not isinstance(setting, str):
+        return setting  # type: ignore[return-value]  # checked by the middleware
+    with _making:
+        store = _stores.get(setting)
+        if store is None:
+            store = _stores[setting] = _made(setting)
+        return store
+
+
+def _made(setting: str) -> Store:
+    key = "STORE"
+    if setting.startswith(URL_SCHEMES):
+        try:
+            return RedisStore.from_url(setting)
+        except ValueError as exc:  # never repeats the URL: it may carry a password
+            raise ImproperlyConfigured(
+                f"settings.{SETTING}[{key!r}] is not a usable Redis URL: {exc}"
+            ) from None
+    if setting == "memory":
+        return MemoryStore()
+    if "://" in setting:
+        scheme = setting.partition("://")[0]
+        raise ImproperlyConfigured(
+            f"settings.{SETTING}[{key!r}]: a URL of scheme {scheme!r} names no store; use "
+            "redis://, rediss:// or unix:// (a Redis-protocol server), or the dotted path "
+            "of a function that returns a store"
+        )
+    found = _imported(key, setting, "myproject.idem.make_store")
+    store = found
+    if callable(found) and not isinstance(found, Store):
+        try:
+            store = found()
+        except Exception as exc:
+            raise ImproperlyConfigured(
+                f"settings.{SETTING}[{key!r}]: calling {setting!r} raised "
+                f"{type(exc).__name__}: {exc}; it must be a function of no arguments that "
+                "returns a store"
+            ) from exc
+    if not isinstance(store, Store):
+        raise ImproperlyConfigured(
+            f"settings.{SETTING}[{key!r}]: {setting!r} gave a {type(store).__name__}, not a "
+            "store; it must be (or return) a RedisStore or MemoryStore"
+        )
+    return store
+
+
+def refused(exc: Exception) -> ImproperlyConfigured:
+    """An option the ASGI middleware refused, worded for the settings."""
+    text = str(exc)
+    name = text.split(" ", 1)[0].rstrip(":")
+    where = f"[{name.upper()!r}]" if name in OPTIONS else ""
+    return ImproperlyConfigured(f"settings.{SETTING}{where}: {text}")

@@ -1,0 +1,115 @@
+"""IdempotencyMiddleware for WSGI (PEP 3333) apps: the ASGI middleware, bridged.
+
+A request that no option covers (another method, no key on a route that does not require
+one) goes to the app at once, in its own thread, without touching the loop thread: a
+lookup of the key header. A covered request runs the ASGI middleware on the loop thread
+(`_loop`), which runs the app back in the request's thread (`_bridge`): one claim step,
+one watchdog, one record format and one set of options with the ASGI middleware, so WSGI
+and ASGI services on one store share keys and records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeAlias
+
+from starlette.types import Scope
+
+from .._exchange import Exchange
+from .._loop import loop_thread
+from ..middleware import Counters, _routes
+from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
+from ..middleware._lifespan import Lifespan
+from ..middleware._routes import RESOLVED_POLICY, RoutePolicy
+from ..store import Store
+from ._app import WSGIApp, WSGIResponder, body_reader, read_whole, scope_of
+from ._bridge import HANDOFF, Handoff, Outer, latin1, status_line, thread_app
+
+PolicyOf: TypeAlias = Callable[[dict[str, Any]], RoutePolicy | None]
+
+__all__ = ["IdempotencyMiddleware", "PolicyOf", "check_store"]
+
+
+class IdempotencyMiddleware:
+    """Makes a WSGI app's POST/PATCH endpoints safe to retry with an ``Idempotency-Key``
+    header, as goblin_idem.IdempotencyMiddleware does for an ASGI app: the same options
+    (but `close_store`: a WSGI app has no shutdown to close it in), checked here, and the
+    store checked here too unless ``check_store=False``, so that a wrong one stops the
+    server's startup (a gunicorn worker fails to boot)."""
+
+    def __init__(self, app: WSGIApp, *, store: Store | None = None, **options: Any) -> None:
+        if not callable(app):
+            raise TypeError(
+                "app must be a WSGI application (a callable of environ and start_response), "
+                f"not a {type(app).__name__}"
+            )
+        self.app = app
+        self.core = ASGIIdempotencyMiddleware(thread_app, store=store, **options)
+        self.store = self.core.store
+        self.methods = self.core.methods
+        self.max_body_bytes = self.core.max_body_bytes
+        self.key_name = "HTTP_" + self.core.header_name.upper().replace("-", "_")
+        self.policy_of: PolicyOf | None = None  # a framework's route marks (Flask's)
+        check_store(self.core)  # raises for an unusable store, as a lifespan's startup
+
+    @property
+    def counters(self) -> Counters:
+        """The ASGI middleware's counters: every request this middleware covered."""
+        return self.core.counters
+
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") not in self.methods:
+            return self.app(environ, start_response)
+        key = environ.get(self.key_name)
+        policy_of = self.policy_of if _routes.marked_endpoints else None
+        if key is None and policy_of is None and not self.core.routes.may_require:
+            return self.app(environ, start_response)  # the common case: nothing to do, fast
+        scope = scope_of(environ)
+        if policy_of is not None:
+            scope[RESOLVED_POLICY] = policy_of(environ)
+        if key is None:
+            settings = self.core.routes.settings(scope)
+            if settings is None or not settings.required:
+                return self.app(environ, start_response)
+        return self._bridged(environ, start_response, scope, key is not None)
+
+    def _bridged(
+        self,
+        environ: dict[str, Any],
+        start_response: Callable[..., Any],
+        scope: Scope,
+        keyed: bool,
+    ) -> Iterable[bytes]:
+        """The ASGI middleware on the loop thread, the app run back in this thread."""
+        exchange = Exchange(loop_thread())
+        responder = WSGIResponder(self.app, environ)
+        body = read_whole(environ, self.max_body_bytes) if keyed else None
+        handoff = Handoff(exchange, responder, body, body_reader(environ) if body is None else None)
+        scope[HANDOFF] = handoff
+        exchange.start(self.core(scope, handoff.receive, handoff.send))
+        outer = Outer(handoff)
+        try:
+            if not outer.begin():  # the client left before its body was read
+                start_response("400 Bad Request", [("Content-Length", "0")])
+                return []
+            start = outer.start
+            if outer.passed_through:
+                start_response(responder.status, responder.headers)
+            else:
+                start_response(status_line(start["status"]), latin1(start.get("headers", ())))
+            whole = outer.whole()
+            return [whole] if whole is not None else outer.chunks()
+        except BaseException:
+            if exchange.done is None:
+                exchange.abandon()
+            responder.close()
+            raise
+
+
+def check_store(core: ASGIIdempotencyMiddleware) -> None:
+    """The store checked as an ASGI lifespan's startup checks it (a sync app has none),
+    through the loop thread: RuntimeError, saying what to change, if it cannot be used."""
+    lifespan = Lifespan(core.app, core.store, core.check_store, close_store=False)
+    loop_thread().run(lifespan.startup())

@@ -1,0 +1,190 @@
+"""goblin_idem.django.IdempotencyMiddleware in process, through Django's test clients: the
+sync path (as under WSGI) and the async path (as under ASGI), route marks found with
+Django's resolver (function views, class-based views, REST framework views and viewset
+actions), and every misconfiguration refused with ImproperlyConfigured. Under gunicorn
+and uvicorn: tests/wsgi/test_servers.py."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponse
+from django.test import AsyncClient, Client, override_settings
+
+from goblin_idem.django import IdempotencyMiddleware
+from tests.support.servers import Server
+from tests.support.wsgi import run_until_exit
+
+JSON = "application/json"
+
+
+def key() -> str:
+    return uuid.uuid4().hex  # the project's MemoryStore lives as long as the process
+
+
+def post(client: Client, path: str, idem: str | None = None, body: bytes = b"{}") -> Any:
+    headers = {"Idempotency-Key": idem} if idem else {}
+    return client.post(path, data=body, content_type=JSON, headers=headers)
+
+
+def test_a_view_runs_once_per_key_replays_and_refuses_another_body() -> None:
+    client, k = Client(), key()
+    first = post(client, "/work", k, b'{"n": 1}')
+    again = post(client, "/work", k, b'{"n": 1}')
+    assert first.status_code == 201 and first.json()["run"] == 1
+    assert again.content == first.content and again["Idempotent-Replayed"] == "true"
+    reused = post(client, "/work", k, b'{"n": 2}')
+    assert reused.status_code == 422 and reused["Content-Type"] == "application/problem+json"
+
+
+@pytest.mark.parametrize("path", ["/required", "/marked", "/api/payments", "/api/orders/5/refund/"])
+def test_marks_on_views_classes_methods_and_viewset_actions_require_a_key(path: str) -> None:
+    client = Client()
+    missing = post(client, path)
+    assert missing.status_code == 400 and b"missing-key" in missing.content
+    assert post(client, path, key()).status_code in (200, 201)
+
+
+def test_unmarked_handlers_of_marked_views_are_not_required() -> None:
+    client = Client()
+    assert client.patch("/api/payments", data=b"{}", content_type=JSON).status_code == 200
+    assert post(client, "/api/orders/").status_code == 201  # the viewset's create
+
+
+def test_a_streamed_response_passes_through_and_is_replayed_whole() -> None:
+    client, k = Client(), key()
+    first = post(client, "/stream?kb=3", k)
+    assert first.streaming and b"".join(first.streaming_content) == b"x" * 3072
+    again = post(client, "/stream?kb=3", k)
+    assert again.content == b"x" * 3072 and again["Idempotent-Replayed"] == "true"
+
+
+def test_a_replay_keeps_every_cookie_and_the_view_reads_its_form() -> None:
+    client, k = Client(), key()
+    first = post(client, "/cookie", k)
+    again = Client().post("/cookie", data=b"{}", content_type=JSON, headers={"Idempotency-Key": k})
+    assert again["Idempotent-Replayed"] == "true"
+    assert {n: c.value for n, c in again.cookies.items()} == {"session": "s1", "theme": "dark"}
+    assert again.cookies["session"]["httponly"] and first.cookies["theme"]["samesite"] == "Lax"
+    form = client.post("/form", data={"name": "ada"}, headers={"Idempotency-Key": key()})
+    assert form.status_code == 201 and form.json() == {"name": "ada"}
+
+
+def test_a_server_error_releases_the_key() -> None:
+    client, k = Client(), key()
+    assert post(client, "/fail", k).status_code == 503
+    assert post(client, "/fail", k).status_code == 503  # run again: nothing was stored
+    from tests.support.apps import counting
+
+    assert counting.count(k) == 3
+
+
+async def test_the_async_path_runs_once_replays_streams_and_finds_marks() -> None:
+    client, k, s = AsyncClient(), key(), key()
+    headers = {"Idempotency-Key": k}
+    first = await client.post("/work", data=b"{}", content_type=JSON, headers=headers)
+    again = await client.post("/work", data=b"{}", content_type=JSON, headers=headers)
+    assert first.status_code == 201 and again.content == first.content
+    assert again["Idempotent-Replayed"] == "true"
+    assert (await client.post("/api/payments", data=b"{}", content_type=JSON)).status_code == 400
+    streamed = await client.post(
+        "/stream?kb=2", data=b"{}", content_type=JSON, headers={"Idempotency-Key": s}
+    )
+    assert b"".join([c async for c in streamed.streaming_content]) == b"x" * 2048
+    replayed = await client.post(
+        "/stream?kb=2", data=b"{}", content_type=JSON, headers={"Idempotency-Key": s}
+    )
+    assert replayed.content == b"x" * 2048 and replayed["Idempotent-Replayed"] == "true"
+
+
+def test_a_scope_function_and_a_store_factory_by_dotted_path() -> None:
+    views = "tests.support.apps.django_site.views"
+    with override_settings(GOBLIN_IDEM={"STORE": f"{views}.store", "SCOPE": f"{views}.tenant"}):
+        client, k = Client(), key()
+        runs = [post_as(client, k, tenant).json()["run"] for tenant in ("t1", "t2", "t1", "t2")]
+    assert runs == [1, 2, 1, 2]  # a key space per tenant; the second of each replayed
+
+
+def post_as(client: Client, idem: str, tenant: str) -> Any:
+    headers = {"Idempotency-Key": idem, "X-Tenant": tenant}
+    return client.post("/work", data=b"{}", content_type=JSON, headers=headers)
+
+
+def view(request: HttpRequest) -> HttpResponse:
+    return HttpResponse()
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (["STORE"], r"GOBLIN_IDEM must be a dict of options"),
+        ({"LEASE": 3}, r"unknown option 'LEASE'; the options are .*LEASE_SECONDS"),
+        ({"lease_seconds": 3}, r"unknown option 'lease_seconds'"),
+        ({"LEASE_SECONDS": 0}, r"GOBLIN_IDEM\['LEASE_SECONDS'\]: lease_seconds must be >= 1"),
+        ({"METHODS": "POST"}, r"GOBLIN_IDEM\['METHODS'\]: methods must be a list"),
+        ({"STORE": "memcached://127.0.0.1"}, r"scheme 'memcached' names no store"),
+        ({"STORE": "nowhere.store"}, r"GOBLIN_IDEM\['STORE'\]: cannot import 'nowhere.store'"),
+        ({"STORE": "tests.support.apps.django_site.settings.SECRET_KEY"}, r"gave a str, not a"),
+        ({"STORE": "tests.support.apps.django_site.views.health"}, r"of no arguments"),
+        ({"SCOPE": "nowhere.scope"}, r"GOBLIN_IDEM\['SCOPE'\]: cannot import"),
+        ({"KEY_PATTERN": "[unclosed"}, r"KEY_PATTERN'\] is not a valid regular expression"),
+    ],
+)
+def test_every_misconfiguration_is_refused_when_django_loads_the_middleware(
+    setting: object, message: str
+) -> None:
+    with override_settings(GOBLIN_IDEM=setting), pytest.raises(ImproperlyConfigured, match=message):
+        IdempotencyMiddleware(view)
+
+
+def test_a_store_that_cannot_be_used_is_refused_at_startup(own_redis: Server) -> None:
+    url = own_redis.url
+    own_redis.stop()
+    with (
+        override_settings(GOBLIN_IDEM={"STORE": url}),
+        pytest.raises(
+            ImproperlyConfigured, match=r"\['STORE'\]: goblin-idem store: cannot use the Redis at"
+        ),
+    ):
+        IdempotencyMiddleware(view)
+    with override_settings(GOBLIN_IDEM={"STORE": url, "CHECK_STORE": False}):
+        IdempotencyMiddleware(view)  # starts; its requests get 503 while the store is down
+
+
+def test_marks_hold_for_a_fresh_process_s_first_request() -> None:
+    """Django imports the URLconf (and the views' marks with it) at the first request,
+    after the middleware has looked at it: the middleware loads it when it is made."""
+    first_request = (
+        "import django, sys; django.setup(); from django.test import Client; "
+        "sys.exit(Client().post('/api/payments', data=b'{}', "
+        "content_type='application/json').status_code)"
+    )
+    settings = {"DJANGO_SETTINGS_MODULE": "tests.support.apps.django_site.settings"}
+    code, said = run_until_exit(["-c", first_request], settings)
+    assert code == 400 % 256, said  # the exit status holds the HTTP status, modulo 256
+
+
+def test_a_streamed_response_closed_unread_frees_its_key() -> None:
+    """The server closes the response before reading its body (the client left): the
+    view's stream is cut, and the key released for the retry."""
+    client, k = Client(), key()
+    post(client, "/stream?kb=4", k).close()
+    again = post(client, "/stream?kb=4", k)
+    assert "Idempotent-Replayed" not in again and b"".join(again.streaming_content) == b"x" * 4096
+
+
+async def test_the_async_path_frees_the_key_of_a_stream_closed_unread() -> None:
+    client, k = AsyncClient(), key()
+    headers = {"Idempotency-Key": k}
+    first = await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
+    first.close()
+    for _ in range(100):  # the middleware's task ends in the loop: let it
+        await asyncio.sleep(0.01)
+        again = await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
+        if again.status_code != 409:
+            break
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again

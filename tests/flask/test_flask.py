@@ -1,0 +1,75 @@
+"""goblin_idem.flask.Idempotency in process: the WSGI middleware around a Flask app, and
+``@idempotent`` marks found with Flask's URL map (function views, MethodView classes and
+their methods, blueprints). Under gunicorn: tests/wsgi/test_servers.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from flask import Flask
+
+from goblin_idem import MemoryStore
+from goblin_idem.flask import Idempotency
+from tests.support.apps import counting
+from tests.support.apps.flask_app import create_app
+from tests.support.wsgi import call
+
+BODY = b'{"amount": 5}'
+JSON = [("Content-Type", "application/json")]
+
+
+@pytest.fixture
+def app() -> Flask:
+    return create_app(MemoryStore())
+
+
+def post(app: Flask, path: str, key: str | None = None, method: str = "POST") -> Any:
+    return call(app.wsgi_app, method, path, BODY, JSON, key=key)
+
+
+def test_a_view_runs_once_per_key_and_is_replayed(app: Flask) -> None:
+    first = post(app, "/work", "flask-1")
+    again = post(app, "/work", "flask-1")
+    assert first.code == 201 and first.json()["body"] == {"amount": 5}
+    assert again.body == first.body and again.header("Idempotent-Replayed") == "true"
+    assert counting.count("flask-1") == 2  # one run, and this count
+
+
+@pytest.mark.parametrize(
+    ("path", "method"),
+    [
+        ("/required", "POST"),
+        ("/payments", "POST"),
+        ("/refunds", "POST"),
+        ("/shop/orders/7", "POST"),
+    ],
+)
+def test_marks_on_views_classes_methods_and_blueprints_require_a_key(
+    app: Flask, path: str, method: str
+) -> None:
+    missing = post(app, path, method=method)
+    assert missing.code == 400 and missing.header("Content-Type") == "application/problem+json"
+    assert post(app, path, f"{path}-k", method).code == 201
+
+
+def test_an_unmarked_method_and_an_exempt_view_are_not_required_or_covered(app: Flask) -> None:
+    assert post(app, "/refunds", method="PATCH").code == 200  # the class's other method
+    assert post(app, "/exempt", "exempt-k").json()["run"] == 1
+    assert post(app, "/exempt", "exempt-k").json()["run"] == 2  # enabled=False: not covered
+    assert post(app, "/missing", "k").code == 404
+
+
+def test_init_app_and_refused_options() -> None:
+    extension = Idempotency(store=MemoryStore())
+    app = Flask(__name__)
+
+    @app.post("/pay")
+    def pay() -> tuple[str, int]:
+        return "paid", 201
+
+    extension.init_app(app)
+    assert call(app.wsgi_app, "POST", "/pay", key="k").code == 201
+    assert call(app.wsgi_app, "POST", "/pay", key="k").header("Idempotent-Replayed") == "true"
+    with pytest.raises(ValueError, match="ttl_seconds must be >= 1"):
+        Idempotency(Flask(__name__), ttl_seconds=0)

@@ -1,0 +1,454 @@
+"""goblin_idem.wsgi.IdempotencyMiddleware in process: the ASGI middleware's guarantees for a
+PEP 3333 app (one run per key across threads, byte-exact replays, its refusals), a
+response as WSGI streams it (iterables closed, write(), exc_info, wsgi.file_wrapper), and
+the loop thread across a fork. Served in process by tests/support/wsgi.py; the servers
+(gunicorn, uvicorn) are in test_servers.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from goblin_idem import (
+    ClaimLostError,
+    MemoryStore,
+    RedisStore,
+    Store,
+    current_claim,
+    header_scope,
+)
+from goblin_idem import (
+    IdempotencyMiddleware as ASGIMiddleware,
+)
+from goblin_idem._loop import loop_thread
+from goblin_idem.wsgi import IdempotencyMiddleware
+from tests.support.asgi import request as asgi_request
+from tests.support.backends import server_for
+from tests.support.servers import Server
+from tests.support.wsgi import Reply, StartResponse, call
+
+STORES = ["memory", "redis-script", "valkey-native"]
+PROBLEM = "application/problem+json"
+
+
+@pytest.fixture(params=STORES)
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    server = server_for(request, request.param)
+    with server.sync_client() as client:
+        client.flushall()
+    store = RedisStore.from_url(server.url, mode=request.param.split("-")[1])
+    yield store
+    loop_thread().run(store.aclose())
+
+
+def fresh_store(server: Server) -> RedisStore:
+    """A store on `server`, emptied first (the server is the session's)."""
+    with server.sync_client() as client:
+        client.flushall()
+    return RedisStore.from_url(server.url)
+
+
+class App:
+    """A WSGI app that counts its runs: ``{"run": n}`` with Content-Length, 201; `delay`
+    seconds of work; `chunks` streamed without a Content-Length instead; `status` and
+    `raises` as given."""
+
+    def __init__(
+        self,
+        *,
+        delay: float = 0,
+        status: str = "201 Created",
+        chunks: list[bytes] | None = None,
+        raises: BaseException | None = None,
+    ) -> None:
+        self.delay = delay
+        self.status = status
+        self.chunks = chunks
+        self.raises = raises
+        self.runs = 0
+        self.closed = 0
+        self.environs: list[dict[str, Any]] = []
+        self.claims: list[Any] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        with self._lock:
+            self.runs += 1
+            run = self.runs
+        self.environs.append(environ)
+        self.claims.append(current_claim())
+        body = environ["wsgi.input"].read()
+        time.sleep(self.delay)
+        if self.raises is not None:
+            raise self.raises
+        if self.chunks is not None:
+            start_response(self.status, [("Content-Type", "text/plain")])
+            return self._stream(self.chunks)
+        data = json.dumps({"run": run, "body": body.decode()}).encode()
+        start_response(self.status, [("Content-Type", "application/json"), ("X-Run", str(run))])
+        return [data]
+
+    def _stream(self, chunks: list[bytes]) -> Iterator[bytes]:
+        try:
+            yield from chunks
+        finally:
+            self.closed += 1
+
+
+def concurrently(n: int, fn: Callable[[int], Reply]) -> list[Reply]:
+    replies: list[Reply | None] = [None] * n
+    start = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        start.wait()
+        replies[i] = fn(i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(r is not None for r in replies)
+    return replies  # type: ignore[return-value]
+
+
+# -- one run per key, its replay, the refusals ----------------------------------------------
+
+
+def test_concurrent_duplicates_run_once_and_are_replayed_byte_for_byte(store: Store) -> None:
+    app = App(delay=0.3)
+    mw = IdempotencyMiddleware(app, store=store)
+    replies = concurrently(8, lambda i: call(mw, "POST", "/pay", b'{"n": 1}', key="k"))
+    codes = sorted(r.code for r in replies)
+    assert codes == [201] + [409] * 7, codes
+    first = next(r for r in replies if r.code == 201)
+    for busy in (r for r in replies if r.code == 409):
+        assert busy.header("Content-Type") == PROBLEM and busy.header("Retry-After") == "1"
+    again = call(mw, "POST", "/pay", b'{"n": 1}', key="k")
+    assert again.code == 201 and again.body == first.body
+    assert again.header("Idempotent-Replayed") == "true"
+    assert again.header("X-Run") == "1" and app.runs == 1
+
+
+def test_refusals_as_the_asgi_middleware_answers_them(store: Store) -> None:
+    app = App()
+    mw = IdempotencyMiddleware(app, store=store, max_body_bytes=10)
+    assert call(mw, "POST", "/pay", b"{}", key="k").code == 201
+    reused = call(mw, "POST", "/pay", b"[]", key="k")
+    assert reused.code == 422 and reused.header("Content-Type") == PROBLEM
+    assert call(mw, "POST", "/pay", b"{}", key="\x01bad").code == 400
+    assert call(mw, "POST", "/pay", b"x" * 11, key="big").code == 413  # by Content-Length
+    assert call(mw, "POST", "/pay", b"x" * 11, key="big", chunked=True).code == 413
+    assert call(mw, "POST", "/pay", b"12345", key="small", chunked=True).code == 201
+    assert app.runs == 2
+
+
+def test_a_required_path_without_a_key_is_400_and_the_others_pass(store: Store) -> None:
+    app = App()
+    mw = IdempotencyMiddleware(app, store=store, required_paths=["/pay"])
+    missing = call(mw, "POST", "/pay", b"{}")
+    assert missing.code == 400 and "Idempotency-Key" in missing.json()["detail"]
+    assert call(mw, "POST", "/other", b"{}").code == 201
+    assert app.runs == 1
+
+
+def test_a_request_without_a_key_goes_straight_to_the_app(store: Store) -> None:
+    """Not a copy of the environ, not another iterable: the app is called as if alone."""
+    seen: list[Any] = []
+    body = [b"as is"]
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        seen.append(environ)
+        start_response("200 OK", [])
+        return body
+
+    mw = IdempotencyMiddleware(app, store=store)
+    for method, key in (("POST", None), ("GET", "k"), ("PUT", "k")):
+        env = {"REQUEST_METHOD": method, "PATH_INFO": "/", "wsgi.input": None}
+        if key is not None:
+            env["HTTP_IDEMPOTENCY_KEY"] = key
+        assert mw(env, lambda *a: None) is body
+        assert seen[-1] is env
+
+
+def test_the_handler_raises_the_key_is_released_and_the_error_propagates(store: Store) -> None:
+    error = RuntimeError("card network down")
+    app = App(raises=error)
+    mw = IdempotencyMiddleware(app, store=store)
+    with pytest.raises(RuntimeError) as raised:
+        call(mw, key="k")
+    assert raised.value is error  # the app's own, traceback and all
+    app.raises = None
+    assert call(mw, key="k").json()["run"] == 2
+
+
+@pytest.mark.parametrize("status", ["500 Internal Server Error", "503 Service Unavailable"])
+def test_a_server_error_releases_the_key(store: Store, status: str) -> None:
+    app = App(status=status)
+    mw = IdempotencyMiddleware(app, store=store)
+    assert call(mw, key="k").status == status
+    app.status = "201 Created"
+    assert call(mw, key="k").json()["run"] == 2
+
+
+def test_the_original_status_line_and_header_names_pass_through(store: Store) -> None:
+    app = App(status="201 Payment Accepted")
+    mw = IdempotencyMiddleware(app, store=store)
+    first = call(mw, key="k")
+    assert first.status == "201 Payment Accepted" and ("X-Run", "1") in first.headers
+    replayed = call(mw, key="k")  # from the record: the code's reason phrase, names lowercased
+    assert replayed.status == "201 Created" and ("x-run", "1") in replayed.headers
+
+
+# -- a response as WSGI streams it ----------------------------------------------------------
+
+
+def test_a_streamed_response_is_passed_on_stored_and_replayed(store: Store) -> None:
+    app = App(chunks=[b"one ", b"", b"two ", b"three"])
+    mw = IdempotencyMiddleware(app, store=store)
+    first = call(mw, key="k")
+    assert first.chunks == [b"one ", b"two ", b"three"] and app.closed == 1
+    again = call(mw, key="k")
+    assert again.body == b"one two three" and again.header("Idempotent-Replayed") == "true"
+    assert again.header("Content-Length") == "13" and app.runs == 1
+
+
+def test_a_response_over_max_response_bytes_passes_whole_and_is_not_replayed(
+    store: Store,
+) -> None:
+    app = App(chunks=[b"x" * 600, b"y" * 600])
+    mw = IdempotencyMiddleware(app, store=store, max_response_bytes=1000)
+    assert call(mw, key="k").body == b"x" * 600 + b"y" * 600  # never truncated
+    again = call(mw, key="k")
+    assert again.code == 409 and again.header("Content-Type") == PROBLEM
+    assert app.runs == 1
+
+
+def test_close_is_called_when_the_app_raises_mid_stream(store: Store) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b"part"
+        raise ValueError("broke mid-stream")
+
+    closed: list[bool] = []
+
+    class Body:
+        def __init__(self) -> None:
+            self.it = chunks()
+
+        def __iter__(self) -> Iterator[bytes]:
+            return self.it
+
+        def close(self) -> None:
+            closed.append(True)
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        start_response("201 Created", [])
+        return Body()
+
+    mw = IdempotencyMiddleware(app, store=store)
+    with pytest.raises(ValueError, match="broke mid-stream"):
+        call(mw, key="k")
+    assert closed == [True]
+    assert mw.counters.released == 1
+
+
+def test_a_client_that_leaves_mid_stream_closes_the_app_and_frees_the_key(store: Store) -> None:
+    app = App(chunks=[b"a", b"b", b"c", b"d"])
+    mw = IdempotencyMiddleware(app, store=store)
+    left = call(mw, key="k", read=1)  # the server closes the iterable after one chunk
+    assert left.chunks == [b"a"] and app.closed == 1
+    assert mw.counters.released == 1
+    assert call(mw, key="k").body == b"abcd" and app.runs == 2
+
+
+def test_the_write_callable_and_start_response_with_exc_info(store: Store) -> None:
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        try:
+            raise KeyError("lookup")
+        except KeyError:
+            import sys
+
+            write = start_response("404 Not Found", [("X-Error", "1")], sys.exc_info())
+        write(b"not ")
+        return [b"found"]
+
+    mw = IdempotencyMiddleware(app, store=store)
+    first = call(mw, key="k")
+    assert first.status == "404 Not Found" and first.body == b"not found"
+    assert call(mw, key="k").header("Idempotent-Replayed") == "true"  # a 404 is an outcome
+
+
+def test_a_file_wrapper_response_is_stored_and_the_file_closed(
+    store: Store, tmp_path: Path
+) -> None:
+    path = tmp_path / "receipt.pdf"
+    path.write_bytes(os.urandom(200_000))
+    opened: list[Any] = []
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        f = path.open("rb")
+        opened.append(f)
+        start_response("200 OK", [("Content-Length", str(path.stat().st_size))])
+        wrapped: Iterable[bytes] = environ["wsgi.file_wrapper"](f, 8192)
+        return wrapped
+
+    mw = IdempotencyMiddleware(app, store=store)
+    first = call(mw, key="k")
+    assert first.body == path.read_bytes() and opened[0].closed
+    again = call(mw, key="k")
+    assert again.body == path.read_bytes() and len(opened) == 1
+
+
+# -- the claim, in the request's thread -----------------------------------------------------
+
+
+def test_current_claim_in_the_app_thread_and_ensure_owned_as_a_plain_call(
+    redis_server: Server,
+) -> None:
+    store = fresh_store(redis_server)
+    checks: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        claim = current_claim()
+        assert claim is not None
+        claim.ensure_owned()
+        checks.append("owned")
+        with redis_server.sync_client() as client:
+            client.delete(claim._lease.key)  # an operator deletes the key mid-run
+        try:
+            claim.ensure_owned()
+        except ClaimLostError:
+            checks.append("lost")
+        start_response("201 Created", [])
+        return [b"done"]
+
+    mw = IdempotencyMiddleware(app, store=store)
+    assert call(mw, key="k").code == 201
+    assert checks == ["owned", "lost"]
+    assert current_claim() is None  # nothing leaks into the thread afterwards
+    loop_thread().run(store.aclose())
+
+
+# -- options, scope, the store --------------------------------------------------------------
+
+
+def test_options_and_a_store_that_cannot_work_fail_at_construction(own_redis: Server) -> None:
+    app = App()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lease'"):
+        IdempotencyMiddleware(app, lease=3)
+    with pytest.raises(ValueError, match="lease_seconds must be >= 1"):
+        IdempotencyMiddleware(app, lease_seconds=0)
+    with pytest.raises(TypeError, match=r"RedisStore\.from_url"):
+        IdempotencyMiddleware(app, store=RedisStore)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="WSGI application"):
+        IdempotencyMiddleware("app")  # type: ignore[arg-type]
+    url = own_redis.url
+    own_redis.stop()
+    with pytest.raises(RuntimeError, match=r"cannot use the Redis at .*check_store=False"):
+        IdempotencyMiddleware(app, store=RedisStore.from_url(url))
+    IdempotencyMiddleware(app, store=RedisStore.from_url(url), check_store=False)  # starts
+
+
+def test_a_store_that_goes_down_gets_503_or_with_fail_open_runs_the_app(
+    own_redis: Server,
+) -> None:
+    app = App()
+    mw = IdempotencyMiddleware(app, store=RedisStore.from_url(own_redis.url))
+    open_mw = IdempotencyMiddleware(app, store=RedisStore.from_url(own_redis.url), fail_open=True)
+    own_redis.stop()
+    down = call(mw, key="k")
+    assert down.code == 503 and down.header("Retry-After") == "1" and app.runs == 0
+    assert call(open_mw, key="k").code == 201 and app.runs == 1
+
+
+def test_a_scope_function_reads_the_environ(store: Store) -> None:
+    app = App()
+    mw = IdempotencyMiddleware(app, store=store, scope=lambda s: s["wsgi.environ"]["PATH_INFO"])
+    assert call(mw, "POST", "/a", key="k").json()["run"] == 1
+    assert call(mw, "POST", "/b", key="k").json()["run"] == 2  # another scope: not a reuse
+    tenants = IdempotencyMiddleware(app, store=store, scope=header_scope("X-Tenant"))
+    assert call(tenants, headers=[("X-Tenant", "t1")], key="k").json()["run"] == 3
+    assert call(tenants, headers=[("X-Tenant", "t2")], key="k").json()["run"] == 4
+
+
+async def test_a_wsgi_and_an_asgi_service_on_one_store_share_keys_and_records(
+    redis_server: Server,
+) -> None:
+    """The same request, keyed alike, first to the WSGI app: the ASGI middleware replays
+    what the WSGI app answered (one record format, one key naming)."""
+    wsgi_store = fresh_store(redis_server)
+    asgi_store = RedisStore.from_url(redis_server.url)
+    app = App()
+    wsgi_mw = IdempotencyMiddleware(app, store=wsgi_store)
+    first = call(wsgi_mw, "POST", "/shared", b'{"n": 2}', key="shared-key")
+
+    async def never_run(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("the ASGI app ran for a key the WSGI app completed")
+
+    replayed = await asgi_request(
+        ASGIMiddleware(never_run, store=asgi_store),
+        path="/shared",
+        body=b'{"n": 2}',
+        key="shared-key",
+    )
+    assert replayed.status == 201 and replayed.body == first.body
+    assert replayed.header("idempotent-replayed") == b"true"
+    await asgi_store.aclose()
+    loop_thread().run(wsgi_store.aclose())
+
+
+def test_a_store_and_the_loop_thread_used_before_a_fork_work_in_the_child(
+    redis_server: Server,
+) -> None:
+    """gunicorn --preload: the app built (and its store checked, on the loop thread) in
+    the parent, then forked; the child starts its own loop thread on its own connections,
+    and the parent's keep working."""
+    store = fresh_store(redis_server)
+    app = App()
+    mw = IdempotencyMiddleware(app, store=store)  # checks the store through the loop thread
+    assert call(mw, key="parent-1").code == 201
+    child = in_child(lambda: [call(mw, key=f"child-{i}").code for i in range(3)])
+    assert child == [201, 201, 201]
+    assert call(mw, key="parent-2").code == 201
+    assert call(mw, key="child-0").header("Idempotent-Replayed") == "true"
+    loop_thread().run(store.aclose())
+
+
+def in_child(work: Callable[[], Any], timeout: float = 20) -> Any:
+    """`work()` in a forked child: what it returned (JSON), or its error as text."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            outcome: Any = work()
+        except BaseException as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        with os.fdopen(write, "w") as out:
+            json.dump(outcome, out)
+        os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], timeout)
+        assert ready, "the child did not answer"
+        with os.fdopen(read) as got:
+            return json.load(got)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)

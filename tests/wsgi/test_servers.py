@@ -1,0 +1,212 @@
+"""The sync integrations under real servers: a Flask app under gunicorn's sync workers (on
+redis-server, script mode), the Django project under gunicorn's gthread workers (on
+valkey-server with the native module) and under uvicorn (ASGI, on redis-server with the
+module), a Flask app on the MemoryStore in one gunicorn process, and ``gunicorn --preload``.
+One server per kind serves the whole module; every handler counts its runs in the store's
+server (tests.support.apps.counting), and the lease is one second."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.support.procs import spawn, start_uvicorn, stop, uvicorn_args, wait_http
+from tests.support.servers import Server, free_port
+from tests.support.wsgi import Gunicorn
+
+FLASK = "tests.support.apps.flask_app:app"
+DJANGO_WSGI = "tests.support.apps.django_site.wsgi:application"
+DJANGO_ASGI = "tests.support.apps.django_site.asgi:application"
+LEASE = {"LEASE_SECONDS": "1"}
+
+
+@dataclass
+class Served:
+    """A server of the test apps, and the store's server that counts their runs."""
+
+    name: str
+    url: str
+    store: Server | None
+
+    def runs(self, key: str) -> int:
+        assert self.store is not None
+        with self.store.sync_client() as client:
+            return int(client.get(f"runs:{key}") or 0)
+
+    def worker_of(self, key: str) -> int:
+        assert self.store is not None
+        with self.store.sync_client() as client:
+            return int(client.get(f"pid:{key}") or 0)
+
+
+@pytest.fixture(scope="module")
+def flask_sync(redis_server: Server) -> Iterator[Served]:
+    env = {"REDIS_URL": redis_server.url, **LEASE}
+    server = Gunicorn(FLASK, free_port(), env, worker_class="sync", workers=2).wait_ready()
+    yield Served("flask, gunicorn sync", server.url, redis_server)
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def django_gthread(valkey_native_server: Server) -> Iterator[Served]:
+    env = {"REDIS_URL": valkey_native_server.url, **LEASE}
+    server = Gunicorn(DJANGO_WSGI, free_port(), env, worker_class="gthread", threads=4)
+    yield Served("django, gunicorn gthread", server.wait_ready().url, valkey_native_server)
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def django_uvicorn(redis_native_server: Server) -> Iterator[Served]:
+    env = {"REDIS_URL": redis_native_server.url, **LEASE}
+    port = free_port()
+    proc = start_uvicorn(port, env, app=DJANGO_ASGI)
+    yield Served("django, uvicorn", f"http://127.0.0.1:{port}", redis_native_server)
+    stop(proc)
+
+
+@pytest.fixture(params=["flask_sync", "django_gthread", "django_uvicorn"])
+def served(request: pytest.FixtureRequest) -> Served:
+    return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
+
+
+def post(
+    url: str, path: str, key: str | None, body: bytes = b'{"amount": 5}', work_ms: int = 0
+) -> httpx.Response:
+    """POST `body`; the handler works for `work_ms` (a header the key does not cover)."""
+    headers = {"Content-Type": "application/json", "Work-Ms": str(work_ms)}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    return httpx.post(url + path, content=body, headers=headers, timeout=30)
+
+
+def test_concurrent_duplicates_across_workers_run_once(served: Served) -> None:
+    key = uuid.uuid4().hex
+    with ThreadPoolExecutor(12) as pool:
+        replies = list(pool.map(lambda _: post(served.url, "/work", key, work_ms=300), range(12)))
+    statuses = sorted(r.status_code for r in replies)
+    assert set(statuses) <= {201, 409}, statuses
+    ran = [r for r in replies if r.status_code == 201 and "idempotent-replayed" not in r.headers]
+    assert len(ran) == 1 and served.runs(key) == 1
+    for busy in (r for r in replies if r.status_code == 409):
+        assert busy.headers["content-type"] == "application/problem+json"
+        assert busy.headers["retry-after"] == "1"
+    replayed = post(served.url, "/work", key)
+    assert replayed.content == ran[0].content and replayed.headers["idempotent-replayed"] == "true"
+
+
+def test_a_handler_three_leases_long_runs_once(flask_sync: Served) -> None:
+    """The lease renewed on the loop thread while the request's thread runs the handler."""
+    served, key = flask_sync, uuid.uuid4().hex
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, served.url, "/work", key, work_ms=3200)
+        time.sleep(0.3)
+        duplicates = []
+        while not first.done():
+            duplicates.append(post(served.url, "/work", key).status_code)
+            time.sleep(0.4)
+        assert first.result().status_code == 201
+    assert duplicates.count(409) >= 6 and 201 not in duplicates[:-1], duplicates
+    assert served.runs(key) == 1
+
+
+def test_a_worker_killed_mid_handler_frees_the_key_after_its_lease(
+    django_gthread: Served,
+) -> None:
+    served, key = django_gthread, uuid.uuid4().hex
+    with ThreadPoolExecutor(1) as pool:
+        cut = pool.submit(post, served.url, "/work", key, work_ms=30_000)
+        deadline = time.monotonic() + 10
+        while not served.worker_of(key):
+            assert time.monotonic() < deadline, "the handler did not start"
+            time.sleep(0.02)
+        os.kill(served.worker_of(key), signal.SIGKILL)
+        with pytest.raises(httpx.HTTPError):
+            cut.result()
+    assert post(served.url, "/work", key).status_code == 409  # its lease still holds it
+    time.sleep(1.2)  # the lease runs out (gunicorn meanwhile starts another worker)
+    again = post(served.url, "/work", key)
+    assert again.status_code == 201 and again.json()["run"] == 2
+    assert post(served.url, "/work", key).headers["idempotent-replayed"] == "true"
+    assert served.runs(key) == 2
+
+
+@pytest.mark.parametrize("name", ["django_gthread", "django_uvicorn"])
+def test_rest_framework_marks_under_a_server(request: pytest.FixtureRequest, name: str) -> None:
+    served: Served = request.getfixturevalue(name)
+    key = uuid.uuid4().hex
+    assert post(served.url, "/api/payments", None).status_code == 400
+    assert post(served.url, "/api/orders/3/refund/", None).status_code == 400
+    first = post(served.url, "/api/payments", key)
+    again = post(served.url, "/api/payments", key)
+    assert first.status_code == 201 and again.content == first.content
+    assert again.headers["idempotent-replayed"] == "true" and served.runs(key) == 1
+
+
+def test_a_memory_store_in_one_gthread_process() -> None:
+    server = Gunicorn(FLASK, free_port(), {}, worker_class="gthread", workers=1, threads=8)
+    try:
+        server.wait_ready()
+        key = uuid.uuid4().hex
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(
+                pool.map(lambda _: post(server.url, "/work", key, work_ms=300), range(8))
+            )
+        ran = [
+            r for r in replies if r.status_code == 201 and "idempotent-replayed" not in r.headers
+        ]
+        assert len(ran) == 1 and ran[0].json()["run"] == 1
+        assert {r.status_code for r in replies} <= {201, 409}
+    finally:
+        server.stop()
+
+
+def test_gunicorn_preload_workers_start_their_own_loop_thread(redis_server: Server) -> None:
+    """The app (and its store's check, on the loop thread) made in the master, then two
+    forked workers: each serves keyed requests on connections of its own."""
+    with redis_server.sync_client() as client:
+        client.flushall()
+    env = {"REDIS_URL": redis_server.url}
+    server = Gunicorn(FLASK, free_port(), env, workers=2, preload=True).wait_ready()
+    try:
+        pids: set[int] = set()
+        keys = [uuid.uuid4().hex for _ in range(16)]
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda k: post(server.url, "/work", k, work_ms=50), keys))
+        assert [r.status_code for r in replies] == [201] * 16
+        pids = {r.json()["pid"] for r in replies}
+        assert len(pids) == 2, pids  # both workers answered keyed requests
+        assert post(server.url, "/work", keys[0]).headers["idempotent-replayed"] == "true"
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("preload", [False, True], ids=["boot", "preload"])
+def test_a_misconfiguration_stops_gunicorn(preload: bool) -> None:
+    """Django loads its middleware when the app is imported: in each worker (which fails
+    to boot, and gunicorn stops) or, with --preload, in the master (which exits)."""
+    env = {"GOBLIN_SETTINGS": '{"LEASE_SECONDS": 0}'}
+    server = Gunicorn(DJANGO_WSGI, free_port(), env, workers=1, preload=preload)
+    try:
+        with pytest.raises(RuntimeError, match=r"GOBLIN_IDEM\['LEASE_SECONDS'\]"):
+            server.wait_ready(timeout=20)
+    finally:
+        server.stop()
+
+
+def test_an_unreachable_store_stops_uvicorn_serving_django() -> None:
+    port = free_port()
+    env = {"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    proc = spawn(uvicorn_args(DJANGO_ASGI, port), env)
+    try:
+        with pytest.raises(RuntimeError, match="cannot use the Redis at"):
+            wait_http(proc, port, timeout=20)
+    finally:
+        stop(proc)
