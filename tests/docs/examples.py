@@ -342,7 +342,10 @@ NOT_SOURCE = shutil.ignore_patterns(
 
 
 def environment(scratch: Path, redis_url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GOBLIN_"))}
+    # Nothing of the test process's own settings: its Redis, goblin-idem's variables, and
+    # the Django settings the Django tests set for their worker process.
+    own = ("REDIS_", "GOBLIN_", "DJANGO_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(own)}
     env.pop("VIRTUAL_ENV", None)
     env["PYTHONPATH"] = str(ROOT)  # as from a shell in the checkout: `python -m example_app`
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -8,6 +8,7 @@ something else started (for example the one a machine may run on 6379).
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import signal
@@ -50,18 +51,35 @@ def _bindable(port: int) -> bool:
         return True
 
 
+# Ports are handed out from a slice of a range below the kernel's ephemeral ports (32768 and
+# up), a slice per pytest-xdist worker, in turn from a random start: two test processes never
+# pick the same port while one of them is between choosing it and binding it, and no outgoing
+# connection's ephemeral port takes it meanwhile. A cluster node's bus port (port + 10000)
+# must be free too, so cluster nodes draw from a range of their own.
+_RANGES = {False: (10000, 10000), True: (20000, 10000)}  # (first port, size)
+_SLICES = 8
+_next_port: dict[bool, int] = {}
+
+
+def _slice(cluster: bool) -> tuple[int, int]:
+    first, size = _RANGES[cluster]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) % _SLICES if worker.isdigit() else 0
+    width = size // _SLICES
+    return first + index * width, width
+
+
 def free_port(*, cluster: bool = False) -> int:
-    """A free loopback port; for a cluster node, its bus port (port + 10000) is free too."""
-    if not cluster:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randint(20000, 30000)
-        if _bindable(port) and _bindable(port + 10000):
+    """A free loopback port of this process's slice (see `_RANGES`); for a cluster node, its
+    bus port (port + 10000) is free too."""
+    start, width = _slice(cluster)
+    offset = _next_port.get(cluster, random.randrange(width))
+    for step in range(width):
+        port = start + (offset + step) % width
+        if _bindable(port) and (not cluster or _bindable(port + 10000)):
+            _next_port[cluster] = (offset + step + 1) % width
             return port
-    raise RuntimeError("no free port pair for a cluster node")
+    raise RuntimeError(f"no free port in {start}-{start + width - 1}")
 
 
 @dataclass
