@@ -6,20 +6,15 @@ the parent's connections alone; a store first used in a loop that has since clos
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
-import select
-import signal
-from collections.abc import Callable
-from typing import Any
 
 import httpx
 import pytest
 
 from goblin_idem import CLAIMED, RedisStore
 from goblin_idem.store import Published
-from tests.support.procs import APPS, spawn, stop, wait_http
+from tests.support.procs import APPS, in_child, spawn, stop, wait_http
 from tests.support.servers import Server, free_port, start_cluster
 
 
@@ -43,34 +38,6 @@ async def exercise(store: RedisStore, tag: str) -> list[str]:
 
 
 EXPECTED = [repr(CLAIMED), repr(Published.STORED), "b'done'", "[1]", "True", "b'v'"]
-
-
-def in_child(work: Callable[[], Any], timeout: float = 15) -> Any:
-    """Run `work` in a forked child; what it returned, or the error it raised, as text."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report and leave at once, running nothing of the parent's
-        os.close(read)
-        try:
-            outcome: Any = work()
-        except BaseException as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        with os.fdopen(write, "w") as out:
-            json.dump(outcome, out)
-        os._exit(0)
-    os.close(write)
-    try:
-        ready, _, _ = select.select([read], [], [], timeout)
-        if not ready:
-            raise AssertionError("the child did not answer")
-        with os.fdopen(read) as got:
-            return json.load(got)
-    finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
 
 
 @pytest.mark.parametrize("autopipeline", [True, False], ids=["shared", "direct"])

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,30 +16,16 @@ from goblin_idem import (
     ClaimLostError,
     InFlightError,
     MemoryStore,
-    RedisStore,
     Store,
     current_claim,
     once,
 )
 from goblin_idem._loop import loop_thread
-from tests.support.backends import server_for
+from tests.support.backends import (
+    sync_store,  # noqa: F401
+)
 from tests.support.servers import Server
 from tests.wsgi.test_middleware import fresh_store, in_child
-
-STORES = ["memory", "redis-script", "valkey-native"]
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    server = server_for(request, request.param)
-    with server.sync_client() as client:
-        client.flushall()
-    store = RedisStore.from_url(server.url, mode=request.param.split("-")[1])
-    yield store
-    loop_thread().run(store.aclose())
 
 
 def in_threads(n: int, fn: Any) -> list[Any]:

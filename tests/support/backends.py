@@ -4,6 +4,7 @@ back from them directly."""
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -120,3 +121,25 @@ async def assert_published_together_or_not_at_all(
     )
     assert stored is None and 0 < claim_ttl <= lease_ms  # nothing of an unfinished EXEC ran
     assert await direct.get(claim_key) == token
+
+
+# The stores the sync integrations are tested on: the embedded one, the Lua scripts on
+# redis-server, the module on valkey-server. A sync test module uses them as its `store`
+# fixture: `from tests.support.backends import sync_store  # noqa: F401`.
+SYNC_STORES = ["memory", "redis-script", "valkey-native"]
+
+
+@pytest.fixture(params=SYNC_STORES, name="store")
+def sync_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A store for sync code: closed on the process's loop thread, where sync callers use it."""
+    from goblin_idem._loop import loop_thread
+
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    server = server_for(request, request.param)
+    with server.sync_client() as client:
+        client.flushall()
+    store = RedisStore.from_url(server.url, mode=request.param.split("-")[1])
+    yield store
+    loop_thread().run(store.aclose())

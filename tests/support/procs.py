@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = "tests.support.apps"
@@ -241,3 +243,31 @@ class Uvicorn:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def in_child(work: Callable[[], Any], timeout: float = 20) -> Any:
+    """Run `work` in a forked child; what it returned, or the error it raised, as text."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once, running nothing of the parent's
+        os.close(read)
+        try:
+            outcome: Any = work()
+        except BaseException as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        with os.fdopen(write, "w") as out:
+            json.dump(outcome, out)
+        os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], timeout)
+        if not ready:
+            raise AssertionError("the child did not answer")
+        with os.fdopen(read) as got:
+            return json.load(got)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)

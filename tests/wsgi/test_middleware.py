@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -20,7 +18,6 @@ import pytest
 
 from goblin_idem import (
     ClaimLostError,
-    MemoryStore,
     RedisStore,
     Store,
     current_claim,
@@ -32,25 +29,14 @@ from goblin_idem import (
 from goblin_idem._loop import loop_thread
 from goblin_idem.wsgi import IdempotencyMiddleware
 from tests.support.asgi import request as asgi_request
-from tests.support.backends import server_for
+from tests.support.backends import (
+    sync_store,  # noqa: F401
+)
+from tests.support.procs import in_child
 from tests.support.servers import Server
 from tests.support.wsgi import Reply, StartResponse, call
 
-STORES = ["memory", "redis-script", "valkey-native"]
 PROBLEM = "application/problem+json"
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    server = server_for(request, request.param)
-    with server.sync_client() as client:
-        client.flushall()
-    store = RedisStore.from_url(server.url, mode=request.param.split("-")[1])
-    yield store
-    loop_thread().run(store.aclose())
 
 
 def fresh_store(server: Server) -> RedisStore:
@@ -425,30 +411,3 @@ def test_a_store_and_the_loop_thread_used_before_a_fork_work_in_the_child(
     assert call(mw, key="parent-2").code == 201
     assert call(mw, key="child-0").header("Idempotent-Replayed") == "true"
     loop_thread().run(store.aclose())
-
-
-def in_child(work: Callable[[], Any], timeout: float = 20) -> Any:
-    """`work()` in a forked child: what it returned (JSON), or its error as text."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            outcome: Any = work()
-        except BaseException as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        with os.fdopen(write, "w") as out:
-            json.dump(outcome, out)
-        os._exit(0)
-    os.close(write)
-    try:
-        ready, _, _ = select.select([read], [], [], timeout)
-        assert ready, "the child did not answer"
-        with os.fdopen(read) as got:
-            return json.load(got)
-    finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
