@@ -417,6 +417,7 @@ async def test_memory_store_entries_add_nothing_for_the_garbage_collector() -> N
     await store.hset("h", "f", "v")  # a collection is an object; strings are not
     gc.collect()
     tracked = len(gc.get_objects())
+    started = time.monotonic()
     for i in range(5000):
         assert await store.claim(f"c{i}", f"r{i}", "tok", 30) is CLAIMED
         assert await store.publish(f"r{i}", b"result", 60_000, f"c{i}", "tok") == 1
@@ -424,7 +425,8 @@ async def test_memory_store_entries_add_nothing_for_the_garbage_collector() -> N
     gc.collect()
     assert len(store) == 10_001
     assert len(gc.get_objects()) - tracked < 50
-    assert await store.pttl("c7") > 59_000 and await store.get("c7") == b"tok2"
+    elapsed_ms = (time.monotonic() - started) * 1000  # a loaded machine writes slowly
+    assert await store.pttl("c7") > 60_000 - elapsed_ms - 100 and await store.get("c7") == b"tok2"
 
 
 async def test_memory_store_set_options() -> None:
