@@ -180,7 +180,7 @@ def names_of(namespace: bytes, digest: str) -> KeyNames:
     would end the cluster hash tag early (and a leading one leave it empty, splitting the
     claim and the result over two slots), so it is written as ``~``: the tag is always
     the 16 bytes, at the cost of 0.09 of the hash's 128 bits. Release 0.1.0 named them by
-    the hex digits (README: Upgrading from 0.1.0)."""
+    the hex digits (CHANGELOG.md: Upgrading from 0.1.0)."""
     return _names(namespace, bytes.fromhex(digest), digest)
 
 

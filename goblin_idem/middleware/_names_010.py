@@ -1,4 +1,4 @@
-"""Keys used under 0.1.0's store names (``previous_key_names=True``; README: Upgrading
+"""Keys used under 0.1.0's store names (``previous_key_names=True``; CHANGELOG.md: Upgrading
 from 0.1.0): read once a key is claimed under this release's names, on first runs only."""
 
 from __future__ import annotations

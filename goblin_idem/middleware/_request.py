@@ -62,7 +62,7 @@ class Identity:
             "the default scope (the Authorization header) every such caller shares one key "
             "space, so a caller who sends another's key gets the other's stored response, "
             "Set-Cookie included; pass scope= a function that returns the caller's "
-            "identity (goblin_idem.header_scope or cookie_scope; README: Choosing a scope). "
+            "identity (goblin_idem.header_scope or cookie_scope; docs/scope.md). "
             "Logged once.",
             self.header_name,
             name.decode("latin-1"),

@@ -436,8 +436,8 @@ def _warn_vary(headers: list[tuple[bytes, bytes]], names: KeyNames, config: RunC
         "the response stored for key %s varies by %s (its Vary header) but the key "
         "does not: every duplicate gets this variant, whatever its own %s. If a "
         "middleware such as GZipMiddleware or CORSMiddleware added it, it wraps the "
-        "idempotency middleware: add IdempotencyMiddleware before it (README: Middleware "
-        "order). Logged once.",
+        "idempotency middleware: add IdempotencyMiddleware before it (docs/integration.md: "
+        "Middleware order). Logged once.",
         names.hash,
         ", ".join(sorted(fields)),
         " or ".join(sorted(fields)),

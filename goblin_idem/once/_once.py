@@ -91,7 +91,7 @@ def once(
     (default: by the return annotation, see goblin_idem.codecs), sealed and bound to its
     store key as the middleware's records are when `encryption_keys` (or
     ``$GOBLIN_IDEM_ENCRYPTION_KEYS``) gives keys; with `require_sealed`, a stored value in
-    the clear raises RecordError instead of being returned (README: Encryption at rest).
+    the clear raises RecordError instead of being returned (docs/operating/encryption.md).
     """
     the_store = _checked(store, key, codec, wait_seconds, name)
     ttl = options.seconds("ttl_seconds", ttl_seconds, minimum=1)

@@ -14,7 +14,7 @@ A sealed value, as stored::
   value copied under another name, or altered by one bit, does not open.
 
 The first key of the ring seals; every key opens, so keys rotate without a flag day
-(README: Encryption at rest). `cryptography` is imported only when a Sealer is built.
+(docs/operating/encryption.md). `cryptography` is imported only when a Sealer is built.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def sealed_key_id(sealed: bytes) -> bytes:
 def keys_from_env(name: str = ENV_VAR, environ: Any = None) -> list[bytes] | None:
     """The keys in environment variable `name`: comma-separated base64 (standard or
     URL-safe alphabet) of 32 bytes each, current first; None if it is unset or empty.
-    README (Encryption at rest) shows how to make a key. An error names the position of a
+    docs/operating/encryption.md shows how to make a key. An error names the position of a
     bad key, never its text."""
     value = (os.environ if environ is None else environ).get(name, "")
     if not value.strip():

@@ -43,8 +43,8 @@ _NOTES: Final[contextvars.ContextVar[list[tuple[int, str]] | None]] = contextvar
 
 _UNCHECKED: Final = (
     "goblin-idem store: could not read the eviction policy of %s (%s): make sure its "
-    "maxmemory-policy is noeviction, or that it never reaches maxmemory (README: Failover, "
-    "restarts and eviction)"
+    "maxmemory-policy is noeviction, or that it never reaches maxmemory (docs/operating/"
+    "failover.md: Eviction)"
 )
 _EVICTS: Final = (
     "goblin-idem store: %s evicts keys when memory is full (maxmemory-policy %s, maxmemory "
@@ -128,7 +128,7 @@ class Detection:
         return StorePermissionError(
             f"the store's ACL user {user!r} may not run {', '.join(commands)}, which "
             f"goblin-idem sends {context}: allow them with ACL SETUSER {user} "
-            f"{acl_rule(commands)} (the README's Permissions section lists every command)",
+            f"{acl_rule(commands)} (docs/operating/permissions.md lists every command)",
             denied=commands,
         )
 
