@@ -125,7 +125,7 @@ async def assert_published_together_or_not_at_all(
 
 # The stores the sync integrations are tested on: the embedded one, the Lua scripts on
 # redis-server, the module on valkey-server. A sync test module uses them as its `store`
-# fixture: `from tests.support.backends import sync_store  # noqa: F401`.
+# fixture by importing `sync_store` from this module (with a noqa for F401).
 SYNC_STORES = ["memory", "redis-script", "valkey-native"]
 
 
