@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import _log
 from .._log import describe
+from .._recording import Records
 from ..exceptions import StorePermissionError
 from ..store import MemoryStore, RedisStore, Store
 
@@ -49,6 +50,7 @@ class Lifespan:
     store: Store
     check_store: bool
     close_store: bool
+    records: Records | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = await receive()
@@ -88,7 +90,14 @@ class Lifespan:
 
     async def startup(self) -> None:
         """Check the store and log what it is (also the sync integrations' check, which
-        they make when they are built, having no lifespan)."""
+        they make when they are built, having no lifespan); then the records, if any: a
+        database that cannot take them fails startup, whatever `check_store` says."""
+        await self._check_store()
+        if self.records is not None:
+            where = await self.records.check()
+            startup_logger().info("goblin-idem records: %s", where)
+
+    async def _check_store(self) -> None:
         store = self.store
         log = startup_logger()
         if isinstance(store, MemoryStore):
