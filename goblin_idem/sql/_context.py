@@ -11,10 +11,12 @@ effect can commit without the record that stops a second run.
 from __future__ import annotations
 
 import contextvars
+import logging
 from typing import TYPE_CHECKING, NoReturn
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, AsyncTransaction
 
+from .._log import describe
 from .._recording import Committed
 from ..exceptions import CommitRefusedError, NotInRunError
 
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     from ._records import SqlRecords
 
 __all__ = ["RunTransaction", "connection", "session"]
+
+logger = logging.getLogger("goblin_idem.sql")
 
 _current: contextvars.ContextVar[object] = contextvars.ContextVar("goblin_idem_sql", default=None)
 
@@ -105,7 +109,10 @@ class RunTransaction:
             await s.close()
         self.sessions.clear()
         if conn is not None:
-            await conn.close()  # rolls back what was not committed
+            try:
+                await conn.close()  # rolls back what was not committed
+            except Exception as exc:  # a connection the database dropped: nothing to undo
+                logger.warning("could not give back the run's connection: %s", describe(exc))
 
 
 def _running() -> RunTransaction:

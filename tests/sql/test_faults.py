@@ -1,0 +1,93 @@
+"""Faults around the commit: the database gone, the store restarted mid-run; and the
+transaction's own rules (connection() outside a run, commit() refused)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from goblin_idem import RedisStore
+from goblin_idem.exceptions import CommitRefusedError, NotInRunError
+from goblin_idem.sql import connection, session
+from goblin_idem.sql._context import RunTransaction
+from tests.sql.conftest import Setup
+from tests.sql.test_middleware import pay, replayed
+from tests.support.apps.sql_app import Gate, build
+from tests.support.asgi import problem
+from tests.support.servers import Server
+
+
+async def test_connection_and_session_outside_a_run_say_why() -> None:
+    with pytest.raises(NotInRunError, match="outside one"):
+        await connection()
+    with pytest.raises(NotInRunError, match="records="):
+        await session()
+
+
+async def test_commit_is_refused_on_the_connection_and_the_session(setup: Setup) -> None:
+    tx = RunTransaction(setup.records, setup.engine)
+    entered = tx.enter()
+    try:
+        conn = await connection()
+        with pytest.raises(CommitRefusedError, match="do not commit it yourself"):
+            await conn.commit()
+        s = await session()
+        with pytest.raises(CommitRefusedError):
+            await s.commit()
+    finally:
+        tx.leave(entered)
+        await tx.rollback()
+
+
+async def test_the_database_gone_at_commit_answers_503_and_nothing_happened(
+    setup: Setup,
+) -> None:
+    if setup.postgres is None:
+        pytest.skip("a PostgreSQL server's connection is what is cut")
+    gate = Gate()
+    app = build(setup.store, setup.records, setup.payments, gate=gate)
+    running = asyncio.ensure_future(pay(app, "k1", "gone", "gate"))
+    entered, go = gate.events("gone")
+    await entered.wait()
+    # Every connection in a transaction (the run's) is ended by the server, as if it went down.
+    setup.postgres.psql(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
+    )
+    go.set()
+    reply = await running
+    assert reply.status == 503 and reply.header("retry-after") is not None
+    assert problem(reply)["type"].endswith("not-committed")
+    assert await setup.payment_count("gone") == 0
+    assert await setup.rows() == []
+    again = await pay(app, "k1", "gone")  # the key was released: the request runs
+    assert again.status == 201 and not replayed(again)
+    assert await setup.payment_count("gone") == 1
+
+
+async def test_a_store_restarted_without_persistence_mid_run(
+    setup: Setup, own_redis: Server
+) -> None:
+    """The restart loses the claim: a duplicate runs too, and the key's row stops it at its
+    commit; both clients get the first run's answer, and one payment is made."""
+    store = RedisStore.from_url(own_redis.url)
+    gate = Gate()
+    app = build(store, setup.records, setup.payments, gate=gate)
+    try:
+        first = asyncio.ensure_future(pay(app, "k1", "r", "gate"))
+        await gate.events("r")[0].wait()
+        own_redis.restart()
+        for _ in range(10):  # a pooled connection the restart broke answers 503 once
+            second = asyncio.ensure_future(pay(app, "k1", "r", "gate"))
+            await asyncio.sleep(0.05)  # the second run claims the key and starts its write
+            if not second.done():
+                break
+            assert (await second).status == 503
+        gate.events("r")[1].set()
+        one, two = await asyncio.gather(first, second)
+    finally:
+        await store.aclose()
+    assert one.status == two.status == 201 and one.body == two.body
+    assert replayed(two) and not replayed(one)
+    assert await setup.payment_count("r") == 1
