@@ -74,9 +74,11 @@ class Lookup:
     def __init__(self, records: Records, key: bytes) -> None:
         self.task: asyncio.Future[bytes | None] = asyncio.ensure_future(records.lookup(key))
 
-    def cancel(self) -> None:
-        """Not needed (the claim step answered without a won claim, or failed)."""
-        self.task.cancel()
+    def forget(self) -> None:
+        """Not needed (the claim step answered without a won claim, or failed). Left to
+        end, not cancelled: a query cut off midway can leave its connection in a
+        transaction (on SQLite, holding a lock that stops every writer)."""
+        _forgotten.add(self.task)
         self.task.add_done_callback(_quiet)
 
     async def settle(
@@ -87,7 +89,7 @@ class Lookup:
         token) instead of CLAIMED. A lookup that fails frees the claim and raises: the
         middleware answers 503 and nothing runs, as for a store that is down."""
         if reply is not CLAIMED:
-            self.cancel()
+            self.forget()
             return reply
         try:
             data = await self.task
@@ -105,6 +107,10 @@ class Lookup:
         return data
 
 
+_forgotten: set[asyncio.Future[Any]] = set()  # lookups left to end, kept from the collector
+
+
 def _quiet(task: asyncio.Future[Any]) -> None:
+    _forgotten.discard(task)
     if not task.cancelled():
         task.exception()  # retrieved: never "exception was never retrieved"

@@ -361,7 +361,7 @@ class IdempotencyMiddleware:
                 lookup = None
         except Exception as exc:
             if lookup is not None:
-                lookup.cancel()
+                lookup.forget()
             # Anything out of the store step, even a client library's own bug, means the
             # claim is in doubt: answer as for a store that is down, never run unprotected
             # by accident (fail_open decides).

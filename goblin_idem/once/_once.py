@@ -222,7 +222,7 @@ class _Once:
             reply: ClaimReply = await step()
         except BaseException:
             if lookup is not None:
-                lookup.cancel()
+                lookup.forget()
             raise
         if lookup is not None:  # the database's word on a won claim: it wins over the store
             reply = await lookup.settle(reply, self.store, names, token, self.ttl_ms)

@@ -8,8 +8,9 @@ import secrets
 from typing import Any
 
 from sqlalchemy import update
+from sqlalchemy.ext.asyncio import create_async_engine
 
-from goblin_idem import IdempotencyMiddleware
+from goblin_idem import IdempotencyMiddleware, _recording
 from goblin_idem.records._format import decode
 from tests.sql.conftest import Setup
 from tests.support.apps.sql_app import BIG, Gate, build
@@ -168,3 +169,22 @@ async def test_records_must_be_sql_records() -> None:
 
     with pytest.raises(TypeError, match="records must be SqlRecords"):
         IdempotencyMiddleware(build, records="postgresql://")  # type: ignore[arg-type]
+
+
+async def test_a_duplicate_answered_by_the_store_leaves_no_transaction_open(setup: Setup) -> None:
+    """The database lookup a duplicate did not need is left to end, not cut off midway: a
+    cut-off query left its SQLite connection in a transaction, whose lock stopped every
+    other writer ("database is locked")."""
+    app = build(setup.store, setup.records, setup.payments)
+    await pay(app, "k1", "p1")
+    for _ in range(20):
+        assert replayed(await pay(app, "k1", "p1"))
+    if _recording._forgotten:  # the lookups the duplicates did not need, until they end
+        await asyncio.wait(list(_recording._forgotten))
+    args = {"connect_args": {"timeout": 0.5}} if setup.name.startswith("sqlite") else {}
+    other = create_async_engine(setup.url, **args)  # type: ignore[arg-type]
+    try:
+        async with other.begin() as conn:
+            await conn.execute(update(setup.payments).values(amount=11))
+    finally:
+        await other.dispose()
