@@ -91,15 +91,14 @@ class RunTransaction:
         try:
             for s in self.sessions:
                 await s.flush()  # the work's pending ORM writes, in this transaction
-            inserted = await self.records.insert(conn, key, key_hash, fp, data, ttl_ms)
-            if not inserted:
+            assert self.tx is not None  # begun with the connection
+            committed = await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
+            if not committed:
                 await self.rollback()
-                committed = await self.records.lookup(key)
-                if committed is None:  # expired between the two: nothing to replay
+                found = await self.records.lookup(key)
+                if found is None:  # expired between the two: nothing to replay
                     raise RuntimeError(f"the record of key {key_hash} expired meanwhile")
-                raise Committed(committed)
-            if self.tx is not None:
-                await self.tx.commit()
+                raise Committed(found)
         finally:
             await self.rollback()  # after a commit: only gives the connection back
 

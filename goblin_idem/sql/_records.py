@@ -27,7 +27,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, InvalidRequestError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncEngine,
+    AsyncTransaction,
+    create_async_engine,
+)
 
 from .._log import describe
 from ..exceptions import SqlRecordsError
@@ -137,6 +142,64 @@ class SqlRecords:
         # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
         result = await conn.execute(statement.returning(t.c.key))
         return result.first() is not None
+
+    async def commit(
+        self,
+        conn: AsyncConnection,
+        tx: AsyncTransaction,
+        key: bytes,
+        key_hash: str,
+        fp: bytes,
+        data: bytes,
+        ttl_ms: int,
+    ) -> bool:
+        """Insert the record in the run's transaction and commit it, with the work's writes;
+        False (nothing committed) if the key's unexpired row exists. On psycopg, the insert
+        and the COMMIT go in one round trip (`_pipelined`); elsewhere one each."""
+        if conn.dialect.driver == "psycopg":
+            return await self._pipelined(conn, tx, key, key_hash, fp, data, ttl_ms)
+        if not await self.insert(conn, key, key_hash, fp, data, ttl_ms):
+            return False
+        await tx.commit()
+        return True
+
+    async def _pipelined(
+        self,
+        conn: AsyncConnection,
+        tx: AsyncTransaction,
+        key: bytes,
+        key_hash: str,
+        fp: bytes,
+        data: bytes,
+        ttl_ms: int,
+    ) -> bool:
+        """psycopg's pipeline mode: the expired row's delete, the insert and the COMMIT sent
+        together and answered together (one round trip, as the COMMIT alone would cost).
+        The insert raises on an unexpired row (the primary key), which aborts what follows
+        it in the pipeline, the COMMIT included: nothing of the run commits."""
+        from psycopg.errors import UniqueViolation
+
+        raw: Any = (await conn.get_raw_connection()).driver_connection  # psycopg's own
+        table = conn.dialect.identifier_preparer.format_table(self.table)
+        now = _utcnow()
+        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        try:
+            async with raw.pipeline(), raw.cursor() as cursor:
+                await cursor.execute(
+                    f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (key, now)
+                )
+                await cursor.execute(
+                    f"INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, "
+                    "expires_at) VALUES (%s, %s, %s, %s, %s, %s)",
+                    (key, key_hash, fp, data, now, expires),
+                )
+                # A COMMIT statement, not raw.commit(): that one syncs the pipeline, and
+                # leaving it syncs again (a second round trip).
+                await cursor.execute("COMMIT")
+        except UniqueViolation:
+            return False
+        await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
+        return True
 
     async def check(self) -> str:
         """Raise SqlRecordsError saying what to change unless the database answers and
