@@ -102,8 +102,9 @@ class Recorded:
 
     async def pass_on(self, message: Message, finished: bool) -> None:
         """`message` from the app: held until the record commits, then sent; replaced by
-        the answer that a commit refused or failed calls for. `finished`: the closing step
-        ran (a held response whose record was not to be committed goes out as it came)."""
+        the answer that a commit refused or failed calls for. `finished`: no commit is to
+        come (the closing step ran, or the response is not one to record), so what is held
+        goes out as it came."""
         if self.answered:
             return
         if self.state == HOLDING:

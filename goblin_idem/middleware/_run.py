@@ -226,7 +226,8 @@ class Run:
             and self.size > self.config.max_response_bytes
         ):
             await run_to_end(self._commit_early, self.config.background)
-        await recorded.pass_on(message, self.finished)
+        # A response that is not the outcome (a 5xx, a redirect) commits nothing: it passes.
+        await recorded.pass_on(message, self.finished or not self.keep)
 
     async def _commit_early(self) -> None:
         assert self.recorded is not None

@@ -6,16 +6,20 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from sqlalchemy import func, select
+from starlette.types import Receive, Scope, Send
 
-from goblin_idem import RedisStore
+from goblin_idem import IdempotencyMiddleware, RedisStore
+from goblin_idem._keys import key_names
 from goblin_idem.exceptions import CommitRefusedError, NotInRunError
-from goblin_idem.sql import connection, session
+from goblin_idem.sql import SqlRecords, connection, session
 from goblin_idem.sql._context import RunTransaction
 from tests.sql.conftest import Setup
 from tests.sql.test_middleware import pay, replayed
-from tests.support.apps.sql_app import Gate, build
-from tests.support.asgi import problem
-from tests.support.servers import Server
+from tests.support.apps.sql_app import Gate, build, payments_table
+from tests.support.asgi import problem, request
+from tests.support.postgres import start_postgres
+from tests.support.servers import Server, free_port
 
 
 async def test_connection_and_session_outside_a_run_say_why() -> None:
@@ -91,3 +95,59 @@ async def test_a_store_restarted_without_persistence_mid_run(
     assert one.status == two.status == 201 and one.body == two.body
     assert replayed(two) and not replayed(one)
     assert await setup.payment_count("r") == 1
+
+
+async def test_a_database_down_at_the_claim_step_answers_503_and_frees_the_key(
+    redis_server: Server,
+) -> None:
+    """A won claim whose database lookup fails: nothing runs (the database may hold a
+    committed record), and the claim is freed for the retry."""
+    store = RedisStore.from_url(redis_server.url)
+    records = SqlRecords(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/app")
+    runs = 0
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal runs
+        runs += 1
+
+    try:
+        middleware = IdempotencyMiddleware(app, store=store, records=records)
+        reply = await request(middleware, key="down-at-claim", body=b"{}")
+        assert reply.status == 503 and reply.header("retry-after") is not None
+        assert runs == 0
+        assert await store.client.keys("*down*") == []  # type: ignore[union-attr]
+        names = key_names(b"idem", b"", b"down-at-claim")
+        assert await store.get(names.claim) is None
+    finally:
+        await store.aclose()
+        await records.aclose()
+
+
+async def test_the_database_stopped_at_commit_and_started_again(redis_server: Server) -> None:
+    postgres = start_postgres()
+    store = RedisStore.from_url(redis_server.url)
+    try:
+        records = SqlRecords(postgres.url())
+        payments = payments_table("payments")
+        await records.create_table()
+        async with records.engine.begin() as conn:
+            await conn.run_sync(payments.metadata.create_all)
+        gate = Gate()
+        app = build(store, records, payments, gate=gate)
+        running = asyncio.ensure_future(pay(app, "stopped", "s", "gate"))
+        entered, go = gate.events("s")
+        await entered.wait()
+        postgres.stop(fast=True)  # what was committed stays (no crash recovery needed)
+        go.set()
+        reply = await running
+        assert reply.status == 503 and problem(reply)["type"].endswith("not-committed")
+        postgres.start()
+        again = await pay(app, "stopped", "s")
+        assert again.status == 201 and not replayed(again)
+        async with records.engine.connect() as conn:
+            rows = await conn.execute(select(func.count()).select_from(payments))
+            assert rows.scalar_one() == 1
+        await records.aclose()
+    finally:
+        await store.aclose()
+        postgres.remove()
