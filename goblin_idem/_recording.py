@@ -57,8 +57,8 @@ class Records(Protocol):
 
     def transaction(self) -> RunTransaction: ...
 
-    async def lookup(self, key: bytes) -> bytes | None:
-        """The unexpired record of `key`, or None."""
+    async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
+        """The unexpired record of `key` and the milliseconds it has left, or None."""
         ...
 
     async def check(self) -> str:
@@ -72,7 +72,8 @@ class Lookup:
     __slots__ = ("task",)
 
     def __init__(self, records: Records, key: bytes) -> None:
-        self.task: asyncio.Future[bytes | None] = asyncio.ensure_future(records.lookup(key))
+        self.task: asyncio.Future[tuple[bytes, int] | None]
+        self.task = asyncio.ensure_future(records.lookup(key))
 
     def forget(self) -> None:
         """Not needed (the claim step answered without a won claim, or failed). Left to
@@ -82,22 +83,24 @@ class Lookup:
         self.task.add_done_callback(_quiet)
 
     async def settle(
-        self, reply: ClaimReply, store: Store, names: KeyNames, token: bytes, ttl_ms: int
+        self, reply: ClaimReply, store: Store, names: KeyNames, token: bytes
     ) -> ClaimReply:
         """The claim step's reply, with the database's word on a won claim: its committed
         record (published to the store for the duplicates that follow, under this claim's
-        token) instead of CLAIMED. A lookup that fails frees the claim and raises: the
-        middleware answers 503 and nothing runs, as for a store that is down."""
+        token, for the time the row has left) instead of CLAIMED. A lookup that fails frees
+        the claim and raises: the middleware answers 503 and nothing runs, as for a store
+        that is down."""
         if reply is not CLAIMED:
             self.forget()
             return reply
         try:
-            data = await self.task
+            found = await self.task
         except BaseException:
             await free_claim(store, names, token)
             raise
-        if data is None:
+        if found is None:
             return CLAIMED
+        data, ttl_ms = found
         try:
             await store.publish(names.result, data, ttl_ms, names.claim, token)
         except Exception as exc:  # the database answers the next duplicate as well

@@ -357,7 +357,7 @@ class IdempotencyMiddleware:
             if reply is CLAIMED and self.previous_key_names:
                 reply = await previous_reply(self._store, self.namespace, names, token)
             if lookup is not None:  # the database's word on a won claim (_recorded.py)
-                reply = await lookup.settle(reply, self._store, names, token, settings.ttl_ms)
+                reply = await lookup.settle(reply, self._store, names, token)
                 lookup = None
         except Exception as exc:
             if lookup is not None:

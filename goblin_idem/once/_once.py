@@ -225,7 +225,7 @@ class _Once:
                 lookup.forget()
             raise
         if lookup is not None:  # the database's word on a won claim: it wins over the store
-            reply = await lookup.settle(reply, self.store, names, token, self.ttl_ms)
+            reply = await lookup.settle(reply, self.store, names, token)
         if reply is None and self.wait_seconds > 0:
             reply = await poll_claim(step, self.wait_seconds, POLL_SECONDS)
         if reply is None:

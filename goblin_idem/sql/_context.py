@@ -98,7 +98,7 @@ class RunTransaction:
                 found = await self.records.lookup(key)
                 if found is None:  # expired between the two: nothing to replay
                     raise RuntimeError(f"the record of key {key_hash} expired meanwhile")
-                raise Committed(found)
+                raise Committed(found[0])
         finally:
             await self.rollback()  # after a commit: only gives the connection back
 

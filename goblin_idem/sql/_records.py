@@ -106,12 +106,16 @@ class SqlRecords:
     def transaction(self) -> RunTransaction:
         return RunTransaction(self, self.engine)
 
-    async def lookup(self, key: bytes) -> bytes | None:
+    async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
         t = self.table
-        query = select(t.c.record).where(t.c.key == key, t.c.expires_at > _utcnow())
+        now = _utcnow()
+        query = select(t.c.record, t.c.expires_at).where(t.c.key == key, t.c.expires_at > now)
         async with self.engine.connect() as conn:
-            data = (await conn.execute(query)).scalar()
-        return None if data is None else bytes(data)
+            row = (await conn.execute(query)).first()
+        if row is None:
+            return None
+        expires = row[1] if row[1].tzinfo else row[1].replace(tzinfo=datetime.timezone.utc)
+        return bytes(row[0]), max(1, int((expires - now).total_seconds() * 1000))
 
     async def insert(
         self, conn: AsyncConnection, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import secrets
 from typing import Any
@@ -57,6 +58,28 @@ async def test_the_database_wins_over_a_flushed_store(setup: Setup) -> None:
     assert await setup.payment_count("p1") == 1
     # Published back to the store: the next duplicate is answered by the claim step alone.
     assert await setup.store.client.keys("*:r")  # type: ignore[union-attr]
+
+
+async def test_a_record_published_back_expires_with_its_row(setup: Setup) -> None:
+    """The store's copy of a record read from the database lives no longer than the row:
+    an expired row is never replayed, from the store either."""
+    app = build(setup.store, setup.records, setup.payments)
+    await pay(app, "k1", "p1")
+    t = setup.records.table
+    async with setup.engine.begin() as conn:
+        soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=60)
+        await conn.execute(update(t).values(expires_at=soon))
+    client = setup.store.client
+    await client.flushall()  # type: ignore[union-attr]
+    assert replayed(await pay(app, "k1", "p1"))
+    (result,) = await client.keys("*:r")  # type: ignore[union-attr]
+    assert 0 < await client.pttl(result) <= 60_000  # type: ignore[union-attr]
+
+
+async def test_another_request_under_a_key_the_database_holds_is_422(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    await pay(app, "k1", "p1")
+    await setup.store.client.flushall()  # type: ignore[union-attr]
     other = await pay(app, "k1", "p1-other")  # another body under the key: 422, from the row
     assert other.status == 422
     assert await setup.payment_count() == 1
