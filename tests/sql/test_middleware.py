@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import secrets
@@ -211,3 +212,26 @@ async def test_a_duplicate_answered_by_the_store_leaves_no_transaction_open(setu
             await conn.execute(update(setup.payments).values(amount=11))
     finally:
         await other.dispose()
+
+
+async def test_a_session_as_a_fastapi_dependency(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    first = await request(app, "POST", "/orders", key="o1", query=b"ref=o1")
+    assert first.status == 201
+    again = await request(app, "POST", "/orders", key="o1", query=b"ref=o1")
+    assert replayed(again) and again.body == first.body
+    assert await setup.payment_count("o1") == 1
+
+
+async def test_a_cancelled_run_leaves_nothing(setup: Setup) -> None:
+    gate = Gate()
+    app = build(setup.store, setup.records, setup.payments, gate=gate)
+    running = asyncio.ensure_future(pay(app, "k1", "c", "gate"))
+    await gate.events("c")[0].wait()
+    running.cancel()  # the client went away, the server cancels the request
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    assert await setup.payment_count("c") == 0 and await setup.rows() == []
+    again = await pay(app, "k1", "c")
+    assert again.status == 201 and not replayed(again)
+    assert await setup.payment_count("c") == 1

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from goblin_idem import IdempotencyMiddleware, RedisStore, Store
 from goblin_idem.sql import SqlRecords, connection, session
@@ -96,6 +96,11 @@ def build(
         if mode == "big":
             return Response(b"x" * BIG, media_type="application/octet-stream")
         return {"ref": body["ref"], "run": uuid.uuid4().hex}
+
+    @app.post("/orders", status_code=201)
+    async def order(ref: str, s: Annotated[AsyncSession, Depends(session)]) -> dict[str, str]:
+        await s.execute(insert(payments).values(ref=ref, amount=1))
+        return {"ref": ref}
 
     return app
 
