@@ -69,11 +69,18 @@ class Records(Protocol):
 class Lookup:
     """The database's record of a key, asked for alongside the claim step."""
 
-    __slots__ = ("task",)
+    __slots__ = ("key", "records", "task")
 
     def __init__(self, records: Records, key: bytes) -> None:
+        self.records, self.key = records, key
         self.task: asyncio.Future[tuple[bytes, int] | None]
         self.task = asyncio.ensure_future(records.lookup(key))
+
+    def again(self) -> Lookup:
+        """A new lookup, for a claim won after a wait: this one's answer predates it (the
+        run that held the claim may have committed meanwhile)."""
+        self.forget()
+        return Lookup(self.records, self.key)
 
     def forget(self) -> None:
         """Not needed (the claim step answered without a won claim, or failed). Left to

@@ -354,6 +354,8 @@ class IdempotencyMiddleware:
                     settings.claim_seconds,
                 )
                 reply = await poll_claim(step, self.wait_seconds, self.poll_interval)
+                if lookup is not None and reply is CLAIMED:
+                    lookup = lookup.again()
             if reply is CLAIMED and self.previous_key_names:
                 reply = await previous_reply(self._store, self.namespace, names, token)
             if lookup is not None:  # the database's word on a won claim (_recorded.py)

@@ -220,14 +220,16 @@ class _Once:
         lookup = None if self.records is None else Lookup(self.records, names.result)
         try:
             reply: ClaimReply = await step()
+            if reply is None and self.wait_seconds > 0:
+                reply = await poll_claim(step, self.wait_seconds, POLL_SECONDS)
+                if lookup is not None and reply is CLAIMED:
+                    lookup = lookup.again()
         except BaseException:
             if lookup is not None:
                 lookup.forget()
             raise
         if lookup is not None:  # the database's word on a won claim: it wins over the store
             reply = await lookup.settle(reply, self.store, names, token)
-        if reply is None and self.wait_seconds > 0:
-            reply = await poll_claim(step, self.wait_seconds, POLL_SECONDS)
         if reply is None:
             raise InFlightError(
                 f"{self.name.decode()}: another run holds key {names.hash} (or its worker "
