@@ -7,7 +7,7 @@ loopback proxy with `latency` added each way, so a round trip costs twice that; 
 closing commit (`RunTransaction.commit`: the record's insert and the COMMIT) is timed and
 divided by it. Two cases: the handler wrote through ``connection()`` first (its
 transaction already begun: the usual one), and the handler wrote nothing (the commit opens
-the transaction itself).
+the transaction itself). And the lookup a won claim makes, for a key with no row.
 """
 
 from __future__ import annotations
@@ -49,6 +49,19 @@ async def measure(url: str, runs: int, handler_wrote: bool) -> list[float]:
     return times[1:]
 
 
+async def measure_lookup(url: str, runs: int) -> list[float]:
+    engine = create_async_engine(url, pool_size=1)
+    records = SqlRecords(engine, table=f"bench_{secrets.token_hex(3)}")
+    await records.create_table()
+    times = []
+    for _ in range(runs + 1):  # the first one warms the pool (connects)
+        start = time.perf_counter()
+        await records.lookup(b"k:" + secrets.token_bytes(8))
+        times.append(time.perf_counter() - start)
+    await engine.dispose()
+    return times[1:]
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--latency-ms", type=float, default=20)
@@ -69,6 +82,8 @@ async def main() -> None:
                     trips = statistics.median(times) / (2 * one_way)
                     case = "handler wrote first" if wrote else "handler wrote nothing"
                     print(f"{driver:8} {case:22} commit: {trips:.1f} round trips")
+                trips = statistics.median(await measure_lookup(url, args.runs)) / (2 * one_way)
+                print(f"{driver:8} {'a new key':22} lookup: {trips:.1f} round trips")
     finally:
         postgres.remove()
 

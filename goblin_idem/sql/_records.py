@@ -110,7 +110,9 @@ class SqlRecords:
         t = self.table
         now = _utcnow()
         query = select(t.c.record, t.c.expires_at).where(t.c.key == key, t.c.expires_at > now)
+        # Autocommit: the SELECT alone, one round trip (no BEGIN before it, no ROLLBACK after).
         async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             row = (await conn.execute(query)).first()
         if row is None:
             return None
