@@ -7,7 +7,9 @@ the response through as it streams and keeps a copy, and closes with one store s
 publish the response (the result and the claim's new TTL in one MULTI/EXEC) before the
 client gets the message that ends it, or release the key (CAD with the run's token) if
 the app failed or sent the client elsewhere (`_is_outcome`). What happens is reported
-through the config's one event function.
+through the config's one event function. With SQL records (`records=`), the response is
+held back until the run's transaction commits with its record, before the publish
+(`_recorded.Recorded`).
 """
 
 from __future__ import annotations
