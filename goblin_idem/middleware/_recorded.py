@@ -82,7 +82,8 @@ class Recorded:
         except Exception as exc:
             if self.state != FAILED:
                 logger.error(
-                    "key %s: the record did not commit, so neither did the work: "
+                    "key %s: the record did not commit, so neither did the work (if only "
+                    "the commit's answer was lost, the retry finds the row and replays it): "
                     "answering 503 (%s)",
                     self.names.hash,
                     describe(exc),
