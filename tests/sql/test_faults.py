@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
@@ -151,3 +152,32 @@ async def test_the_database_stopped_at_commit_and_started_again(redis_server: Se
     finally:
         await store.aclose()
         postgres.remove()
+
+
+async def test_a_serialization_failure_at_commit_answers_503_and_nothing_happened(
+    setup: Setup,
+) -> None:
+    """Two runs (two keys) that each read what the other writes, under SERIALIZABLE: the
+    later commit fails, so its client gets 503 and its payment is not made; its retry runs."""
+    if setup.postgres is None:
+        pytest.skip("SQLite runs one writer at a time: no write skew to refuse")
+    engine = create_async_engine(setup.url, isolation_level="SERIALIZABLE")
+    records = SqlRecords(engine, table=setup.records.table.name)
+    gate = Gate()
+    app = build(setup.store, records, setup.payments, gate=gate)
+    try:
+        first = asyncio.ensure_future(pay(app, "k-a", "a", "gate-after-read"))
+        await gate.events("a")[0].wait()
+        second = asyncio.ensure_future(pay(app, "k-b", "b", "gate-after-read"))
+        await gate.events("b")[0].wait()
+        gate.events("a")[1].set()
+        one = await first
+        gate.events("b")[1].set()
+        two = await second
+        assert one.status == 201
+        assert two.status == 503 and problem(two)["type"].endswith("not-committed")
+        assert await setup.payment_count("a") == 1 and await setup.payment_count("b") == 0
+        retried = await pay(app, "k-b", "b")
+        assert retried.status == 201 and await setup.payment_count("b") == 1
+    finally:
+        await engine.dispose()

@@ -7,8 +7,8 @@ the store hears of it (the worst moment for a crash).
 
 A request's JSON body: ``ref`` and ``amount`` (one payment row), and optionally ``mode``:
 ``raise``, ``500``, ``big`` (a response of 64 KiB), ``commit`` (the handler commits
-itself), ``session`` (the write goes through ``session()``), or ``gate`` (waits on the
-test's `Gate` after its write).
+itself), ``session`` (the write goes through ``session()``), ``gate`` (waits on the
+test's `Gate` after its write), or ``gate-after-read`` (counts the payments first).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy import Column, Integer, MetaData, String, Table, insert
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from goblin_idem import IdempotencyMiddleware, RedisStore, Store
@@ -80,12 +80,16 @@ def build(
         body = await request.json()
         mode = body.get("mode")
         values = {"ref": body["ref"], "amount": body["amount"]}
+        if (
+            mode == "gate-after-read"
+        ):  # read what another run writes (write skew under SERIALIZABLE)
+            await conn.execute(select(func.count()).select_from(payments))
         if mode == "session":
             s = await session()
             await s.execute(insert(payments).values(values))
         else:
             await conn.execute(insert(payments).values(values))
-        if mode == "gate" and gate is not None:
+        if mode in ("gate", "gate-after-read") and gate is not None:
             await gate(body["ref"])
         if mode == "commit":
             await conn.commit()
