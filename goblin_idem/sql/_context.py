@@ -60,6 +60,7 @@ class RunTransaction:
         self.conn: RunConnection | None = None
         self.tx: AsyncTransaction | None = None
         self.sessions: list[RunSession] = []
+        self.ended = False  # committed or rolled back: connection() refuses
 
     def enter(self) -> contextvars.Token[object]:
         return _current.set(self)
@@ -68,6 +69,12 @@ class RunTransaction:
         _current.reset(token)
 
     async def connection(self) -> RunConnection:
+        if self.ended:
+            raise NotInRunError(
+                "this run's transaction has ended (it committed with the run's record, or "
+                "rolled back): code that outlives the run, such as a background task, "
+                "takes a connection of its own from the engine"
+            )
         if self.conn is None:
             conn = RunConnection(self.engine)
             await conn.start()
@@ -103,6 +110,7 @@ class RunTransaction:
             await self.rollback()  # after a commit: only gives the connection back
 
     async def rollback(self) -> None:
+        self.ended = True
         conn, self.conn = self.conn, None
         for s in self.sessions:
             await s.close()

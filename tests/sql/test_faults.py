@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.types import Receive, Scope, Send
 
@@ -181,3 +181,21 @@ async def test_a_serialization_failure_at_commit_answers_503_and_nothing_happene
         assert retried.status == 201 and await setup.payment_count("b") == 1
     finally:
         await engine.dispose()
+
+
+async def test_connection_after_the_run_ended_is_refused(setup: Setup) -> None:
+    """Code that outlives its run (a background task) would otherwise open a transaction
+    that nothing commits or closes."""
+    tx = RunTransaction(setup.records, setup.engine)
+    entered = tx.enter()
+    try:
+        conn = await connection()
+        await conn.execute(insert(setup.payments).values(ref="late", amount=1))
+        await tx.commit(b"idem:{late}:r", "late", bytes(16), b"GI", 60_000)
+        with pytest.raises(NotInRunError, match="has ended"):
+            await connection()
+        with pytest.raises(NotInRunError, match="has ended"):
+            await session()
+    finally:
+        tx.leave(entered)
+    assert await setup.payment_count("late") == 1
