@@ -36,12 +36,19 @@ _REFUSED = (
 
 
 class RunConnection(AsyncConnection):
-    """The run's connection: everything an AsyncConnection does but commit."""
+    """The run's connection: everything an AsyncConnection does but commit, or begin a
+    transaction of its own (one that commits apart from the record)."""
 
     __slots__ = ()
 
     async def commit(self) -> NoReturn:
         raise CommitRefusedError(_REFUSED)
+
+    def begin(self) -> NoReturn:
+        raise CommitRefusedError(
+            "the run's connection is in the run's transaction already, which commits with "
+            "the run's record: use begin_nested() for a savepoint"
+        )
 
 
 class RunSession(AsyncSession):
@@ -79,7 +86,7 @@ class RunTransaction:
             conn = RunConnection(self.engine)
             await conn.start()
             try:
-                self.tx = await conn.begin()
+                self.tx = await AsyncConnection.begin(conn)  # the one begin allowed
             except BaseException:
                 await conn.close()
                 raise
@@ -98,7 +105,11 @@ class RunTransaction:
         try:
             for s in self.sessions:
                 await s.flush()  # the work's pending ORM writes, in this transaction
-            assert self.tx is not None  # begun with the connection
+            if self.tx is None or not self.tx.is_active:
+                raise RuntimeError(
+                    "the run's transaction was rolled back by the work: its writes are gone, "
+                    "so its record is not committed either"
+                )
             committed = await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
             if not committed:
                 await self.rollback()

@@ -37,6 +37,10 @@ async def test_commit_is_refused_on_the_connection_and_the_session(setup: Setup)
         conn = await connection()
         with pytest.raises(CommitRefusedError, match="do not commit it yourself"):
             await conn.commit()
+        with pytest.raises(CommitRefusedError, match="begin_nested"):
+            conn.begin()
+        async with conn.begin_nested():  # a savepoint: allowed
+            pass
         s = await session()
         with pytest.raises(CommitRefusedError):
             await s.commit()

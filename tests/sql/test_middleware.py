@@ -235,3 +235,12 @@ async def test_a_cancelled_run_leaves_nothing(setup: Setup) -> None:
     again = await pay(app, "k1", "c")
     assert again.status == 201 and not replayed(again)
     assert await setup.payment_count("c") == 1
+
+
+async def test_a_rollback_by_the_handler_undoes_the_run(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    reply = await pay(app, "k1", "rb", "rollback")
+    assert reply.status == 503 and problem(reply)["type"].endswith("not-committed")
+    assert await setup.payment_count("rb") == 0 and await setup.rows() == []
+    again = await pay(app, "k1", "rb")
+    assert again.status == 201 and await setup.payment_count("rb") == 1

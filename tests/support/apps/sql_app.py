@@ -7,8 +7,9 @@ the store hears of it (the worst moment for a crash).
 
 A request's JSON body: ``ref`` and ``amount`` (one payment row), and optionally ``mode``:
 ``raise``, ``500``, ``big`` (a response of 64 KiB), ``commit`` (the handler commits
-itself), ``session`` (the write goes through ``session()``), ``gate`` (waits on the
-test's `Gate` after its write), or ``gate-after-read`` (counts the payments first).
+itself), ``rollback`` (it rolls back, then writes again), ``session`` (the write goes
+through ``session()``), ``gate`` (waits on the test's `Gate` after its write), or
+``gate-after-read`` (counts the payments first).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def build(
             await gate(body["ref"])
         if mode == "commit":
             await conn.commit()
+        if mode == "rollback":
+            await conn.rollback()
+            await conn.execute(insert(payments).values(values))  # in a transaction of its own
         if mode == "raise":
             raise RuntimeError("the handler failed after its write")
         if mode == "500":
