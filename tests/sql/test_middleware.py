@@ -9,11 +9,12 @@ import json
 import secrets
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import insert, update
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from goblin_idem import IdempotencyMiddleware, _recording
 from goblin_idem.records._format import decode
+from goblin_idem.sql import connection
 from tests.sql.conftest import Setup
 from tests.support.apps.sql_app import BIG, Gate, build
 from tests.support.asgi import Reply, problem, request
@@ -244,3 +245,20 @@ async def test_a_rollback_by_the_handler_undoes_the_run(setup: Setup) -> None:
     assert await setup.payment_count("rb") == 0 and await setup.rows() == []
     again = await pay(app, "k1", "rb")
     assert again.status == 201 and await setup.payment_count("rb") == 1
+
+
+async def test_an_unfinished_response_leaves_nothing(setup: Setup) -> None:
+    """The app wrote, started its response and returned without ending it."""
+
+    async def unfinished(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        conn = await connection()
+        await conn.execute(insert(setup.payments).values(ref="u", amount=1))
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"part", "more_body": True})
+
+    app = IdempotencyMiddleware(unfinished, store=setup.store, records=setup.records)
+    reply = await request(app, key="k-u", body=b"{}")
+    assert reply.messages == []  # nothing of it was sent: it was held, and never committed
+    assert await setup.payment_count("u") == 0 and await setup.rows() == []
+    assert await setup.store.client.keys("*:c") == []  # type: ignore[union-attr]
