@@ -100,17 +100,15 @@ class RunTransaction:
 
     async def commit(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> None:
         """The work's writes and the record's row, committed together (one transaction): the
-        row's primary key makes a second run's commit fail, and its writes vanish with it."""
-        conn = await self.connection()
+        row's primary key makes a second run's commit fail, and its writes vanish with it.
+        A run that wrote nothing commits the row alone, one statement in autocommit (as
+        atomic, and a round trip instead of a transaction's two or three)."""
         try:
-            for s in self.sessions:
-                await s.flush()  # the work's pending ORM writes, in this transaction
-            if self.tx is None or not self.tx.is_active:
-                raise RuntimeError(
-                    "the run's transaction was rolled back by the work: its writes are gone, "
-                    "so its record is not committed either"
-                )
-            committed = await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
+            if self.conn is None and not self.ended:
+                self.ended = True  # connection() refuses from here on
+                committed = await self.records.insert_alone(key, key_hash, fp, data, ttl_ms)
+            else:
+                committed = await self._commit_with_writes(key, key_hash, fp, data, ttl_ms)
             if not committed:
                 await self.rollback()
                 found = await self.records.lookup(key)
@@ -119,6 +117,19 @@ class RunTransaction:
                 raise Committed(found[0])
         finally:
             await self.rollback()  # after a commit: only gives the connection back
+
+    async def _commit_with_writes(
+        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
+    ) -> bool:
+        conn = await self.connection()
+        for s in self.sessions:
+            await s.flush()  # the work's pending ORM writes, in this transaction
+        if self.tx is None or not self.tx.is_active:
+            raise RuntimeError(
+                "the run's transaction was rolled back by the work: its writes are gone, "
+                "so its record is not committed either"
+            )
+        return await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
 
     async def rollback(self) -> None:
         self.ended = True

@@ -149,6 +149,14 @@ class SqlRecords:
         result = await conn.execute(statement.returning(t.c.key))
         return result.first() is not None
 
+    async def insert_alone(
+        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
+    ) -> bool:
+        """The record of a run that wrote nothing: one statement in autocommit."""
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return await self.insert(conn, key, key_hash, fp, data, ttl_ms)
+
     async def commit(
         self,
         conn: AsyncConnection,

@@ -10,10 +10,12 @@ import sys
 import pytest
 from sqlalchemy import insert, select
 
-from goblin_idem import once
+from goblin_idem import IdempotencyMiddleware, NotInRunError, once
 from goblin_idem._cli import main
+from goblin_idem._recording import Committed
 from goblin_idem.sql import SqlRecords, connection
 from tests.sql.conftest import Setup
+from tests.support.asgi import Handler, request
 from tests.support.procs import ROOT
 
 
@@ -134,3 +136,25 @@ async def test_once_two_runs_after_a_lost_claim_commit_one(setup: Setup) -> None
     one, two = await asyncio.gather(first, second)
     assert one == two
     assert runs == 2 and await setup.payment_count("o3") == 1
+
+
+async def test_a_run_that_wrote_nothing_commits_its_record_alone(setup: Setup) -> None:
+    """One statement in autocommit: the row still stops a second run of the key."""
+    first = setup.records.transaction()
+    await first.commit(b"idem:{alone}:r", "alone", bytes(16), b"GI first", 60_000)
+    assert await setup.records.lookup(b"idem:{alone}:r") is not None
+    second = setup.records.transaction()
+    with pytest.raises(Committed) as refused:
+        await second.commit(b"idem:{alone}:r", "alone", bytes(16), b"GI second", 60_000)
+    assert refused.value.data == b"GI first"
+    with pytest.raises(NotInRunError, match="has ended"):
+        await first.connection()
+
+
+async def test_a_handler_that_writes_nothing_is_recorded(setup: Setup) -> None:
+    app = IdempotencyMiddleware(Handler(), store=setup.store, records=setup.records)
+    first = await request(app, key="nothing")
+    assert first.status == 201 and len(await setup.rows()) == 1
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    again = await request(app, key="nothing")
+    assert again.header("idempotent-replayed") == b"true" and again.body == first.body
