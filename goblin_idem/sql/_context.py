@@ -10,6 +10,7 @@ effect can commit without the record that stops a second run.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 from typing import TYPE_CHECKING, NoReturn
@@ -68,6 +69,7 @@ class RunTransaction:
         self.tx: AsyncTransaction | None = None
         self.sessions: list[RunSession] = []
         self.ended = False  # committed or rolled back: connection() refuses
+        self.opening = asyncio.Lock()  # two first uses at once open one connection
 
     def enter(self) -> contextvars.Token[object]:
         return _current.set(self)
@@ -83,14 +85,16 @@ class RunTransaction:
                 "takes a connection of its own from the engine"
             )
         if self.conn is None:
-            conn = RunConnection(self.engine)
-            await conn.start()
-            try:
-                self.tx = await AsyncConnection.begin(conn)  # the one begin allowed
-            except BaseException:
-                await conn.close()
-                raise
-            self.conn = conn
+            async with self.opening:
+                if self.conn is None:
+                    conn = RunConnection(self.engine)
+                    await conn.start()
+                    try:
+                        self.tx = await AsyncConnection.begin(conn)  # the one begin allowed
+                    except BaseException:
+                        await conn.close()
+                        raise
+                    self.conn = conn
         return self.conn
 
     async def session(self) -> RunSession:

@@ -203,3 +203,16 @@ async def test_connection_after_the_run_ended_is_refused(setup: Setup) -> None:
     finally:
         tx.leave(entered)
     assert await setup.payment_count("late") == 1
+
+
+async def test_two_first_uses_at_once_get_one_connection(setup: Setup) -> None:
+    engine = create_async_engine(setup.url)  # no pooled connection: the first use waits
+    tx = RunTransaction(setup.records, engine)
+    entered = tx.enter()
+    try:
+        one, two = await asyncio.gather(connection(), connection())
+        assert one is two
+    finally:
+        tx.leave(entered)
+        await tx.rollback()
+        await engine.dispose()
