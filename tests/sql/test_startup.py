@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -21,10 +23,19 @@ from tests.support.procs import output_of, spawn, uvicorn_args
 from tests.support.servers import Server, free_port
 
 
-async def startup(records: SqlRecords) -> Message:
-    """What a Starlette app with the middleware answers to the lifespan's startup."""
+async def startup(records: SqlRecords, *, create_in_lifespan: bool = False) -> Message:
+    """What a Starlette app with the middleware answers to the lifespan's startup (an app
+    that creates the records' table in its own startup, with `create_in_lifespan`)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if create_in_lifespan:
+            await records.create_table()
+        yield
+
     app = Starlette(
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), records=records)]
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), records=records)],
+        lifespan=lifespan,
     )
     incoming: list[Message] = [{"type": "lifespan.startup"}]
     answered: asyncio.Queue[Message] = asyncio.Queue()
@@ -53,6 +64,12 @@ async def test_a_missing_table_fails_startup(setup: Setup) -> None:
     assert failed["type"] == "lifespan.startup.failed"
     assert "'never_created' does not exist" in failed["message"]
     assert "records.create_table()" in failed["message"]
+
+
+async def test_a_table_the_apps_own_startup_creates_is_checked_after_it(setup: Setup) -> None:
+    records = SqlRecords(setup.engine, table="created_by_the_app")
+    started = await startup(records, create_in_lifespan=True)
+    assert started["type"] == "lifespan.startup.complete", started
 
 
 async def test_a_table_of_another_shape_fails_startup(setup: Setup) -> None:
