@@ -9,11 +9,14 @@ from ._lease import Lease, Watchdog
 from ._lock import Lock
 from .exceptions import (
     ClaimLostError,
+    CommitRefusedError,
     GoblinError,
     InFlightError,
     LockError,
     LockNotOwnedError,
+    NotInRunError,
     NotReplicatedError,
+    SqlRecordsError,
     StorePermissionError,
 )
 from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
@@ -28,6 +31,7 @@ __all__ = [
     "ClaimReply",
     "Claimed",
     "Codec",
+    "CommitRefusedError",
     "Counters",
     "GoblinError",
     "IdempotencyMiddleware",
@@ -38,10 +42,12 @@ __all__ = [
     "LockError",
     "LockNotOwnedError",
     "MemoryStore",
+    "NotInRunError",
     "NotReplicatedError",
     "RedisStore",
     "RoutePolicy",
     "Sealer",
+    "SqlRecordsError",
     "Store",
     "StorePermissionError",
     "Watchdog",

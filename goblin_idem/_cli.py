@@ -1,4 +1,4 @@
-"""Command line: `python -m goblin_idem <command>` (build-module, inspect)."""
+"""Command line: `python -m goblin_idem <command>` (build-module, inspect, sql purge)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     build.set_defaults(func=_build_module)
 
     _add_inspect(sub)
+    _add_sql(sub)
 
     args = parser.parse_args(argv)
     result: int = args.func(args)
@@ -155,4 +156,61 @@ def _inspect(args: argparse.Namespace) -> int:
         )
         return 1
     print(json.dumps(state.as_dict(), indent=2) if args.json else format_state(state))
+    return 0
+
+
+def _add_sql(subparsers: Any) -> None:
+    """Add `sql purge`: delete the expired rows of SQL records (goblin_idem.sql)."""
+    sql = subparsers.add_parser("sql", help="SQL records in the app's database")
+    commands = sql.add_subparsers(dest="sql_command", required=True)
+    purge = commands.add_parser(
+        "purge",
+        help="delete expired records, in bounded batches; prints how many",
+        description=(
+            "Delete the records whose expiry has passed (never replayed any more), a "
+            "batch per transaction, and print how many were deleted."
+        ),
+    )
+    purge.add_argument(
+        "--url",
+        default=os.environ.get("DATABASE_URL"),
+        help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: "
+        "$DATABASE_URL)",
+    )
+    purge.add_argument(
+        "--table", default=None, help="the records table (default: goblin_idem_records)"
+    )
+    purge.add_argument("--batch", type=int, default=1000, help="rows per transaction (1000)")
+    purge.set_defaults(func=_purge)
+
+
+def _purge(args: argparse.Namespace) -> int:
+    if args.url is None:
+        print("error: give --url (or set DATABASE_URL)", file=sys.stderr)
+        return 2
+    try:
+        from .sql import SqlRecords
+        from .sql._records import DEFAULT_TABLE
+    except ImportError as exc:
+        print(f"error: {exc}: install goblin-idem[sql]", file=sys.stderr)
+        return 2
+    try:
+        records = SqlRecords(args.url, table=args.table or DEFAULT_TABLE)
+    except (TypeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    async def purge() -> int:
+        try:
+            await records.check()
+            return await records.purge_expired(args.batch)
+        finally:
+            await records.aclose()
+
+    try:
+        deleted = asyncio.run(purge())
+    except Exception as exc:
+        print(f"error: {describe(exc)}", file=sys.stderr)
+        return 1
+    print(deleted)
     return 0

@@ -14,6 +14,7 @@ from typing import Any
 
 from ._durations import kind as _kind
 from ._durations import renamed_ms, seconds
+from ._recording import Records
 from .records import _compression
 from .records._sealing import ENV_VAR, Sealer, keys_from_env
 from .store import MemoryStore, Store
@@ -149,6 +150,18 @@ def store(value: object) -> Store:
     raise TypeError(
         "store must be a Store (RedisStore.from_url(url), RedisStore(client) or MemoryStore()), "
         f"not {_kind(value)}"
+    )
+
+
+def records(value: object) -> Records | None:
+    """Where records are committed (``goblin_idem.sql.SqlRecords``), or None."""
+    if value is None:
+        return None
+    if all(callable(getattr(value, m, None)) for m in ("transaction", "lookup", "check")):
+        return value  # type: ignore[return-value]
+    raise TypeError(
+        "records must be SqlRecords(engine) from goblin_idem.sql (or an object with its "
+        f"transaction, lookup and check methods), not {_kind(value)}"
     )
 
 

@@ -7,6 +7,9 @@
     ├── ClaimLostError             the running work no longer holds its claim
     ├── RecordError (ValueError)   stored bytes this reader cannot read or open
     ├── SealError (ValueError)     a sealed value that does not open
+    ├── SqlRecordsError            SQL records that cannot be used (table, URL, driver)
+    │   ├── NotInRunError          connection()/session() outside a claimed run
+    │   └── CommitRefusedError     a commit of the run's transaction by the work itself
     ├── NotReplicatedError (redis.exceptions.RedisError)
     │                              fewer replicas than asked acknowledged a write
     └── StorePermissionError (redis.exceptions.NoPermissionError)
@@ -25,13 +28,16 @@ from redis.exceptions import NoPermissionError, RedisError
 
 __all__ = [
     "ClaimLostError",
+    "CommitRefusedError",
     "GoblinError",
     "InFlightError",
     "LockError",
     "LockNotOwnedError",
+    "NotInRunError",
     "NotReplicatedError",
     "RecordError",
     "SealError",
+    "SqlRecordsError",
     "StorePermissionError",
 ]
 
@@ -107,3 +113,20 @@ class RecordError(GoblinError, ValueError):
 class SealError(GoblinError, ValueError):
     """A sealed value that does not open: unknown key id, altered, truncated, or stored
     under another name than the one it was sealed for."""
+
+
+class SqlRecordsError(GoblinError):
+    """`goblin_idem.sql` records that cannot be used: the database cannot be reached, its
+    driver is not installed, or the table is missing or of another shape. The middleware's
+    startup check raises it with what to change."""
+
+
+class NotInRunError(SqlRecordsError):
+    """``connection()`` or ``session()`` called outside a run under a won claim (a request
+    with a key under ``IdempotencyMiddleware(records=...)``, a ``once(..., records=...)``
+    call): there is no transaction to commit the work with its record."""
+
+
+class CommitRefusedError(SqlRecordsError):
+    """The work committed the run's transaction itself: refused, since its effects must
+    commit with the run's record, which the run commits when it ends."""

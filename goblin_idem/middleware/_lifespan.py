@@ -1,13 +1,15 @@
 """The middleware's part in the ASGI lifespan: check the store at startup, close it at shutdown.
 
-Startup runs before the app's own (which may need the store) and logs one line saying what
-the store is and whether anything about it is risky; a store that cannot be reached, or
-that refuses a command goblin-idem sends, fails startup with a message that names the fix,
-unless ``check_store=False``. Shutdown runs after the app's own (which may still use the
-store). An app that does not take part in the lifespan (Django's ASGI handler raises for
-it) is answered by the middleware alone, as uvicorn's ``--lifespan auto`` would. A server
-that offers no lifespan gets none of this: the store is then checked on first use. Options
-refused while an app built the middleware fail the startup too (`Refused`).
+Startup checks the store before the app's own startup (which may need the store) and the
+SQL records after it (which may create their table), and logs a line saying what each is
+and whether anything about it is risky; a store that cannot be reached, or that refuses a
+command goblin-idem sends, fails startup with a message that names the fix, unless
+``check_store=False``; records that cannot be written always do. Shutdown runs after the
+app's own (which may still use the store). An app that does not take part in the lifespan
+(Django's ASGI handler raises for it) is answered by the middleware alone, as uvicorn's
+``--lifespan auto`` would. A server that offers no lifespan gets none of this: the store is
+then checked on first use. Options refused while an app built the middleware fail the
+startup too (`Refused`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import _log
 from .._log import describe
+from .._recording import Records
 from ..exceptions import StorePermissionError
 from ..store import MemoryStore, RedisStore, Store
 
@@ -49,6 +52,7 @@ class Lifespan:
     store: Store
     check_store: bool
     close_store: bool
+    records: Records | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = await receive()
@@ -56,7 +60,7 @@ class Lifespan:
             await self.app(scope, _first(message, receive), send)
             return
         try:
-            await self.startup()
+            await self._check_store()
         except Exception as exc:
             await send({"type": "lifespan.startup.failed", "message": str(exc)})
             return
@@ -67,7 +71,9 @@ class Lifespan:
             kind = message["type"]
             if kind in ("lifespan.startup.complete", "lifespan.startup.failed"):
                 answered = True
-            if kind in _CLOSING:
+            if kind == "lifespan.startup.complete":
+                message = await self._records_checked(message)
+            if message["type"] in _CLOSING:
                 await self._shutdown()
             await send(message)
 
@@ -80,15 +86,39 @@ class Lifespan:
         if answered:
             return
         # The app ignored the lifespan: the middleware completes it on its own.
-        await send({"type": "lifespan.startup.complete"})
+        completed = await self._records_checked({"type": "lifespan.startup.complete"})
+        await send(completed)
+        if completed["type"] != "lifespan.startup.complete":
+            await self._shutdown()
+            return
         while (await receive())["type"] != "lifespan.shutdown":
             pass
         await self._shutdown()
         await send({"type": "lifespan.shutdown.complete"})
 
     async def startup(self) -> None:
-        """Check the store and log what it is (also the sync integrations' check, which
-        they make when they are built, having no lifespan)."""
+        """The sync integrations' check, made when they are built (they have no lifespan):
+        the store, then the records."""
+        await self._check_store()
+        await self._check_records()
+
+    async def _check_records(self) -> None:
+        """A database that cannot take the records fails startup, whatever `check_store`
+        says."""
+        if self.records is not None:
+            where = await self.records.check()
+            startup_logger().info("goblin-idem records: %s", where)
+
+    async def _records_checked(self, complete: Message) -> Message:
+        """The app's startup.complete, or startup.failed if the records cannot be used:
+        checked after the app's own startup, which is where an app creates its tables."""
+        try:
+            await self._check_records()
+        except Exception as exc:
+            return {"type": "lifespan.startup.failed", "message": str(exc)}
+        return complete
+
+    async def _check_store(self) -> None:
         store = self.store
         log = startup_logger()
         if isinstance(store, MemoryStore):

@@ -15,6 +15,7 @@ event function (_events.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
@@ -37,6 +38,7 @@ from .._keys import (
     valid_key,
 )
 from .._lease import Watchdog
+from .._recording import Lookup, Records
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Store
 from . import _routes
@@ -44,6 +46,7 @@ from ._events import Counters, Events
 from ._lifespan import Lifespan, Refused
 from ._names_010 import previous_reply
 from ._openapi import Coverage, document_openapi
+from ._recorded import Recording
 from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
 from ._responses import Answers
 from ._routes import RoutePolicy, Routes, Settings, idempotent
@@ -147,6 +150,7 @@ class IdempotencyMiddleware:
         compression: str | None = "zlib",
         compress_above_bytes: int = 1024,
         previous_key_names: bool = False,
+        records: Records | None = None,
         wait_ms: int | None = None,
         poll_interval_ms: int | None = None,
     ) -> None:
@@ -189,7 +193,8 @@ class IdempotencyMiddleware:
         self.previous_key_names = options.flag("previous_key_names", previous_key_names)
         self.check_store = options.flag("check_store", check_store)
         self.close_store = options.flag("close_store", close_store)
-        self._lifespan = Lifespan(app, self.store, self.check_store, self.close_store)
+        self.records = options.records(records)
+        self._lifespan = Lifespan(app, self.store, self.check_store, self.close_store, self.records)
         self.counters = Counters()
         hook = options.callable_or_none(
             "on_event", on_event, "a function (event, key_hash) called on every counter increment"
@@ -235,6 +240,10 @@ class IdempotencyMiddleware:
             self.sealer,
             self.require_sealed,
         )
+        if self.records is not None:
+            self.runs = dataclasses.replace(
+                self.runs, recording=Recording(self.records, self.answers)
+            )
 
     @property
     def on_event(self) -> Callable[[str, str], None] | None:
@@ -331,6 +340,7 @@ class IdempotencyMiddleware:
             return
         names, fp = self.identity.identify(scope, checked, body)
         token = new_token()
+        lookup = None if self.records is None else Lookup(self.records, names.result)
         try:
             reply = await self._store.claim_unless_done(
                 names.claim, names.result, token, settings.claim_seconds
@@ -344,9 +354,16 @@ class IdempotencyMiddleware:
                     settings.claim_seconds,
                 )
                 reply = await poll_claim(step, self.wait_seconds, self.poll_interval)
+                if lookup is not None and reply is CLAIMED:
+                    lookup = lookup.again()
             if reply is CLAIMED and self.previous_key_names:
                 reply = await previous_reply(self._store, self.namespace, names, token)
+            if lookup is not None:  # the database's word on a won claim (_recorded.py)
+                reply = await lookup.settle(reply, self._store, names, token)
+                lookup = None
         except Exception as exc:
+            if lookup is not None:
+                lookup.forget()
             # Anything out of the store step, even a client library's own bug, means the
             # claim is in doubt: answer as for a store that is down, never run unprotected
             # by accident (fail_open decides).

@@ -13,6 +13,7 @@ __all__ = [
     "IN_FLIGHT",
     "KEY_REUSED",
     "MISSING_KEY",
+    "NOT_COMMITTED",
     "NOT_REPLAYABLE",
     "RECORD_UNREADABLE",
     "STORE_UNAVAILABLE",
@@ -53,6 +54,9 @@ RECORD_UNREADABLE = Problem(
     "record-unreadable",
     503,
     "The request with this Idempotency-Key was run, but its stored response cannot be read",
+)
+NOT_COMMITTED = Problem(
+    "not-committed", 503, "The request's effects did not commit in the database; it was not run"
 )
 STORE_UNAVAILABLE = Problem(
     "store-unavailable", 503, "The idempotency store is unavailable; the request was not run"

@@ -7,7 +7,9 @@ the response through as it streams and keeps a copy, and closes with one store s
 publish the response (the result and the claim's new TTL in one MULTI/EXEC) before the
 client gets the message that ends it, or release the key (CAD with the run's token) if
 the app failed or sent the client elsewhere (`_is_outcome`). What happens is reported
-through the config's one event function.
+through the config's one event function. With SQL records (`records=`), the response is
+held back until the run's transaction commits with its record, before the publish
+(`_recorded.Recorded`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..records._sealing import Sealer
 from ..store import Published, Store
 from ..store._server_errors import VALUE_TOO_LARGE
 from ._events import Events
+from ._recorded import HOLDING, Recorded, Recording
 from ._routes import Settings
 
 __all__ = ["Run", "RunConfig", "log_store_error"]
@@ -86,6 +89,7 @@ class RunConfig:
     background: set[asyncio.Task[Any]]
     warned: set[str]
     lease_lost: Callable[[Lease], None]  # told by a run's lease, once, when it is lost
+    recording: Recording | None = None  # records=: the response commits before it is sent
 
     @classmethod
     def from_options(
@@ -153,10 +157,14 @@ class Run:
     trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
     finished: bool = False  # the closing step has started
     data: bytes = b""  # the record the closing step publishes, encoded
+    recorded: Recorded | None = None  # records=: the run's transaction and held response
 
     async def __call__(self, scope: Scope, receive: Receive) -> None:
         """Run the app once, holding the claim's lease, and close with one store step."""
         config, names = self.config, self.names
+        if config.recording is not None:
+            self.recorded = config.recording.recorded(self._send, names, self.fp)
+            in_sql = self.recorded.tx.enter()  # connection() in the handler: this run's
         self.lease = config.watchdog.hold(
             names.claim,
             self.token,
@@ -169,6 +177,8 @@ class Run:
             await config.app(scope, receive, self.send)
         finally:
             current.reset(held)
+            if self.recorded is not None:
+                self.recorded.tx.leave(in_sql)
             if not self.finished:
                 # Raised, cancelled, or returned without a complete response: the work
                 # may not have happened, so free the key for the client's retry.
@@ -202,7 +212,30 @@ class Run:
                 await run_to_end(self._closing_step(), self.config.background)
         else:
             message = await self._other(message)
-        await self._send(message)
+        if self.recorded is None:
+            await self._send(message)
+        else:
+            await self._held(message, self.recorded)
+
+    async def _held(self, message: Message, recorded: Recorded) -> None:
+        """With records: `message` held until the record commits (`Recorded`). A response
+        too large to hold commits when it reaches `max_response_bytes`, as completed but
+        not replayable, and then streams on."""
+        if (
+            recorded.state == HOLDING
+            and self.keep
+            and not self.finished
+            and self.size > self.config.max_response_bytes
+        ):
+            await run_to_end(self._commit_early, self.config.background)
+        # A response that is not the outcome (a 5xx, a redirect) commits nothing: it passes.
+        await recorded.pass_on(message, self.finished or not self.keep)
+
+    async def _commit_early(self) -> None:
+        assert self.recorded is not None
+        self.data = self._encoded(Record(self.status, [], b"", self.fp, replayable=False))
+        if await self.recorded.commit(self.data, self.settings.ttl_ms) is None:
+            self.keep = False  # nothing happened: the key is released at the end
 
     async def _other(self, message: Message) -> Message:
         """The other ends of a response (trailers, pathsend, zerocopysend); any other
@@ -272,21 +305,35 @@ class Run:
             record = Record(self.status, headers, body, self.fp, trailers=self.trailers)
         # Encoded now, kept as bytes (which the garbage collector never tracks): the record,
         # its header list and tuples are freed before the publish waits for the store.
-        self.data = encode(
+        self.data = self._encoded(record)
+        return self._publish
+
+    def _encoded(self, record: Record) -> bytes:
+        config = self.config
+        return encode(
             record,
             sealer=config.sealer,
-            name=names.result,
+            name=self.names.result,
             codec=config.compressor,
             compress_above=config.compress_above,
         )
-        return self._publish
 
     async def _release(self) -> None:
+        if self.recorded is not None:
+            await self.recorded.rollback()  # the run's writes vanish with its claim
         await self.config.watchdog.release(self.lease)
         await free_claim(self.config.store, self.names, self.token)
 
     async def _publish(self) -> None:
         config, names = self.config, self.names
+        if self.recorded is not None:
+            # The run's writes and its record, committed together before the response goes
+            # out; published is what committed (another run's record, if its row was first).
+            committed = await self.recorded.commit(self.data, self.settings.ttl_ms)
+            if committed is None:  # the effects did not happen: 503, the key released
+                await self._release()
+                return
+            self.data = committed
         await config.watchdog.release(self.lease)
         try:
             published = await publish_retried(

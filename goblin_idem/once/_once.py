@@ -38,6 +38,7 @@ from .._closing import free_claim, publish_retried, run_to_end
 from .._keys import KeyNames, key_names
 from .._lease import Lease, Watchdog
 from .._log import describe
+from .._recording import Committed, Lookup, Records, RunTransaction
 from ..exceptions import InFlightError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, ClaimReply, Published, Store
@@ -80,6 +81,7 @@ def once(
     name: str | None = None,
     encryption_keys: Sequence[bytes] | Sealer | None = None,
     require_sealed: bool = False,
+    records: Records | None = None,
 ) -> Decorator:
     """Run the decorated function at most once per key (see the module docstring).
 
@@ -92,6 +94,10 @@ def once(
     store key as the middleware's records are when `encryption_keys` (or
     ``$GOBLIN_IDEM_ENCRYPTION_KEYS``) gives keys; with `require_sealed`, a stored value in
     the clear raises RecordError instead of being returned (docs/operating/encryption.md).
+
+    With `records` (``goblin_idem.sql.SqlRecords``), the function's writes through
+    ``goblin_idem.sql.connection()`` commit together with its stored value, in the app's
+    database, which wins over a store that lost the value.
     """
     the_store = _checked(store, key, codec, wait_seconds, name)
     ttl = options.seconds("ttl_seconds", ttl_seconds, minimum=1)
@@ -99,6 +105,7 @@ def once(
     ns = options.namespace(namespace)
     sealer = options.sealer(encryption_keys)
     sealed_only = options.require_sealed(require_sealed, sealer)
+    the_records = options.records(records)
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         if not inspect.iscoroutinefunction(func):
@@ -122,6 +129,7 @@ def once(
             sealer,
             sealed_only,
             Watchdog.for_store(the_store),
+            the_records,
         )
 
         @functools.wraps(func)
@@ -186,6 +194,7 @@ class _Once:
     sealer: Sealer | None
     require_sealed: bool  # a stored value in the clear raises RecordError
     watchdog: Watchdog  # the store's, shared
+    records: Records | None  # the function's writes commit with its value (goblin_idem.sql)
 
     def names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyNames:
         value = self.key(*args, **kwargs)
@@ -208,9 +217,19 @@ class _Once:
         step = functools.partial(
             self.store.claim_unless_done, names.claim, names.result, token, self.claim_seconds
         )
-        reply: ClaimReply = await step()
-        if reply is None and self.wait_seconds > 0:
-            reply = await poll_claim(step, self.wait_seconds, POLL_SECONDS)
+        lookup = None if self.records is None else Lookup(self.records, names.result)
+        try:
+            reply: ClaimReply = await step()
+            if reply is None and self.wait_seconds > 0:
+                reply = await poll_claim(step, self.wait_seconds, POLL_SECONDS)
+                if lookup is not None and reply is CLAIMED:
+                    lookup = lookup.again()
+        except BaseException:
+            if lookup is not None:
+                lookup.forget()
+            raise
+        if lookup is not None:  # the database's word on a won claim: it wins over the store
+            reply = await lookup.settle(reply, self.store, names, token)
         if reply is None:
             raise InFlightError(
                 f"{self.name.decode()}: another run holds key {names.hash} (or its worker "
@@ -228,12 +247,16 @@ class _Once:
         self, args: tuple[Any, ...], kwargs: dict[str, Any], names: KeyNames, token: bytes
     ) -> Any:
         lease = self.watchdog.hold(names.claim, token, self.lease_ms, label=names.hash)
+        tx = None if self.records is None else self.records.transaction()
         try:
             held = current.set(Claim(self.store, lease))
+            in_sql = None if tx is None else tx.enter()
             try:
                 value = await self.func(*args, **kwargs)
             finally:
                 current.reset(held)
+                if tx is not None and in_sql is not None:
+                    tx.leave(in_sql)
             try:
                 data = to_stored(self.codec, value, self.sealer, names.result)
             except TypeError as exc:
@@ -243,7 +266,11 @@ class _Once:
                     "dataclass or pydantic model named in the return annotation, or pass "
                     "codec="
                 ) from exc
+            if tx is not None:
+                data = await _committed(tx, names, data, self.ttl_ms)
         except BaseException:
+            if tx is not None:
+                await tx.rollback()  # nothing of the function's writes is kept
             await run_to_end(functools.partial(self._release, lease, names, token), _background)
             raise
         await run_to_end(functools.partial(self._publish, lease, names, data), _background)
@@ -292,3 +319,14 @@ class _Once:
                 self.name.decode(),
                 names.hash,
             )
+
+
+async def _committed(tx: RunTransaction, names: KeyNames, data: bytes, ttl_ms: int) -> bytes:
+    """The function's writes and its value, committed together: the value to publish (that
+    of another run, if its row came first: this run's writes were rolled back). A commit
+    that fails raises, and nothing of this run happened."""
+    try:
+        await tx.commit(names.result, names.hash, bytes(16), data, ttl_ms)
+    except Committed as exc:
+        return exc.data
+    return data

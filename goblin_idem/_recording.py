@@ -1,0 +1,126 @@
+"""What the middleware and `once` ask of a database that records results (``records=``).
+
+They never import SQLAlchemy: `goblin_idem.sql.SqlRecords` implements these protocols, and
+any object that does can stand in for it. A run opens one `RunTransaction`; the work's own
+writes join it; `commit` inserts the record in it and commits, so the work's effects and
+its record exist together or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from typing import Any, Protocol
+
+from ._closing import free_claim
+from ._keys import KeyNames
+from ._log import describe
+from .store import CLAIMED, ClaimReply, Store
+
+logger = logging.getLogger("goblin_idem.claim")
+
+__all__ = ["Committed", "Lookup", "Records", "RunTransaction"]
+
+
+class Committed(Exception):
+    """`RunTransaction.commit` found the key's row already committed by another run: this
+    run's transaction was rolled back. `data` is that run's record."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__("another run committed this key first")
+        self.data = data
+
+
+class RunTransaction(Protocol):
+    """One run's transaction, opened on first use (by the work, or by `commit`)."""
+
+    def enter(self) -> contextvars.Token[object]:
+        """Make this the transaction that ``connection()`` returns in this context."""
+        ...
+
+    def leave(self, token: contextvars.Token[object]) -> None: ...
+
+    async def commit(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> None:
+        """Insert the record and commit, atomically with the work's writes. Raises
+        `Committed` if the key's unexpired row exists (nothing of this run is kept), or
+        the database's error (nothing of this run is kept either)."""
+        ...
+
+    async def rollback(self) -> None:
+        """Undo the work's writes and give the connection back; safe to repeat."""
+        ...
+
+
+class Records(Protocol):
+    """Where committed records live: the truth, which the store caches."""
+
+    def transaction(self) -> RunTransaction: ...
+
+    async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
+        """The unexpired record of `key` and the milliseconds it has left, or None."""
+        ...
+
+    async def check(self) -> str:
+        """Raise, saying what to change, unless records can be written; else describe them."""
+        ...
+
+
+class Lookup:
+    """The database's record of a key, asked for alongside the claim step."""
+
+    __slots__ = ("key", "records", "task")
+
+    def __init__(self, records: Records, key: bytes) -> None:
+        self.records, self.key = records, key
+        self.task: asyncio.Future[tuple[bytes, int] | None]
+        self.task = asyncio.ensure_future(records.lookup(key))
+
+    def again(self) -> Lookup:
+        """A new lookup, for a claim won after a wait: this one's answer predates it (the
+        run that held the claim may have committed meanwhile)."""
+        self.forget()
+        return Lookup(self.records, self.key)
+
+    def forget(self) -> None:
+        """Not needed (the claim step answered without a won claim, or failed). Left to
+        end, not cancelled: a query cut off midway can leave its connection in a
+        transaction (on SQLite, holding a lock that stops every writer)."""
+        _forgotten.add(self.task)
+        self.task.add_done_callback(_quiet)
+
+    async def settle(
+        self, reply: ClaimReply, store: Store, names: KeyNames, token: bytes
+    ) -> ClaimReply:
+        """The claim step's reply, with the database's word on a won claim: its committed
+        record (published to the store for the duplicates that follow, under this claim's
+        token, for the time the row has left) instead of CLAIMED. A lookup that fails frees
+        the claim and raises: the middleware answers 503 and nothing runs, as for a store
+        that is down."""
+        if reply is not CLAIMED:
+            self.forget()
+            return reply
+        try:
+            found = await self.task
+        except BaseException:
+            await free_claim(store, names, token)
+            raise
+        if found is None:
+            return CLAIMED
+        data, ttl_ms = found
+        try:
+            await store.publish(names.result, data, ttl_ms, names.claim, token)
+        except Exception as exc:  # the database answers the next duplicate as well
+            logger.warning(
+                "key %s: could not publish the committed record back: %s", names.hash, describe(exc)
+            )
+        return data
+
+
+_forgotten: set[asyncio.Future[Any]] = set()  # lookups left to end, kept from the collector
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    _forgotten.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: never "exception was never retrieved"

@@ -1,0 +1,135 @@
+"""SQL records in the middleware (``records=``): the database is the truth, the store its cache.
+
+Two steps, each with its guarantee:
+
+- the claim step (`goblin_idem._recording.Lookup`): a won claim with no result in the
+  store asks the database, asked concurrently with the claim (a new key waits for the
+  slower of the two, not both). A committed record is published back to the store and
+  replayed; nothing runs.
+- `Recorded` (the run): the response start and body are held back while the app runs, its
+  record inserted in the run's transaction and committed, then the held messages sent. So a
+  client never sees a response whose effects did not commit; a commit that fails answers
+  503 (the effects did not happen), and a commit refused by the key's row (another run got
+  there first) answers that run's record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+from starlette.types import Message, Send
+
+from .._keys import KeyNames
+from .._log import describe
+from .._recording import Committed, Records, RunTransaction
+from . import _problems as problems
+from ._responses import Answers
+
+__all__ = ["Recorded", "Recording"]
+
+logger = logging.getLogger("goblin_idem.middleware")
+
+HOLDING, PASSING, FAILED, ELSEWHERE = "holding", "passing", "failed", "elsewhere"
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """What the runs of one middleware with ``records=`` share."""
+
+    records: Records
+    answers: Answers
+
+    def recorded(self, send: Send, names: KeyNames, fp: bytes) -> Recorded:
+        return Recorded(self.records.transaction(), send, self.answers, names, fp)
+
+
+@dataclass(eq=False, slots=True)
+class Recorded:
+    """One run's response, held back until its record commits in the run's transaction.
+    The whole response is held up to the point it commits (its end, or the run's
+    `max_response_bytes` for one too large to hold), so a commit refused or failed is
+    always answered before any of this run's response went out."""
+
+    tx: RunTransaction
+    send: Send  # the server's
+    answers: Answers
+    names: KeyNames
+    fp: bytes
+    held: list[Message] = field(default_factory=list)
+    state: str = HOLDING
+    answered: bool = False  # FAILED or ELSEWHERE answered; the app's messages are dropped
+    data: bytes = b""  # the record committed (this run's, or another run's)
+    _commit: asyncio.Future[None] | None = None
+
+    async def commit(self, data: bytes, ttl_ms: int) -> bytes | None:
+        """Insert the record and commit, once: a closing step repeated after a cancel, or
+        the end of a response committed early, gets the first call's outcome. What to
+        publish: the record committed (this run's, or the one another run committed first);
+        None if the commit failed, so that nothing of this run happened."""
+        if self._commit is None:
+            self.data = data
+            self._commit = asyncio.ensure_future(
+                self.tx.commit(self.names.result, self.names.hash, self.fp, data, ttl_ms)
+            )
+        try:
+            await asyncio.shield(self._commit)
+        except Committed as exc:
+            self.state, self.data = ELSEWHERE, exc.data
+            return self.data
+        except Exception as exc:
+            if self.state != FAILED:
+                logger.error(
+                    "key %s: the record did not commit, so neither did the work (if only "
+                    "the commit's answer was lost, the retry finds the row and replays it): "
+                    "answering 503 (%s)",
+                    self.names.hash,
+                    describe(exc),
+                )
+            self.state = FAILED
+            return None
+        if self.state == HOLDING:
+            self.state = PASSING
+        return self.data
+
+    async def rollback(self) -> None:
+        """Undo the run's writes (nothing once committed); waits for a commit under way."""
+        if self._commit is not None and not self._commit.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(self._commit)
+        await self.tx.rollback()
+
+    async def pass_on(self, message: Message, finished: bool) -> None:
+        """`message` from the app: held until the record commits, then sent; replaced by
+        the answer that a commit refused or failed calls for. `finished`: no commit is to
+        come (the closing step ran, or the response is not one to record), so what is held
+        goes out as it came."""
+        if self.answered:
+            return
+        if self.state == HOLDING:
+            self.held.append(message)
+            if finished:
+                await self.flush()
+            return
+        if self.state == PASSING:
+            await self.flush()
+            await self.send(message)
+            return
+        self.held.clear()
+        self.answered = True
+        if self.state == ELSEWHERE:
+            await self.answers.stored(self.data, self.fp, self.send, self.names)
+            return
+        await problems.send_problem(
+            self.send,
+            problems.NOT_COMMITTED,
+            "The request was not run: its effects did not commit. Retry it with the same key.",
+            [(b"retry-after", self.answers.retry_after)],
+        )
+
+    async def flush(self) -> None:
+        held, self.held = self.held, []
+        for message in held:
+            await self.send(message)

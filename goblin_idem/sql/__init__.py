@@ -1,0 +1,13 @@
+"""Exactly-once in the app's own database: the record commits in the work's transaction.
+
+``SqlRecords(engine)`` is passed as ``records=`` to IdempotencyMiddleware or `once`. A run's
+writes through ``await connection()`` (or ``await session()``) commit together with its
+record, before anything of the response reaches the client; the store stays the fast claim
+and replay cache, the database the truth. Needs the ``sql`` extra (SQLAlchemy 2, async)
+and the app's own driver (asyncpg, psycopg or aiosqlite).
+"""
+
+from ._context import connection, session
+from ._records import SqlRecords
+
+__all__ = ["SqlRecords", "connection", "session"]

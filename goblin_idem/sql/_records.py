@@ -1,0 +1,295 @@
+"""`SqlRecords`: the response records in the app's own database (SQLAlchemy async).
+
+One row per key: the result key's name as the store has it (bytes, the primary key), the
+key hash that logs show, the request fingerprint, the record bytes the store gets (sealed
+when encryption is on), and when it was committed and expires. The row is inserted in the
+run's transaction, so the work's effects and its record commit together; the primary key
+stops a second run of the same key at its commit. An expired row is never replayed, and
+the next run replaces it.
+PostgreSQL and SQLite (their ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from sqlalchemy import (
+    Column,
+    DateTime,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    delete,
+    inspect,
+    select,
+)
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import ArgumentError, InvalidRequestError
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncEngine,
+    AsyncTransaction,
+    create_async_engine,
+)
+
+from .._log import describe
+from ..exceptions import SqlRecordsError
+from ._context import RunTransaction
+
+__all__ = ["DEFAULT_TABLE", "SqlRecords"]
+
+DEFAULT_TABLE = "goblin_idem_records"
+DIALECTS = ("postgresql", "sqlite")
+PURGE_BATCH = 1000  # rows deleted per transaction: short locks on a busy table
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+class SqlRecords:
+    """Records in the app's database, for ``IdempotencyMiddleware(records=...)`` and
+    ``once(..., records=...)``. `engine` is an AsyncEngine (its pool's size and timeouts
+    apply) or a URL, whose engine is made on first use (so that a driver that is not
+    installed fails the middleware's startup check, with what to install)."""
+
+    def __init__(self, engine: AsyncEngine | str, *, table: str = DEFAULT_TABLE) -> None:
+        if isinstance(engine, str):
+            try:
+                url = make_url(engine)
+            except ArgumentError as exc:
+                raise ValueError(f"SqlRecords: not a database URL: {exc}") from None
+            self._engine: AsyncEngine | None = None
+            self._url = engine
+        elif isinstance(engine, AsyncEngine):
+            url = engine.url
+            self._engine = engine
+            self._url = engine.url.render_as_string(hide_password=True)
+        else:
+            raise TypeError(
+                "SqlRecords needs an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine) "
+                f"or a database URL, not {type(engine).__name__}"
+            )
+        if url.get_backend_name() not in DIALECTS:
+            raise ValueError(
+                f"SqlRecords supports PostgreSQL and SQLite, not {url.get_backend_name()}"
+            )
+        if not isinstance(table, str) or not table:
+            raise TypeError("table must be a non-empty str")
+        self.where = make_url(self._url).render_as_string(hide_password=True)
+        self.metadata = MetaData()
+        self.table = Table(
+            table,
+            self.metadata,
+            Column("key", LargeBinary(255), primary_key=True),
+            Column("key_hash", String(64), nullable=False),
+            Column("fingerprint", LargeBinary(16), nullable=False),
+            Column("record", LargeBinary, nullable=False),
+            Column("created_at", DateTime(timezone=True), nullable=False),
+            Column("expires_at", DateTime(timezone=True), nullable=False, index=True),
+        )
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine, made from the URL on first use (which imports its driver)."""
+        if self._engine is None:
+            self._engine = create_async_engine(self._url)
+        return self._engine
+
+    def __repr__(self) -> str:
+        return f"SqlRecords({self.where!r}, table={self.table.name!r})"
+
+    # -- what the middleware and once use (goblin_idem._recording) --
+
+    def transaction(self) -> RunTransaction:
+        return RunTransaction(self, self.engine)
+
+    async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
+        t = self.table
+        now = _utcnow()
+        query = select(t.c.record, t.c.expires_at).where(t.c.key == key, t.c.expires_at > now)
+        # Autocommit: the SELECT alone, one round trip (no BEGIN before it, no ROLLBACK after).
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            row = (await conn.execute(query)).first()
+        if row is None:
+            return None
+        expires = row[1] if row[1].tzinfo else row[1].replace(tzinfo=datetime.timezone.utc)
+        return bytes(row[0]), max(1, int((expires - now).total_seconds() * 1000))
+
+    async def insert(
+        self, conn: AsyncConnection, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
+    ) -> bool:
+        """Insert the record in `conn`'s transaction, over an expired row only; False if the
+        key's unexpired row exists (committed by another run: this run must not commit)."""
+        now = _utcnow()
+        values = {
+            "key": key,
+            "key_hash": key_hash,
+            "fingerprint": fp,
+            "record": data,
+            "created_at": now,
+            "expires_at": now + datetime.timedelta(milliseconds=ttl_ms),
+        }
+        insert: Any
+        if conn.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        t = self.table
+        statement = insert(t).values(values)
+        statement = statement.on_conflict_do_update(
+            index_elements=[t.c.key],
+            set_={name: statement.excluded[name] for name in values if name != "key"},
+            where=t.c.expires_at <= statement.excluded.created_at,
+        )
+        # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
+        result = await conn.execute(statement.returning(t.c.key))
+        return result.first() is not None
+
+    async def insert_alone(
+        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
+    ) -> bool:
+        """The record of a run that wrote nothing: one statement in autocommit."""
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return await self.insert(conn, key, key_hash, fp, data, ttl_ms)
+
+    async def commit(
+        self,
+        conn: AsyncConnection,
+        tx: AsyncTransaction,
+        key: bytes,
+        key_hash: str,
+        fp: bytes,
+        data: bytes,
+        ttl_ms: int,
+    ) -> bool:
+        """Insert the record in the run's transaction and commit it, with the work's writes;
+        False (nothing committed) if the key's unexpired row exists. On psycopg, the insert
+        and the COMMIT go in one round trip (`_pipelined`); elsewhere one each."""
+        if conn.dialect.driver == "psycopg":
+            return await self._pipelined(conn, tx, key, key_hash, fp, data, ttl_ms)
+        if not await self.insert(conn, key, key_hash, fp, data, ttl_ms):
+            return False
+        await tx.commit()
+        return True
+
+    async def _pipelined(
+        self,
+        conn: AsyncConnection,
+        tx: AsyncTransaction,
+        key: bytes,
+        key_hash: str,
+        fp: bytes,
+        data: bytes,
+        ttl_ms: int,
+    ) -> bool:
+        """psycopg's pipeline mode: the expired row's delete, the insert and the COMMIT sent
+        together and answered together (one round trip, as the COMMIT alone would cost).
+        The insert raises on an unexpired row (the primary key), which aborts what follows
+        it in the pipeline, the COMMIT included: nothing of the run commits."""
+        from psycopg.errors import UniqueViolation
+
+        raw: Any = (await conn.get_raw_connection()).driver_connection  # psycopg's own
+        table = conn.dialect.identifier_preparer.format_table(self.table)
+        now = _utcnow()
+        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        try:
+            async with raw.pipeline(), raw.cursor() as cursor:
+                await cursor.execute(
+                    f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (key, now)
+                )
+                await cursor.execute(
+                    f"INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, "
+                    "expires_at) VALUES (%s, %s, %s, %s, %s, %s)",
+                    (key, key_hash, fp, data, now, expires),
+                )
+                # A COMMIT statement, not raw.commit(): that one syncs the pipeline, and
+                # leaving it syncs again (a second round trip).
+                await cursor.execute("COMMIT")
+        except UniqueViolation:
+            return False
+        await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
+        return True
+
+    async def check(self) -> str:
+        """Raise SqlRecordsError saying what to change unless the database answers and
+        the table exists with this release's columns; else say where records go."""
+        name = self.table.name
+        try:
+            engine = self.engine
+        except ModuleNotFoundError as exc:
+            raise SqlRecordsError(
+                f"goblin-idem records: the database driver {exc.name!r} is not installed: "
+                f"install it (pip install {exc.name}), or name an installed driver in the URL "
+                f"{self.where}"
+            ) from exc
+        except InvalidRequestError as exc:
+            raise SqlRecordsError(
+                f"goblin-idem records: {exc}: name an async driver in the URL, as in "
+                "postgresql+asyncpg://, postgresql+psycopg:// or sqlite+aiosqlite://"
+            ) from exc
+        try:
+            async with engine.connect() as conn:
+                columns = await conn.run_sync(_shape, name)
+        except Exception as exc:
+            raise SqlRecordsError(
+                f"goblin-idem records: cannot use the database at {self.where} "
+                f"({describe(exc)}); start it, or fix the URL"
+            ) from exc
+        if columns is None:
+            raise SqlRecordsError(
+                f"goblin-idem records: the table {name!r} does not exist in {self.where}: "
+                "create it with `await records.create_table()` (or from `records.table` in a "
+                "migration), or pass table= the name of the one you created"
+            )
+        expected = {c.name for c in self.table.columns}
+        missing = sorted(expected - columns[0])
+        if missing or columns[1] != ["key"]:
+            raise SqlRecordsError(
+                f"goblin-idem records: the table {name!r} in {self.where} has another shape "
+                f"(missing columns: {', '.join(missing) or 'none'}; primary key: "
+                f"{', '.join(columns[1]) or 'none'}, should be key): create the table from "
+                "`records.table` (`await records.create_table()`), or pass table= another name"
+            )
+        return f"table {name} in {self.where}"
+
+    # -- for the application --
+
+    async def create_table(self) -> None:
+        """Create the table and its index unless they exist (safe to repeat)."""
+        async with self.engine.begin() as conn:
+            await conn.run_sync(self.metadata.create_all, checkfirst=True)
+
+    async def purge_expired(self, batch: int = PURGE_BATCH) -> int:
+        """Delete the expired rows, `batch` per transaction; how many were deleted."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
+        t = self.table
+        total = 0
+        while True:
+            now = _utcnow()
+            keys = select(t.c.key).where(t.c.expires_at <= now).limit(batch).scalar_subquery()
+            async with self.engine.begin() as conn:
+                deleted = (await conn.execute(delete(t).where(t.c.key.in_(keys)))).rowcount
+            total += deleted
+            if deleted < batch:
+                return total
+
+    async def aclose(self) -> None:
+        """Dispose of the engine's pool (the engine stays usable: it reconnects)."""
+        if self._engine is not None:
+            await self._engine.dispose()
+
+
+def _shape(conn: Connection, name: str) -> tuple[set[str], list[str]] | None:
+    """The table's column names and primary key, or None if there is no such table."""
+    inspector = inspect(conn)
+    if not inspector.has_table(name):
+        return None
+    columns = {c["name"] for c in inspector.get_columns(name)}
+    primary = list(inspector.get_pk_constraint(name).get("constrained_columns") or [])
+    return columns, primary

@@ -1,0 +1,100 @@
+"""SQL records on real servers: a PostgreSQL per test worker (asyncpg and psycopg) and SQLite
+on a temporary file (aiosqlite), each paired with one store, so that every database and
+driver, and Redis and Valkey in script and native mode, are covered without multiplying
+them all. Every test has tables of its own (records and payments)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Table, func, select
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from goblin_idem import RedisStore, _recording
+from goblin_idem.sql import SqlRecords
+from tests.support.apps.sql_app import payments_table
+from tests.support.backends import server_for
+from tests.support.postgres import Postgres, start_postgres
+
+# (database and driver, store): each database with one store.
+PAIRS = [
+    ("postgresql-asyncpg", "redis-script"),
+    ("postgresql-psycopg", "valkey-native"),
+    ("sqlite-aiosqlite", "redis-native"),
+]
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Postgres]:
+    server = start_postgres()
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def pg_database(postgres: Postgres) -> str:
+    """One database per worker; tests keep apart by their tables' names."""
+    return postgres.new_database()
+
+
+@dataclass
+class Setup:
+    """One test's database, tables, records and store."""
+
+    name: str
+    url: str
+    engine: AsyncEngine
+    records: SqlRecords
+    payments: Table
+    store: RedisStore
+    postgres: Postgres | None
+
+    async def payment_count(self, ref: str | None = None) -> int:
+        query = select(func.count()).select_from(self.payments)
+        if ref is not None:
+            query = query.where(self.payments.c.ref == ref)
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(query)).scalar_one())
+
+    async def rows(self) -> list[tuple[object, ...]]:
+        t = self.records.table
+        async with self.engine.connect() as conn:
+            return [tuple(r) for r in await conn.execute(select(t))]
+
+
+def database_url(
+    request: pytest.FixtureRequest, name: str, tmp_path: Path
+) -> tuple[str, Postgres | None]:
+    if name.startswith("sqlite"):
+        return f"sqlite+aiosqlite:///{tmp_path / 'app.db'}", None
+    postgres: Postgres = request.getfixturevalue("postgres")
+    database: str = request.getfixturevalue("pg_database")
+    return postgres.url(database, name.split("-")[1]), postgres
+
+
+@pytest.fixture(params=PAIRS, ids=[f"{d}+{s}" for d, s in PAIRS])
+async def setup(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Setup]:
+    db, store_name = request.param
+    url, postgres = database_url(request, db, tmp_path)
+    engine = create_async_engine(url)
+    suffix = secrets.token_hex(4)
+    records = SqlRecords(engine, table=f"records_{suffix}")
+    payments = payments_table(f"payments_{suffix}")
+    await records.create_table()
+    async with engine.begin() as conn:
+        await conn.run_sync(payments.metadata.create_all)
+    server = server_for(request, store_name)
+    store = RedisStore.from_url(server.url, mode=store_name.split("-")[1])  # type: ignore[arg-type]
+    await store.client.flushall()  # type: ignore[union-attr]
+    yield Setup(db, url, engine, records, payments, store, postgres)
+    if _recording._forgotten:  # lookups that duplicates did not need: they end on their own
+        await asyncio.wait(list(_recording._forgotten))
+    await store.aclose()
+    await engine.dispose()

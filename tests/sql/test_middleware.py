@@ -1,0 +1,264 @@
+"""The middleware with SQL records: effects and record commit together, before the response."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import secrets
+from typing import Any
+
+from sqlalchemy import insert, update
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from goblin_idem import IdempotencyMiddleware, _recording
+from goblin_idem.records._format import decode
+from goblin_idem.sql import connection
+from tests.sql.conftest import Setup
+from tests.support.apps.sql_app import BIG, Gate, build
+from tests.support.asgi import Reply, problem, request
+
+
+def body(ref: str, mode: str | None = None, amount: int = 10) -> bytes:
+    return json.dumps({"ref": ref, "amount": amount, "mode": mode}).encode()
+
+
+async def pay(app: Any, key: str, ref: str, mode: str | None = None) -> Reply:
+    return await request(
+        app,
+        "POST",
+        "/payments",
+        key=key,
+        body=body(ref, mode),
+        headers=[("content-type", "application/json")],
+    )
+
+
+def replayed(reply: Reply) -> bool:
+    return reply.header("idempotent-replayed") == b"true"
+
+
+async def test_effects_and_record_commit_together_and_duplicates_replay(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    first = await pay(app, "k1", "p1")
+    assert first.status == 201 and not replayed(first)
+    assert await setup.payment_count("p1") == 1
+    rows = await setup.rows()
+    assert len(rows) == 1
+    again = await pay(app, "k1", "p1")
+    assert again.status == 201 and replayed(again) and again.body == first.body
+    assert await setup.payment_count("p1") == 1
+
+
+async def test_the_database_wins_over_a_flushed_store(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    first = await pay(app, "k1", "p1")
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    again = await pay(app, "k1", "p1")
+    assert again.status == 201 and replayed(again) and again.body == first.body
+    assert await setup.payment_count("p1") == 1
+    # Published back to the store: the next duplicate is answered by the claim step alone.
+    assert await setup.store.client.keys("*:r")  # type: ignore[union-attr]
+
+
+async def test_a_record_published_back_expires_with_its_row(setup: Setup) -> None:
+    """The store's copy of a record read from the database lives no longer than the row:
+    an expired row is never replayed, from the store either."""
+    app = build(setup.store, setup.records, setup.payments)
+    await pay(app, "k1", "p1")
+    t = setup.records.table
+    async with setup.engine.begin() as conn:
+        soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=60)
+        await conn.execute(update(t).values(expires_at=soon))
+    client = setup.store.client
+    await client.flushall()  # type: ignore[union-attr]
+    assert replayed(await pay(app, "k1", "p1"))
+    (result,) = await client.keys("*:r")  # type: ignore[union-attr]
+    assert 0 < await client.pttl(result) <= 60_000  # type: ignore[union-attr]
+
+
+async def test_another_request_under_a_key_the_database_holds_is_422(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    await pay(app, "k1", "p1")
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    other = await pay(app, "k1", "p1-other")  # another body under the key: 422, from the row
+    assert other.status == 422
+    assert await setup.payment_count() == 1
+
+
+async def test_a_failed_run_leaves_nothing(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    for done, mode in enumerate(("raise", "500", "commit")):
+        key = f"k-{mode}"
+        try:
+            reply = await pay(app, key, mode, mode)
+        except Exception:
+            reply = None  # the handler's error, raised through to the server
+        assert reply is None or reply.status == 500, mode
+        assert await setup.payment_count(mode) == 0, mode
+        assert len(await setup.rows()) == done  # the earlier keys' rows only
+        # The key is free: the next request runs.
+        ok = await pay(app, key, mode)
+        assert ok.status == 201 and not replayed(ok)
+        assert await setup.payment_count(mode) == 1
+
+
+async def test_writes_through_a_session_commit_with_the_record(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    reply = await pay(app, "k1", "s1", "session")
+    assert reply.status == 201
+    assert await setup.payment_count("s1") == 1
+    assert (await pay(app, "k1", "s1", "session")).body == reply.body
+
+
+async def test_a_response_too_large_to_hold_commits_as_not_replayable(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments, max_response_bytes=1024)
+    first = await pay(app, "k1", "b1", "big")
+    assert first.status == 200 and first.body == b"x" * BIG
+    assert await setup.payment_count("b1") == 1
+    assert len(await setup.rows()) == 1
+    again = await pay(app, "k1", "b1", "big")
+    assert again.status == 409 and problem(again)["type"].endswith("not-replayable")
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    from_db = await pay(app, "k1", "b1", "big")
+    assert from_db.status == 409 and problem(from_db)["type"].endswith("not-replayable")
+    assert await setup.payment_count("b1") == 1
+
+
+async def test_no_response_is_sent_before_the_commit(setup: Setup) -> None:
+    """What the client got first came after the commit: the row existed by then."""
+    seen: list[int] = []
+    app = build(setup.store, setup.records, setup.payments)
+
+    async def watching(scope: Any, receive: Any, send: Any) -> None:
+        async def spy(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                seen.append(len(await setup.rows()))
+            await send(message)
+
+        await app(scope, receive, spy)
+
+    reply = await pay(watching, "k1", "p1")
+    assert reply.status == 201 and seen == [1]
+
+
+async def test_two_runs_after_a_deleted_claim_commit_one_effect(setup: Setup) -> None:
+    gate = Gate()
+    app = build(setup.store, setup.records, setup.payments, gate=gate)
+    client = setup.store.client
+    first = asyncio.ensure_future(pay(app, "k1", "a", "gate"))
+    await gate.events("a")[0].wait()
+    await client.delete(*await client.keys("*:c"))  # type: ignore[union-attr]
+    second = asyncio.ensure_future(pay(app, "k1", "a", "gate"))
+    await asyncio.sleep(0.05)  # the second run claims the key and starts its write
+    gate.events("a")[1].set()  # both go on once they get there
+    one, two = await asyncio.gather(first, second)
+    assert await setup.payment_count("a") == 1
+    assert one.status == two.status == 201
+    assert one.body == two.body
+    assert replayed(one) != replayed(two)  # the second commit was refused: it got the first's
+    assert len(await setup.rows()) == 1
+
+
+async def test_an_expired_row_is_never_replayed_and_is_replaced(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    first = await pay(app, "k1", "e1")
+    t = setup.records.table
+    async with setup.engine.begin() as conn:
+        await conn.execute(update(t).values(expires_at=t.c.created_at))
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    again = await pay(app, "k1", "e1")
+    assert again.status == 201 and not replayed(again) and again.body != first.body
+    assert await setup.payment_count("e1") == 2
+    rows = await setup.rows()
+    assert len(rows) == 1
+    (stored,) = [r[3] for r in rows]
+    assert json.loads(decode(bytes(stored)).body) == json.loads(again.body)  # type: ignore[arg-type]
+
+
+async def test_sealed_rows_hold_no_plaintext(setup: Setup) -> None:
+    secret = secrets.token_hex(16)
+    app = build(setup.store, setup.records, setup.payments, encryption_keys=[bytes(range(32))])
+    first = await pay(app, "k1", secret)
+    assert secret.encode() in first.body
+    (row,) = await setup.rows()
+    assert not any(secret.encode() in bytes(v) for v in row if isinstance(v, (bytes, memoryview)))
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    again = await pay(app, "k1", secret)
+    assert replayed(again) and again.body == first.body
+
+
+async def test_records_must_be_sql_records() -> None:
+    import pytest
+
+    with pytest.raises(TypeError, match="records must be SqlRecords"):
+        IdempotencyMiddleware(build, records="postgresql://")  # type: ignore[arg-type]
+
+
+async def test_a_duplicate_answered_by_the_store_leaves_no_transaction_open(setup: Setup) -> None:
+    """The database lookup a duplicate did not need is left to end, not cut off midway: a
+    cut-off query left its SQLite connection in a transaction, whose lock stopped every
+    other writer ("database is locked")."""
+    app = build(setup.store, setup.records, setup.payments)
+    await pay(app, "k1", "p1")
+    for _ in range(20):
+        assert replayed(await pay(app, "k1", "p1"))
+    if _recording._forgotten:  # the lookups the duplicates did not need, until they end
+        await asyncio.wait(list(_recording._forgotten))
+    args = {"connect_args": {"timeout": 0.5}} if setup.name.startswith("sqlite") else {}
+    other = create_async_engine(setup.url, **args)  # type: ignore[arg-type]
+    try:
+        async with other.begin() as conn:
+            await conn.execute(update(setup.payments).values(amount=11))
+    finally:
+        await other.dispose()
+
+
+async def test_a_session_as_a_fastapi_dependency(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    first = await request(app, "POST", "/orders", key="o1", query=b"ref=o1")
+    assert first.status == 201
+    again = await request(app, "POST", "/orders", key="o1", query=b"ref=o1")
+    assert replayed(again) and again.body == first.body
+    assert await setup.payment_count("o1") == 1
+
+
+async def test_a_cancelled_run_leaves_nothing(setup: Setup) -> None:
+    gate = Gate()
+    app = build(setup.store, setup.records, setup.payments, gate=gate)
+    running = asyncio.ensure_future(pay(app, "k1", "c", "gate"))
+    await gate.events("c")[0].wait()
+    running.cancel()  # the client went away, the server cancels the request
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    assert await setup.payment_count("c") == 0 and await setup.rows() == []
+    again = await pay(app, "k1", "c")
+    assert again.status == 201 and not replayed(again)
+    assert await setup.payment_count("c") == 1
+
+
+async def test_a_rollback_by_the_handler_undoes_the_run(setup: Setup) -> None:
+    app = build(setup.store, setup.records, setup.payments)
+    reply = await pay(app, "k1", "rb", "rollback")
+    assert reply.status == 503 and problem(reply)["type"].endswith("not-committed")
+    assert await setup.payment_count("rb") == 0 and await setup.rows() == []
+    again = await pay(app, "k1", "rb")
+    assert again.status == 201 and await setup.payment_count("rb") == 1
+
+
+async def test_an_unfinished_response_leaves_nothing(setup: Setup) -> None:
+    """The app wrote, started its response and returned without ending it."""
+
+    async def unfinished(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        conn = await connection()
+        await conn.execute(insert(setup.payments).values(ref="u", amount=1))
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"part", "more_body": True})
+
+    app = IdempotencyMiddleware(unfinished, store=setup.store, records=setup.records)
+    reply = await request(app, key="k-u", body=b"{}")
+    assert reply.messages == []  # nothing of it was sent: it was held, and never committed
+    assert await setup.payment_count("u") == 0 and await setup.rows() == []
+    assert await setup.store.client.keys("*:c") == []  # type: ignore[union-attr]

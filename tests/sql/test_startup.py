@@ -1,0 +1,128 @@
+"""Records that cannot be used fail the middleware's startup, saying what to change."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Column, Integer, MetaData, Table
+from sqlalchemy.ext.asyncio import create_async_engine
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.types import Message
+
+from goblin_idem import IdempotencyMiddleware, MemoryStore
+from goblin_idem.sql import SqlRecords
+from tests.sql.conftest import Setup
+from tests.support.postgres import Postgres
+from tests.support.procs import output_of, spawn, uvicorn_args
+from tests.support.servers import Server, free_port
+
+
+async def startup(records: SqlRecords, *, create_in_lifespan: bool = False) -> Message:
+    """What a Starlette app with the middleware answers to the lifespan's startup (an app
+    that creates the records' table in its own startup, with `create_in_lifespan`)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if create_in_lifespan:
+            await records.create_table()
+        yield
+
+    app = Starlette(
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), records=records)],
+        lifespan=lifespan,
+    )
+    incoming: list[Message] = [{"type": "lifespan.startup"}]
+    answered: asyncio.Queue[Message] = asyncio.Queue()
+
+    async def receive() -> Message:
+        if incoming:
+            return incoming.pop()
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    scope: dict[str, Any] = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    task = asyncio.ensure_future(app(scope, receive, answered.put))
+    try:
+        return await asyncio.wait_for(answered.get(), 30)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_usable_records_start(setup: Setup) -> None:
+    assert (await startup(setup.records))["type"] == "lifespan.startup.complete"
+
+
+async def test_a_missing_table_fails_startup(setup: Setup) -> None:
+    failed = await startup(SqlRecords(setup.engine, table="never_created"))
+    assert failed["type"] == "lifespan.startup.failed"
+    assert "'never_created' does not exist" in failed["message"]
+    assert "records.create_table()" in failed["message"]
+
+
+async def test_a_table_the_apps_own_startup_creates_is_checked_after_it(setup: Setup) -> None:
+    records = SqlRecords(setup.engine, table="created_by_the_app")
+    started = await startup(records, create_in_lifespan=True)
+    assert started["type"] == "lifespan.startup.complete", started
+
+
+async def test_a_table_of_another_shape_fails_startup(setup: Setup) -> None:
+    other = Table("other_shape", MetaData(), Column("id", Integer, primary_key=True))
+    async with setup.engine.begin() as conn:
+        await conn.run_sync(other.metadata.create_all)
+    failed = await startup(SqlRecords(setup.engine, table="other_shape"))
+    assert failed["type"] == "lifespan.startup.failed"
+    assert "has another shape" in failed["message"]
+    assert (
+        "missing columns: created_at, expires_at, fingerprint, key, key_hash, record"
+        in (failed["message"])
+    )
+
+
+async def test_a_wrong_url_fails_startup() -> None:
+    url = f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/app"  # nothing listens
+    failed = await startup(SqlRecords(url))
+    assert failed["type"] == "lifespan.startup.failed"
+    assert "cannot use the database at " + url in failed["message"]
+    assert "start it, or fix the URL" in failed["message"]
+
+
+async def test_a_driver_not_installed_fails_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "asyncpg", None)  # as if it were not installed
+    failed = await startup(SqlRecords("postgresql+asyncpg://postgres@127.0.0.1/app"))
+    assert failed["type"] == "lifespan.startup.failed"
+    assert "driver 'asyncpg' is not installed" in failed["message"]
+    assert "pip install asyncpg" in failed["message"]
+
+
+async def test_a_sync_driver_fails_startup() -> None:
+    engine_url = "sqlite:///app.db"  # pysqlite: not an async driver
+    failed = await startup(SqlRecords(engine_url))
+    assert failed["type"] == "lifespan.startup.failed"
+    assert "sqlite+aiosqlite://" in failed["message"]
+
+
+def test_other_databases_are_refused() -> None:
+    with pytest.raises(ValueError, match="PostgreSQL and SQLite"):
+        SqlRecords("mysql+aiomysql://u@127.0.0.1/app")
+    with pytest.raises(TypeError, match="AsyncEngine"):
+        SqlRecords(create_async_engine)  # type: ignore[arg-type]
+
+
+def test_uvicorn_exits_when_the_table_is_missing(postgres: Postgres, redis_server: Server) -> None:
+    env = {
+        "DATABASE_URL": postgres.url("postgres"),
+        "REDIS_URL": redis_server.url,
+        "RECORDS_TABLE": "never_created",
+        "PAYMENTS_TABLE": "payments",
+    }
+    proc = spawn(uvicorn_args("tests.support.apps.sql_app:app", free_port(), "info"), env)
+    assert proc.wait(timeout=30) != 0
+    said = output_of(proc)
+    assert "'never_created' does not exist" in said, said

@@ -1,0 +1,142 @@
+"""A payments app whose effects commit with their records (goblin_idem.sql), for tests/sql.
+
+`build` makes it in the test process; under uvicorn, ``app`` is built from the environment:
+``REDIS_URL``, ``DATABASE_URL``, ``RECORDS_TABLE``, ``PAYMENTS_TABLE``, ``LEASE_SECONDS``;
+with ``KILL_AFTER_COMMIT=1`` the process SIGKILLs itself right after a run's commit, before
+the store hears of it (the worst moment for a crash).
+
+A request's JSON body: ``ref`` and ``amount`` (one payment row), and optionally ``mode``:
+``raise``, ``500``, ``big`` (a response of 64 KiB), ``commit`` (the handler commits
+itself), ``rollback`` (it rolls back, then writes again), ``session`` (the write goes
+through ``session()``), ``gate`` (waits on the test's `Gate` after its write), or
+``gate-after-read`` (counts the payments first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from goblin_idem import IdempotencyMiddleware, RedisStore, Store
+from goblin_idem.sql import SqlRecords, connection, session
+from goblin_idem.sql._context import RunTransaction
+
+BIG = 64 * 1024
+
+
+def payments_table(name: str) -> Table:
+    return Table(
+        name,
+        MetaData(),
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("ref", String(64), nullable=False),
+        Column("amount", Integer, nullable=False),
+    )
+
+
+class Gate:
+    """Where a ``gate`` run waits after its write: `entered[ref]` is set when it gets
+    there, and it goes on once the test sets `go[ref]`."""
+
+    def __init__(self) -> None:
+        self.entered: dict[str, asyncio.Event] = {}
+        self.go: dict[str, asyncio.Event] = {}
+
+    def events(self, ref: str) -> tuple[asyncio.Event, asyncio.Event]:
+        return self.entered.setdefault(ref, asyncio.Event()), self.go.setdefault(
+            ref, asyncio.Event()
+        )
+
+    async def __call__(self, ref: str) -> None:
+        entered, go = self.events(ref)
+        entered.set()
+        await go.wait()
+
+
+def build(
+    store: Store,
+    records: SqlRecords,
+    payments: Table,
+    gate: Callable[[str], Awaitable[None]] | None = None,
+    **options: Any,
+) -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store, records=records, **options)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/payments", status_code=201)
+    async def pay(request: Request, conn: Annotated[AsyncConnection, Depends(connection)]) -> Any:
+        body = await request.json()
+        mode = body.get("mode")
+        values = {"ref": body["ref"], "amount": body["amount"]}
+        if (
+            mode == "gate-after-read"
+        ):  # read what another run writes (write skew under SERIALIZABLE)
+            await conn.execute(select(func.count()).select_from(payments))
+        if mode == "session":
+            s = await session()
+            await s.execute(insert(payments).values(values))
+        else:
+            await conn.execute(insert(payments).values(values))
+        if mode in ("gate", "gate-after-read") and gate is not None:
+            await gate(body["ref"])
+        if mode == "commit":
+            await conn.commit()
+        if mode == "rollback":
+            await conn.rollback()
+            await conn.execute(insert(payments).values(values))  # in a transaction of its own
+        if mode == "raise":
+            raise RuntimeError("the handler failed after its write")
+        if mode == "500":
+            return JSONResponse({"error": "failed"}, status_code=500)
+        if mode == "big":
+            return Response(b"x" * BIG, media_type="application/octet-stream")
+        return {"ref": body["ref"], "run": uuid.uuid4().hex}
+
+    @app.post("/orders", status_code=201)
+    async def order(ref: str, s: Annotated[AsyncSession, Depends(session)]) -> dict[str, str]:
+        await s.execute(insert(payments).values(ref=ref, amount=1))
+        return {"ref": ref}
+
+    return app
+
+
+class KillingTransaction(RunTransaction):
+    """Commits, then ends the process at once (SIGKILL): nothing is published."""
+
+    async def commit(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> None:
+        await super().commit(key, key_hash, fp, data, ttl_ms)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillingRecords(SqlRecords):
+    def transaction(self) -> RunTransaction:
+        return KillingTransaction(self, self.engine)
+
+
+def _from_env() -> FastAPI | None:
+    if "DATABASE_URL" not in os.environ:
+        return None
+    kind = KillingRecords if os.environ.get("KILL_AFTER_COMMIT") == "1" else SqlRecords
+    records = kind(os.environ["DATABASE_URL"], table=os.environ["RECORDS_TABLE"])
+    return build(
+        RedisStore.from_url(os.environ["REDIS_URL"]),
+        records,
+        payments_table(os.environ["PAYMENTS_TABLE"]),
+        lease_seconds=float(os.environ.get("LEASE_SECONDS", "30")),
+    )
+
+
+app = _from_env()

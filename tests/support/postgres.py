@@ -1,0 +1,164 @@
+"""A throwaway PostgreSQL server for the tests: Debian's binaries, a temporary data directory,
+a free 127.0.0.1 port of this worker's slice, fsync off; stopped by PID.
+
+The tests run as root and PostgreSQL refuses to, so initdb and the server run as the
+``postgres`` user (``runuser``) in a directory it owns, with its socket there too. Never
+the machine's own server: it has its own port and data directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.procs import alive
+from tests.support.servers import free_port
+
+USER = "postgres"
+
+
+def binaries() -> Path:
+    """The newest installed PostgreSQL's bin directory (Debian's layout)."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=_version)
+    if not found:
+        raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")
+    return Path(found[-1]).parent
+
+
+def _version(path: str) -> float:
+    try:
+        return float(Path(path).parent.parent.name)
+    except ValueError:
+        return 0.0
+
+
+def _as_postgres(*args: str | Path) -> list[str]:
+    return ["runuser", "-u", USER, "--", *(str(a) for a in args)]
+
+
+@dataclass
+class Postgres:
+    """One running server; `url(database, driver)` for SQLAlchemy."""
+
+    port: int
+    dir: Path
+    pid: int = 0
+
+    def url(self, database: str = "postgres", driver: str = "asyncpg") -> str:
+        return f"postgresql+{driver}://{USER}@127.0.0.1:{self.port}/{database}"
+
+    def psql(self, sql: str, database: str = "postgres") -> str:
+        """Run `sql` with psql over the socket; its output."""
+        done = subprocess.run(
+            _as_postgres(
+                binaries() / "psql",
+                "-h",
+                self.dir,
+                "-p",
+                str(self.port),
+                "-d",
+                database,
+                "-X",
+                "-A",
+                "-t",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-c",
+                sql,
+            ),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    def new_database(self) -> str:
+        name = f"t_{secrets.token_hex(6)}"
+        self.psql(f"CREATE DATABASE {name}")
+        return name
+
+    def start(self) -> None:
+        subprocess.run(
+            _as_postgres(
+                binaries() / "pg_ctl",
+                "-D",
+                self.dir / "data",
+                "-l",
+                self.dir / "server.log",
+                "-w",
+                "-t",
+                "30",
+                "-o",
+                f"-p {self.port} -c listen_addresses=127.0.0.1 "
+                f"-c unix_socket_directories={self.dir} -c fsync=off "
+                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200",
+                "start",
+            ),
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=60,
+        )
+        self.pid = int((self.dir / "data" / "postmaster.pid").read_text().split()[0])
+
+    def stop(self, *, fast: bool = False) -> None:
+        """End the server by its PID, and wait until it is gone: an immediate shutdown (a
+        crash, as far as what the last second committed goes: commits are not synced), or
+        with `fast` PostgreSQL's fast shutdown (clients cut off, what committed kept)."""
+        if self.pid and alive(self.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGINT if fast else signal.SIGQUIT)
+            deadline = time.monotonic() + 10
+            while alive(self.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if alive(self.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                while alive(self.pid):
+                    time.sleep(0.02)
+        self.pid = 0
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_postgres() -> Postgres:
+    """initdb in a fresh directory and start the server on a free port (trust auth)."""
+    directory = Path(tempfile.mkdtemp(prefix="goblin-pg-"))
+    shutil.chown(directory, USER, USER)
+    os.chmod(directory, 0o700)
+    subprocess.run(
+        _as_postgres(
+            binaries() / "initdb",
+            "-D",
+            directory / "data",
+            "-U",
+            USER,
+            "--auth=trust",
+            "--no-sync",
+            "-E",
+            "UTF8",
+        ),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=120,
+    )
+    server = Postgres(free_port(), directory)
+    try:
+        server.start()
+    except BaseException:
+        server.remove()
+        raise
+    return server
