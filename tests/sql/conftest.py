@@ -27,6 +27,13 @@ PAIRS = [
     ("postgresql-psycopg", "valkey-native"),
     ("sqlite-aiosqlite", "redis-native"),
 ]
+# For what only a database server does (a connection cut, concurrent writers refused).
+on_postgres = pytest.mark.parametrize(
+    "setup",
+    [pair for pair in PAIRS if pair[0].startswith("postgresql")],
+    ids=lambda pair: f"{pair[0]}+{pair[1]}",
+    indirect=True,
+)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from goblin_idem._keys import key_names
 from goblin_idem.exceptions import CommitRefusedError, NotInRunError
 from goblin_idem.sql import SqlRecords, connection, session
 from goblin_idem.sql._context import RunTransaction
-from tests.sql.conftest import Setup
+from tests.sql.conftest import Setup, on_postgres
 from tests.sql.test_middleware import pay, replayed
 from tests.support.apps.sql_app import Gate, build, payments_table
 from tests.support.asgi import problem, request
@@ -49,11 +49,10 @@ async def test_commit_is_refused_on_the_connection_and_the_session(setup: Setup)
         await tx.rollback()
 
 
+@on_postgres  # a database server's connection is what is cut
 async def test_the_database_gone_at_commit_answers_503_and_nothing_happened(
     setup: Setup,
 ) -> None:
-    if setup.postgres is None:
-        pytest.skip("a PostgreSQL server's connection is what is cut")
     gate = Gate()
     app = build(setup.store, setup.records, setup.payments, gate=gate)
     running = asyncio.ensure_future(pay(app, "k1", "gone", "gate"))
@@ -158,13 +157,13 @@ async def test_the_database_stopped_at_commit_and_started_again(redis_server: Se
         postgres.remove()
 
 
+@on_postgres
 async def test_a_serialization_failure_at_commit_answers_503_and_nothing_happened(
     setup: Setup,
 ) -> None:
     """Two runs (two keys) that each read what the other writes, under SERIALIZABLE: the
-    later commit fails, so its client gets 503 and its payment is not made; its retry runs."""
-    if setup.postgres is None:
-        pytest.skip("SQLite runs one writer at a time: no write skew to refuse")
+    later commit fails, so its client gets 503 and its payment is not made; its retry runs.
+    (SQLite runs one writer at a time: it has no write skew to refuse.)"""
     engine = create_async_engine(setup.url, isolation_level="SERIALIZABLE")
     records = SqlRecords(engine, table=setup.records.table.name)
     gate = Gate()
