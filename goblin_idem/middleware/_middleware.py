@@ -7,7 +7,8 @@ a MULTI/EXEC) before the last body chunk reaches the client; every duplicate is 
 from the claim step's reply alone. A request without a key costs nothing.
 
 The middleware decides and answers: which requests are covered (_routes.py), whether a key
-is acceptable, what the claim step's reply means, and every response it writes itself. The
+is acceptable, what the claim step's reply (_claim_step.py) means, and every response it
+writes itself. The
 run of the app under a won claim is a `Run` (_run.py); what happened is counted by one
 event function (_events.py).
 """
@@ -30,7 +31,7 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import _options as options
-from .._claim import new_token, poll_claim
+from .._claim import new_token
 from .._keys import (
     DEFAULT_KEY_PATTERN,
     KeyNames,
@@ -38,13 +39,13 @@ from .._keys import (
     valid_key,
 )
 from .._lease import Watchdog
-from .._recording import Lookup, Records
+from .._recording import Records
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Store
 from . import _routes
+from ._claim_step import ClaimStep
 from ._events import Counters, Events
 from ._lifespan import Lifespan, Refused
-from ._names_010 import previous_reply
 from ._openapi import Coverage, document_openapi
 from ._recorded import Recording
 from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
@@ -240,6 +241,14 @@ class IdempotencyMiddleware:
             self.sealer,
             self.require_sealed,
         )
+        self.claim_step = ClaimStep(
+            self._store,
+            self.wait_seconds,
+            self.poll_interval,
+            self.namespace,
+            self.previous_key_names,
+            self.records,
+        )
         if self.records is not None:
             self.runs = dataclasses.replace(
                 self.runs, recording=Recording(self.records, self.answers)
@@ -340,30 +349,9 @@ class IdempotencyMiddleware:
             return
         names, fp = self.identity.identify(scope, checked, body)
         token = new_token()
-        lookup = None if self.records is None else Lookup(self.records, names.result)
         try:
-            reply = await self._store.claim_unless_done(
-                names.claim, names.result, token, settings.claim_seconds
-            )
-            if reply is None and self.wait_seconds > 0:
-                step = functools.partial(
-                    self._store.claim_unless_done,
-                    names.claim,
-                    names.result,
-                    token,
-                    settings.claim_seconds,
-                )
-                reply = await poll_claim(step, self.wait_seconds, self.poll_interval)
-                if lookup is not None and reply is CLAIMED:
-                    lookup = lookup.again()
-            if reply is CLAIMED and self.previous_key_names:
-                reply = await previous_reply(self._store, self.namespace, names, token)
-            if lookup is not None:  # the database's word on a won claim (_recorded.py)
-                reply = await lookup.settle(reply, self._store, names, token)
-                lookup = None
+            reply = await self.claim_step(names, token, settings.claim_seconds)
         except Exception as exc:
-            if lookup is not None:
-                lookup.forget()
             # Anything out of the store step, even a client library's own bug, means the
             # claim is in doubt: answer as for a store that is down, never run unprotected
             # by accident (fail_open decides).
