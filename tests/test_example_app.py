@@ -1,5 +1,6 @@
 """The example app and its demo: in-process on the MemoryStore, and as a real uvicorn
-process (on the MemoryStore, and on a throwaway redis-server)."""
+process (on the MemoryStore, and on a throwaway redis-server); its payments and records in
+SQLite, so a flushed store still replays from the database."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 
 from example_app import create_app
-from example_app.app import redact
+from example_app.app import redact, serving
 from example_app.demo import DemoResult, run_demo
 from goblin_idem import MemoryStore
 from tests.support.procs import start_example_app, stop
@@ -43,6 +44,9 @@ SCENARIOS = [
     "order-stale",
     "job-busy",
     "job-run",
+    "flush-pay",
+    "store-flush",
+    "replay-after-flush",
     "ledger",
 ]
 
@@ -53,7 +57,7 @@ SCENARIOS = [
 @pytest.fixture
 async def app() -> AsyncIterator[FastAPI]:
     app = create_app(MemoryStore(), job_lease_ms=150)
-    async with app.router.lifespan_context(app):
+    async with serving(app):
         yield app
 
 
@@ -142,18 +146,26 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     job = result.step("job-run")
     assert job.status == 200 and job.json()["lock_lost"] is False
 
+    paid = result.step("flush-pay")
+    assert paid.status == 201 and "idempotent-replayed" not in paid.headers
+    assert result.step("store-flush").json()["flushed_keys"] > 0
+    again = result.step("replay-after-flush")
+    assert (again.status, again.headers["idempotent-replayed"]) == (201, "true")
+    assert again.body == paid.body and again.headers["location"] == paid.headers["location"]
+
     # The ledger: each key charged once, by the very payment its response announced.
     ledger = result.step("ledger")
     assert ledger.status == 200
     doc = result.ledger
-    assert doc["balances"] == {"EUR": 1500 + 2500 + 700 + 1200}
-    assert doc["payments"] == 4
+    assert doc["balances"] == {"EUR": 1500 + 2500 + 700 + 1200 + 900}
+    assert doc["payments"] == 5
     by_key = doc["by_key"]
     assert {k: len(v) for k, v in by_key.items()} == dict.fromkeys(result.charges, 1)
     assert by_key[first.key or ""] == [first.json()["id"]]
     assert by_key[slow.key or ""] == [slow.json()["id"]]
     assert by_key[recovered.key or ""] == [recovered.json()["id"]]
     assert by_key[event.key or ""] == [event.json()["payment"]["id"]]
+    assert by_key[paid.key or ""] == [paid.json()["id"]]
 
 
 @pytest.fixture
@@ -186,8 +198,9 @@ async def test_demo_in_process(app: FastAPI, client: httpx.AsyncClient) -> None:
     stats = (await client.get("/stats")).json()
     assert stats["store"] == {"kind": "memory", "mode": "embedded"}
     counters = stats["middleware"]
-    assert counters["claimed"] == 4  # first, slow, after the dead lease, webhook
-    assert counters["replayed"] == 3
+    # first, slow, after the dead lease, webhook, before the flush
+    assert counters["claimed"] == 5
+    assert counters["replayed"] == 4  # the last one from the database
     assert counters["mismatch"] == 1 and counters["missing_key"] == 1
     assert counters["in_flight"] == 1 + len(result.all("retry-while-claimed"))
 
@@ -205,11 +218,13 @@ async def test_demo_against_uvicorn_on_redis(redis_server: Server, tmp_path: Pat
             assert stats["config"]["lease_seconds"] == 2
         result = await run_demo(httpx.AsyncHTTPTransport(), f"http://127.0.0.1:{port}")
         check_demo(result)
-        # The ledger lives in redis itself, next to the idempotency keys.
+        # The payments are in the database; redis was flushed before the last payment's
+        # replay, which published its record back from the database.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            assert (await c.get("/ledger")).json()["payments_total"] == 5
         with redis_server.sync_client() as r:
-            assert r.get("ledger:payments") == b"4"
-            assert r.exists(f"ledger:account:{result.account}") == 1
-            assert len(r.keys("idem:{*}:r")) == 4  # one stored response per charged key
+            assert r.keys("ledger:*") == []
+            assert len(r.keys("idem:{*}:r")) == 1
     finally:
         stop(proc)
     lines = [line for line in log.read_text().splitlines() if "example_app: store=" in line]
@@ -236,7 +251,7 @@ def test_app_starts_and_demo_cli_passes(app_process: tuple[str, Path]) -> None:
     steps = lines[1:-1]
     assert len(steps) >= len(SCENARIOS)
     assert all("  ok  " in line for line in steps)
-    assert "one per key; balance 5900 (expected 5900)" in steps[-1]
+    assert "one per key (the flushed one too); balance 6800 (expected 6800)" in steps[-1]
 
 
 # -- the routes, one behaviour at a time -------------------------------------------------------
