@@ -254,6 +254,79 @@ def test_app_starts_and_demo_cli_passes(app_process: tuple[str, Path]) -> None:
     assert "one per key (the flushed one too); balance 6800 (expected 6800)" in steps[-1]
 
 
+# -- the store flushed: the database replays ---------------------------------------------------
+
+
+def pay_once(url: str, key: str) -> httpx.Response:
+    return httpx.post(
+        f"{url}/payments", json=payment("acct_f", 900), headers={"Idempotency-Key": key}, timeout=10
+    )
+
+
+def one_charge(url: str, first: httpx.Response) -> None:
+    doc = httpx.get(f"{url}/ledger?account=acct_f", timeout=10).json()
+    assert doc["accounts"] == {
+        "acct_f": {"balances": {"EUR": 900}, "payments": 1, "by_key": {"k1": [first.json()["id"]]}}
+    }
+    assert doc["duplicate_charges"] == {}
+
+
+def test_a_flushed_store_replays_from_the_database(tmp_path: Path) -> None:
+    """`python -m example_app` as a newcomer runs it (its default SQLite file): a payment,
+    the store flushed, the same request: the response committed with the charge is replayed
+    from the database, and nothing is charged twice. The file goes when the app stops."""
+    port = free_port()
+    log = tmp_path / "app.log"
+    proc = start_example_app(port, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        first = pay_once(url, "k1")
+        assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+        flushed = httpx.post(f"{url}/demo/flush-store", timeout=10)
+        assert flushed.status_code == 200 and flushed.json()["store"] == "memory"
+        assert flushed.json()["flushed_keys"] > 0
+        again = pay_once(url, "k1")
+        assert (again.status_code, again.headers["idempotent-replayed"]) == (201, "true")
+        assert again.content == first.content
+        assert again.headers["location"] == first.headers["location"]
+        one_charge(url, first)
+        counters = httpx.get(f"{url}/stats", timeout=10).json()["middleware"]
+        assert (counters["claimed"], counters["replayed"]) == (1, 1)
+    finally:
+        stop(proc)
+    text = log.read_text()
+    assert "goblin-idem records: table goblin_idem_records in sqlite+aiosqlite:///" in text
+    (line,) = [ln for ln in text.splitlines() if "example_app: payments and records in " in ln]
+    database = Path(line.split("sqlite+aiosqlite:///", 1)[1].strip())
+    assert database.name.startswith("goblin-idem-example-") and database.suffix == ".db"
+    assert not database.exists()  # removed at shutdown
+
+
+def test_a_database_of_your_own_replays_after_a_restart(tmp_path: Path) -> None:
+    """With GOBLIN_DATABASE_URL naming a file, a restart (a new, empty MemoryStore) is a
+    store that lost everything: the payment's replay comes from the file."""
+    database = tmp_path / "example.db"
+    env = {"GOBLIN_DATABASE_URL": f"sqlite+aiosqlite:///{database}"}
+    first: httpx.Response | None = None
+    for run in range(2):
+        port = free_port()
+        proc = start_example_app(port, tmp_path / f"app{run}.log", **env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            response = pay_once(url, "k1")
+            if first is None:
+                first = response
+                assert response.status_code == 201
+                assert "idempotent-replayed" not in response.headers
+            else:
+                assert response.headers["idempotent-replayed"] == "true"
+                assert response.content == first.content
+                one_charge(url, first)
+        finally:
+            stop(proc)
+    assert database.exists()
+
+
 # -- the routes, one behaviour at a time -------------------------------------------------------
 
 
