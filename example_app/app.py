@@ -65,6 +65,9 @@ PROBLEM_BASE = "urn:example-app:problem:"
 NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_DELAY_MS = 10_000
 MAX_JOB_MS = 5_000
+ENDED = frozenset(
+    {"lifespan.startup.failed", "lifespan.shutdown.complete", "lifespan.shutdown.failed"}
+)
 
 
 # -- request bodies ----------------------------------------------------------------------
@@ -151,10 +154,11 @@ def find_middleware(app: FastAPI) -> IdempotencyMiddleware:
     return IdempotencyMiddleware.of(app)
 
 
-class TablesFirst:
-    """Creates the database's tables when the lifespan starts, before the middleware that
-    this one wraps checks that its records table exists (which it does before the app's
-    own lifespan runs). A failure fails the startup, with its message."""
+class DatabaseLifespan:
+    """The database's part in the lifespan, outside IdempotencyMiddleware: the tables are
+    created when the lifespan starts, before the middleware checks that its records table
+    exists (it checks before the app's own lifespan runs); the pool is closed (and a
+    temporary file removed) when the lifespan ends, its startup failed or not."""
 
     def __init__(self, app: ASGIApp, database: Database) -> None:
         self.app = app
@@ -169,6 +173,7 @@ class TablesFirst:
             try:
                 await self.database.create_tables()
             except Exception as exc:
+                await self.database.aclose()
                 message = f"example_app: cannot create the tables in {self.database.where}: {exc}"
                 await send({"type": "lifespan.startup.failed", "message": message})
                 return
@@ -181,7 +186,12 @@ class TablesFirst:
                 return first
             return await receive()
 
-        await self.app(scope, replay_first, send)
+        async def closing_send(message: Message) -> None:
+            if message["type"] in ENDED:
+                await self.database.aclose()
+            await send(message)
+
+        await self.app(scope, replay_first, closing_send)
 
 
 @asynccontextmanager
@@ -220,7 +230,7 @@ def create_app(
 ) -> FastAPI:
     """A fresh app on `store` (default: a MemoryStore, or a RedisStore for `redis_url`),
     with its records and payments in the database at `database_url` (default: a new SQLite
-    file, removed at shutdown). Its lifespan creates the tables (`TablesFirst`).
+    file, removed at shutdown). Its lifespan creates the tables (`DatabaseLifespan`).
 
     A store the app creates itself is checked at startup and closed at shutdown by the
     middleware; one passed in is left open.
@@ -246,10 +256,7 @@ def create_app(
             ttl_seconds,
         )
         logger.info("example_app: payments and records in %s", database.where)
-        try:
-            yield
-        finally:
-            await database.aclose()
+        yield
 
     app = FastAPI(title="goblin-idem example", lifespan=lifespan)
     app.add_middleware(
@@ -260,7 +267,7 @@ def create_app(
         close_store=owns_store,
         records=database.records,
     )
-    app.add_middleware(TablesFirst, database=database)  # added last: the outermost
+    app.add_middleware(DatabaseLifespan, database=database)  # added last: the outermost
     app.state.store = the_store
     app.state.database = database
 

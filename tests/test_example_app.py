@@ -5,8 +5,10 @@ SQLite, so a flushed store still replays from the database."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -325,6 +327,39 @@ def test_a_database_of_your_own_replays_after_a_restart(tmp_path: Path) -> None:
         finally:
             stop(proc)
     assert database.exists()
+
+
+def failed_start(tmp_path: Path, **env: str) -> tuple[int, str]:
+    """`python -m example_app` whose startup fails: its PID and what it wrote."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GOBLIN_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "example_app", "--port", str(free_port())],
+        cwd=ROOT,
+        env={**full_env, **env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    assert proc.returncode != 0
+    return proc.pid, out.decode()
+
+
+def test_a_database_that_cannot_be_used_fails_the_startup(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "example.db"
+    _, out = failed_start(tmp_path, GOBLIN_DATABASE_URL=f"sqlite+aiosqlite:///{missing}")
+    assert f"example_app: cannot create the tables in sqlite+aiosqlite:///{missing}" in out
+
+
+def test_a_failed_startup_leaves_no_database_file(tmp_path: Path) -> None:
+    """The tables are created before the middleware checks the store; a store it cannot
+    reach fails the startup, and the temporary database goes with it."""
+    pid, out = failed_start(tmp_path, REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
+    assert "Application startup failed" in out
+    assert list(Path(tempfile.gettempdir()).glob(f"goblin-idem-example-{pid}-*")) == []
 
 
 # -- the routes, one behaviour at a time -------------------------------------------------------
