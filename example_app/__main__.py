@@ -9,6 +9,7 @@ Unset, that is a new SQLite file in the temporary directory, removed when the ap
 with the embedded store, each start begins empty and nothing is written to the working
 directory (the startup log names the file). ``sqlite+aiosqlite:///example.db`` keeps them
 in ``example.db`` across restarts. The tables are created at startup.
+``GOBLIN_SQL_RECORDS=0`` keeps the records in the store only.
 """
 
 from __future__ import annotations

@@ -227,10 +227,13 @@ def create_app(
     job_lease_ms: int = 1_000,
     demo_routes: bool = True,
     database_url: str | None = None,
+    sql_records: bool = True,
 ) -> FastAPI:
     """A fresh app on `store` (default: a MemoryStore, or a RedisStore for `redis_url`),
     with its records and payments in the database at `database_url` (default: a new SQLite
     file, removed at shutdown). Its lifespan creates the tables (`DatabaseLifespan`).
+    ``sql_records=False`` leaves the records to the store alone, to show what they prevent:
+    the payments stay in the database, but a flushed store lets a key charge again.
 
     A store the app creates itself is checked at startup and closed at shutdown by the
     middleware; one passed in is left open.
@@ -255,7 +258,10 @@ def create_app(
             lease_seconds,
             ttl_seconds,
         )
-        logger.info("example_app: payments and records in %s", database.where)
+        if sql_records:
+            logger.info("example_app: payments and records in %s", database.where)
+        else:
+            logger.info("example_app: payments in %s; records in the store only", database.where)
         yield
 
     app = FastAPI(title="goblin-idem example", lifespan=lifespan)
@@ -265,7 +271,7 @@ def create_app(
         lease_seconds=lease_seconds,
         ttl_seconds=ttl_seconds,
         close_store=owns_store,
-        records=database.records,
+        records=database.records if sql_records else None,
     )
     app.add_middleware(DatabaseLifespan, database=database)  # added last: the outermost
     app.state.store = the_store
@@ -519,7 +525,8 @@ def app_from_env(environ: Mapping[str, str] = os.environ) -> FastAPI:
     ``REDIS_URL`` (unset: the embedded MemoryStore), ``GOBLIN_LEASE_SECONDS`` (30),
     ``GOBLIN_TTL_SECONDS`` (86400), ``GOBLIN_JOB_LEASE_MS`` (1000), ``GOBLIN_DEMO_ROUTES``
     (1; 0 turns the ``/demo/`` routes off), ``GOBLIN_DATABASE_URL`` (unset: a new SQLite
-    file in the temporary directory, removed when the app stops).
+    file in the temporary directory, removed when the app stops), ``GOBLIN_SQL_RECORDS``
+    (1; 0 keeps the records in the store only).
     """
     return create_app(
         redis_url=environ.get("REDIS_URL") or None,
@@ -528,4 +535,5 @@ def app_from_env(environ: Mapping[str, str] = os.environ) -> FastAPI:
         job_lease_ms=int(environ.get("GOBLIN_JOB_LEASE_MS", "1000")),
         demo_routes=environ.get("GOBLIN_DEMO_ROUTES", "1") != "0",
         database_url=environ.get("GOBLIN_DATABASE_URL") or None,
+        sql_records=environ.get("GOBLIN_SQL_RECORDS", "1") != "0",
     )

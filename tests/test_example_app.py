@@ -329,6 +329,24 @@ def test_a_database_of_your_own_replays_after_a_restart(tmp_path: Path) -> None:
     assert database.exists()
 
 
+async def test_without_sql_records_a_flushed_store_charges_again() -> None:
+    """What the records in the database prevent: with the store alone, a key whose stored
+    response was lost runs again, and charges again."""
+    app = create_app(MemoryStore(), sql_records=False)
+    async with serving(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            headers = {"Idempotency-Key": "k1"}
+            first = await c.post("/payments", json=payment("acct_f", 900), headers=headers)
+            assert (await c.post("/demo/flush-store")).status_code == 200
+            again = await c.post("/payments", json=payment("acct_f", 900), headers=headers)
+            assert (first.status_code, again.status_code) == (201, 201)
+            assert "idempotent-replayed" not in again.headers
+            doc = (await c.get("/ledger?account=acct_f")).json()
+    assert doc["accounts"]["acct_f"]["payments"] == 2
+    assert doc["duplicate_charges"] == {"acct_f/k1": [first.json()["id"], again.json()["id"]]}
+
+
 def failed_start(tmp_path: Path, **env: str) -> tuple[int, str]:
     """`python -m example_app` whose startup fails: its PID and what it wrote."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GOBLIN_"))}
