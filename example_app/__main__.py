@@ -3,6 +3,13 @@
 The store comes from the environment: ``REDIS_URL`` (unset: the embedded MemoryStore),
 and ``GOBLIN_LEASE_SECONDS``, ``GOBLIN_TTL_SECONDS``, ``GOBLIN_JOB_LEASE_MS``,
 ``GOBLIN_DEMO_ROUTES`` (see `example_app.app.app_from_env`).
+
+The payments and the middleware's records go to the database at ``GOBLIN_DATABASE_URL``.
+Unset, that is a new SQLite file in the temporary directory, removed when the app stops: as
+with the embedded store, each start begins empty and nothing is written to the working
+directory (the startup log names the file). ``sqlite+aiosqlite:///example.db`` keeps them
+in ``example.db`` across restarts. The tables are created at startup.
+``GOBLIN_SQL_RECORDS=0`` keeps the records in the store only.
 """
 
 from __future__ import annotations

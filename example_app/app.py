@@ -1,18 +1,26 @@
 """A FastAPI app protected by IdempotencyMiddleware, with a toy ledger to prove it.
 
+The middleware has SQL records (`goblin_idem.sql.SqlRecords`): a charge is a row of the
+``payments`` table written through the run's connection, so it commits with the stored
+response in one transaction, and a store that lost its data replays from the database.
+The database is SQLite unless a URL is given (`example_app.payments.Database`).
+
 Routes:
 
 - ``POST /payments``: charge an account (201, ``Location``); ``?delay_ms=`` slows it down.
-- ``GET /payments/{id}``: one payment.
+- ``GET /payments/{id}``: one payment, from the database.
 - ``POST /webhooks/{provider}``: a provider's event, keyed by its event id
   (``Idempotency-Key`` required); ``charge`` events charge the ledger once.
 - ``POST /orders``, ``GET /orders/{id}``, ``PATCH /orders/{id}`` with ``If-Match``:
   optimistic concurrency with compare-and-set; an order keeps the TTL it was created with.
 - ``POST /jobs/{name}``: a short job run under a `goblin_idem.Lock`; a concurrent start
   of the same job gets 409.
-- ``GET /ledger``, ``GET /stats``: what the ledger holds and what the middleware did.
+- ``GET /ledger``, ``GET /stats``: the payments per account and key, from the database;
+  what the middleware did.
 - ``POST /demo/dead-worker`` (``demo_routes=True``): take a claim for a key the way the
   middleware does and abandon it, as a worker killed mid-request leaves it.
+- ``POST /demo/flush-store`` (``demo_routes=True``): empty the store, as a Redis restarted
+  without persistence (or FLUSHALL) does; the database keeps what committed.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from urllib.parse import urlsplit, urlunsplit
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from goblin_idem import (
     CLAIMED,
@@ -46,9 +55,9 @@ from goblin_idem import (
 )
 from goblin_idem._keys import DEFAULT_KEY_PATTERN, credentials_scope, key_names, valid_key
 
-from .ledger import charge, get_payment, ledger_view
+from .payments import Database, charge, get_payment, ledger_view, writes
 
-__all__ = ["app_from_env", "create_app", "describe_store", "find_middleware"]
+__all__ = ["app_from_env", "create_app", "describe_store", "find_middleware", "serving"]
 
 logger = logging.getLogger("example_app")
 
@@ -56,6 +65,9 @@ PROBLEM_BASE = "urn:example-app:problem:"
 NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_DELAY_MS = 10_000
 MAX_JOB_MS = 5_000
+ENDED = frozenset(
+    {"lifespan.startup.failed", "lifespan.shutdown.complete", "lifespan.shutdown.failed"}
+)
 
 
 # -- request bodies ----------------------------------------------------------------------
@@ -142,6 +154,67 @@ def find_middleware(app: FastAPI) -> IdempotencyMiddleware:
     return IdempotencyMiddleware.of(app)
 
 
+class DatabaseLifespan:
+    """The database's part in the lifespan, outside IdempotencyMiddleware: the tables are
+    created when the lifespan starts, before the middleware checks that its records table
+    exists (it checks before the app's own lifespan runs); the pool is closed (and a
+    temporary file removed) when the lifespan ends, its startup failed or not."""
+
+    def __init__(self, app: ASGIApp, database: Database) -> None:
+        self.app = app
+        self.database = database
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        first = await receive()
+        if first["type"] == "lifespan.startup":
+            try:
+                await self.database.create_tables()
+            except Exception as exc:
+                await self.database.aclose()
+                message = f"example_app: cannot create the tables in {self.database.where}: {exc}"
+                await send({"type": "lifespan.startup.failed", "message": message})
+                return
+        given = False
+
+        async def replay_first() -> Message:
+            nonlocal given
+            if not given:
+                given = True
+                return first
+            return await receive()
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] in ENDED:
+                await self.database.aclose()
+            await send(message)
+
+        await self.app(scope, replay_first, closing_send)
+
+
+@asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[FastAPI]:
+    """Run `app`'s whole ASGI lifespan (its middleware's startup included) in this process,
+    as a server does; for the demo and tests, which call it through httpx's ASGITransport."""
+    incoming: asyncio.Queue[Message] = asyncio.Queue()
+    outgoing: asyncio.Queue[Message] = asyncio.Queue()
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    task = asyncio.ensure_future(app(scope, incoming.get, outgoing.put))
+    await incoming.put({"type": "lifespan.startup"})
+    started = await outgoing.get()
+    if started["type"] != "lifespan.startup.complete":
+        await task
+        raise RuntimeError(started.get("message", "the app's startup failed"))
+    try:
+        yield app
+    finally:
+        await incoming.put({"type": "lifespan.shutdown"})
+        await outgoing.get()
+        await task
+
+
 # -- the app -----------------------------------------------------------------------------
 
 
@@ -153,8 +226,14 @@ def create_app(
     ttl_seconds: int = 86_400,
     job_lease_ms: int = 1_000,
     demo_routes: bool = True,
+    database_url: str | None = None,
+    sql_records: bool = True,
 ) -> FastAPI:
-    """A fresh app on `store` (default: a MemoryStore, or a RedisStore for `redis_url`).
+    """A fresh app on `store` (default: a MemoryStore, or a RedisStore for `redis_url`),
+    with its records and payments in the database at `database_url` (default: a new SQLite
+    file, removed at shutdown). Its lifespan creates the tables (`DatabaseLifespan`).
+    ``sql_records=False`` leaves the records to the store alone, to show what they prevent:
+    the payments stay in the database, but a flushed store lets a key charge again.
 
     A store the app creates itself is checked at startup and closed at shutdown by the
     middleware; one passed in is left open.
@@ -164,6 +243,8 @@ def create_app(
         store = RedisStore.from_url(redis_url) if redis_url else MemoryStore()
     the_store: Store = store
     where = f" at {redact(redis_url)}" if redis_url and owns_store else ""
+    database = Database(database_url)
+    engine = database.engine
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -177,6 +258,10 @@ def create_app(
             lease_seconds,
             ttl_seconds,
         )
+        if sql_records:
+            logger.info("example_app: payments and records in %s", database.where)
+        else:
+            logger.info("example_app: payments in %s; records in the store only", database.where)
         yield
 
     app = FastAPI(title="goblin-idem example", lifespan=lifespan)
@@ -186,8 +271,11 @@ def create_app(
         lease_seconds=lease_seconds,
         ttl_seconds=ttl_seconds,
         close_store=owns_store,
+        records=database.records if sql_records else None,
     )
+    app.add_middleware(DatabaseLifespan, database=database)  # added last: the outermost
     app.state.store = the_store
+    app.state.database = database
 
     # -- payments --
 
@@ -199,20 +287,16 @@ def create_app(
     ) -> JSONResponse:
         if delay_ms:
             await asyncio.sleep(delay_ms / 1000)  # the slow part comes before any write
-        payment = await charge(
-            the_store,
-            body.account,
-            body.amount_cents,
-            body.currency,
-            request.headers.get("idempotency-key"),
-        )
+        key = request.headers.get("idempotency-key")
+        async with writes(engine) as conn:
+            payment = await charge(conn, body.account, body.amount_cents, body.currency, key)
         return JSONResponse(
             payment.as_dict(), status_code=201, headers={"Location": f"/payments/{payment.id}"}
         )
 
     @app.get("/payments/{payment_id}")
     async def read_payment(payment_id: Annotated[str, Path(pattern=NAME)]) -> Response:
-        payment = await get_payment(the_store, payment_id)
+        payment = await get_payment(engine, payment_id)
         if payment is None:
             return problem(404, "not-found", "No such payment", f"{payment_id} does not exist.")
         return JSONResponse(payment)
@@ -238,7 +322,8 @@ def create_app(
             data = PaymentIn.model_validate(event.data)
         except ValidationError as exc:
             return problem(422, "invalid-event", "The charge event's data is not valid", str(exc))
-        payment = await charge(the_store, data.account, data.amount_cents, data.currency, key)
+        async with writes(engine) as conn:
+            payment = await charge(conn, data.account, data.amount_cents, data.currency, key)
         return JSONResponse(
             {
                 "event": event.id,
@@ -368,7 +453,7 @@ def create_app(
     async def read_ledger(
         account: Annotated[str | None, Query(pattern=NAME)] = None,
     ) -> dict[str, Any]:
-        return await ledger_view(the_store, account)
+        return await ledger_view(engine, account)
 
     @app.get("/stats")
     async def stats(request: Request) -> dict[str, Any]:
@@ -413,6 +498,24 @@ def create_app(
                 {"key": body.key, "hash": names.hash, "token": token, "lease_seconds": lease}
             )
 
+        @app.post("/demo/flush-store")
+        @idempotent(enabled=False)
+        async def flush_store() -> Response:
+            """Empty the store, as a Redis restarted without persistence leaves it: every
+            key, claim and stored response gone. The database keeps what committed."""
+            if isinstance(the_store, MemoryStore):
+                keys = len(the_store)
+                await the_store.aclose()  # empties it; it stays usable
+            elif isinstance(the_store, RedisStore):
+                client: Any = the_store.client
+                keys = int(await client.dbsize())
+                await client.flushdb()  # this store's database only
+            else:
+                return problem(
+                    501, "cannot-flush", "Cannot flush this store", type(the_store).__name__
+                )
+            return JSONResponse({"store": describe_store(the_store)["kind"], "flushed_keys": keys})
+
     return app
 
 
@@ -421,7 +524,9 @@ def app_from_env(environ: Mapping[str, str] = os.environ) -> FastAPI:
 
     ``REDIS_URL`` (unset: the embedded MemoryStore), ``GOBLIN_LEASE_SECONDS`` (30),
     ``GOBLIN_TTL_SECONDS`` (86400), ``GOBLIN_JOB_LEASE_MS`` (1000), ``GOBLIN_DEMO_ROUTES``
-    (1; 0 turns ``/demo/dead-worker`` off).
+    (1; 0 turns the ``/demo/`` routes off), ``GOBLIN_DATABASE_URL`` (unset: a new SQLite
+    file in the temporary directory, removed when the app stops), ``GOBLIN_SQL_RECORDS``
+    (1; 0 keeps the records in the store only).
     """
     return create_app(
         redis_url=environ.get("REDIS_URL") or None,
@@ -429,4 +534,6 @@ def app_from_env(environ: Mapping[str, str] = os.environ) -> FastAPI:
         ttl_seconds=int(environ.get("GOBLIN_TTL_SECONDS", "86400")),
         job_lease_ms=int(environ.get("GOBLIN_JOB_LEASE_MS", "1000")),
         demo_routes=environ.get("GOBLIN_DEMO_ROUTES", "1") != "0",
+        database_url=environ.get("GOBLIN_DATABASE_URL") or None,
+        sql_records=environ.get("GOBLIN_SQL_RECORDS", "1") != "0",
     )

@@ -12,7 +12,8 @@ without a key reach the app without one.
 
 The scenarios: a first call and its duplicate; a duplicate racing a slow first call; the
 same key with another body; a worker that dies holding a claim; webhook redelivery; a
-stale If-Match; two starts of one job; and the ledger, which must show one charge per key.
+stale If-Match; two starts of one job; a payment whose key the store then loses (flushed),
+replayed from the database; and the ledger, which must show one charge per key.
 
 Each run uses fresh keys and a fresh account, so it can be repeated against one server.
 """
@@ -206,8 +207,9 @@ async def run_demo(
     and closes it at the end.
 
     `on_start` sees the result once the app's store is known, `on_step` each step as it is
-    recorded (the command line prints them). The run takes about slow_ms +
-    dead_lease_seconds + job_ms, plus a second of Retry-After waits.
+    recorded (the command line prints them). The app needs its demo routes (a dead worker,
+    a store flush). The run takes about slow_ms + dead_lease_seconds + job_ms, plus a second
+    of Retry-After waits.
     """
     run_id = run_id or secrets.token_hex(3)
     account = f"acct_{run_id}"
@@ -441,7 +443,40 @@ async def _scenarios(
         note=f"ran {job_ms} ms under a {lease_ms} ms lease, renewed, never lost",
     )
 
-    # 9. The ledger: one payment per key, and the balance is the sum of one charge each.
+    # 9. The store loses everything (flushed, as a Redis restarted without persistence):
+    # the same request again is replayed from the database, where the charge and its
+    # response committed together; nothing runs twice.
+    key = f"demo-{run_id}-flush"
+    paid = await rec.send("POST", "/payments", key=key, body=payment(900))
+    rec.record(
+        "flush-pay",
+        paid,
+        key=key,
+        ok=paid.status_code == 201 and not _replayed(paid),
+        note="claimed and ran: charged 900; the charge and the response commit together",
+    )
+    result.charges[key] = 900
+    flushed = await rec.send("POST", "/demo/flush-store")
+    gone = flushed.json().get("flushed_keys") if flushed.status_code == 200 else None
+    rec.record(
+        "store-flush",
+        flushed,
+        key=None,
+        ok=flushed.status_code == 200 and isinstance(gone, int) and gone > 0,
+        note=f"the store is flushed: {gone} keys gone, the stored responses with them",
+    )
+    again = await rec.send("POST", "/payments", key=key, body=payment(900))
+    same = again.content == paid.content
+    rec.record(
+        "replay-after-flush",
+        again,
+        key=key,
+        ok=again.status_code == 201 and _replayed(again) and same,
+        note=f"replayed from the database, {'same' if same else 'DIFFERENT'} bytes, "
+        "not charged again",
+    )
+
+    # 10. The ledger: one payment per key, and the balance is the sum of one charge each.
     ledger = await rec.send("GET", f"/ledger?account={account}")
     doc = ledger.json().get("accounts", {}).get(account, {}) if ledger.status_code == 200 else {}
     result.ledger = doc
@@ -456,7 +491,8 @@ async def _scenarios(
         ok=one_each and balance == expected and doc.get("payments") == len(result.charges),
         note=(
             f"{account}: {doc.get('payments')} payments for {len(result.charges)} keys, "
-            f"{'one per key' if one_each else 'NOT one per key'}; balance {balance} "
+            f"{'one per key (the flushed one too)' if one_each else 'NOT one per key'}; "
+            f"balance {balance} "
             f"(expected {expected})"
         ),
     )
@@ -471,10 +507,10 @@ async def _run(url: str | None, on_step: Callable[[Step], None]) -> DemoResult:
             )
 
         return await run_demo(httpx.AsyncHTTPTransport(), url, on_start=banner, on_step=on_step)
-    from .app import create_app
+    from .app import create_app, serving
 
     app = create_app()
-    async with app.router.lifespan_context(app):
+    async with serving(app):
         print("demo against the app in this process (store: memory, embedded)")
         return await run_demo(httpx.ASGITransport(app=app), "http://demo", on_step=on_step)
 

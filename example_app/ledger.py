@@ -1,4 +1,6 @@
-"""A toy ledger kept in the same store as the idempotency keys.
+"""A toy ledger kept in the same store as the idempotency keys, for the stream worker
+(`example_app.worker`), whose `once` has no database. The HTTP app keeps its payments in
+SQL instead, committed with its records (`example_app.payments`), in the same shape.
 
 It exists to make a double charge visible: every charge adds to the account's balance and
 to the list of payments made under its Idempotency-Key, so a key that ran twice shows two

@@ -1,11 +1,14 @@
 """The example app and its demo: in-process on the MemoryStore, and as a real uvicorn
-process (on the MemoryStore, and on a throwaway redis-server)."""
+process (on the MemoryStore, and on a throwaway redis-server); its payments and records in
+SQLite, so a flushed store still replays from the database."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import pytest
 from fastapi import FastAPI
 
 from example_app import create_app
-from example_app.app import redact
+from example_app.app import redact, serving
 from example_app.demo import DemoResult, run_demo
 from goblin_idem import MemoryStore
 from tests.support.procs import start_example_app, stop
@@ -43,6 +46,9 @@ SCENARIOS = [
     "order-stale",
     "job-busy",
     "job-run",
+    "flush-pay",
+    "store-flush",
+    "replay-after-flush",
     "ledger",
 ]
 
@@ -53,7 +59,7 @@ SCENARIOS = [
 @pytest.fixture
 async def app() -> AsyncIterator[FastAPI]:
     app = create_app(MemoryStore(), job_lease_ms=150)
-    async with app.router.lifespan_context(app):
+    async with serving(app):
         yield app
 
 
@@ -142,18 +148,26 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     job = result.step("job-run")
     assert job.status == 200 and job.json()["lock_lost"] is False
 
+    paid = result.step("flush-pay")
+    assert paid.status == 201 and "idempotent-replayed" not in paid.headers
+    assert result.step("store-flush").json()["flushed_keys"] > 0
+    again = result.step("replay-after-flush")
+    assert (again.status, again.headers["idempotent-replayed"]) == (201, "true")
+    assert again.body == paid.body and again.headers["location"] == paid.headers["location"]
+
     # The ledger: each key charged once, by the very payment its response announced.
     ledger = result.step("ledger")
     assert ledger.status == 200
     doc = result.ledger
-    assert doc["balances"] == {"EUR": 1500 + 2500 + 700 + 1200}
-    assert doc["payments"] == 4
+    assert doc["balances"] == {"EUR": 1500 + 2500 + 700 + 1200 + 900}
+    assert doc["payments"] == 5
     by_key = doc["by_key"]
     assert {k: len(v) for k, v in by_key.items()} == dict.fromkeys(result.charges, 1)
     assert by_key[first.key or ""] == [first.json()["id"]]
     assert by_key[slow.key or ""] == [slow.json()["id"]]
     assert by_key[recovered.key or ""] == [recovered.json()["id"]]
     assert by_key[event.key or ""] == [event.json()["payment"]["id"]]
+    assert by_key[paid.key or ""] == [paid.json()["id"]]
 
 
 @pytest.fixture
@@ -186,8 +200,9 @@ async def test_demo_in_process(app: FastAPI, client: httpx.AsyncClient) -> None:
     stats = (await client.get("/stats")).json()
     assert stats["store"] == {"kind": "memory", "mode": "embedded"}
     counters = stats["middleware"]
-    assert counters["claimed"] == 4  # first, slow, after the dead lease, webhook
-    assert counters["replayed"] == 3
+    # first, slow, after the dead lease, webhook, before the flush
+    assert counters["claimed"] == 5
+    assert counters["replayed"] == 4  # the last one from the database
     assert counters["mismatch"] == 1 and counters["missing_key"] == 1
     assert counters["in_flight"] == 1 + len(result.all("retry-while-claimed"))
 
@@ -205,11 +220,13 @@ async def test_demo_against_uvicorn_on_redis(redis_server: Server, tmp_path: Pat
             assert stats["config"]["lease_seconds"] == 2
         result = await run_demo(httpx.AsyncHTTPTransport(), f"http://127.0.0.1:{port}")
         check_demo(result)
-        # The ledger lives in redis itself, next to the idempotency keys.
+        # The payments are in the database; redis was flushed before the last payment's
+        # replay, which published its record back from the database.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            assert (await c.get("/ledger")).json()["payments_total"] == 5
         with redis_server.sync_client() as r:
-            assert r.get("ledger:payments") == b"4"
-            assert r.exists(f"ledger:account:{result.account}") == 1
-            assert len(r.keys("idem:{*}:r")) == 4  # one stored response per charged key
+            assert r.keys("ledger:*") == []
+            assert len(r.keys("idem:{*}:r")) == 1
     finally:
         stop(proc)
     lines = [line for line in log.read_text().splitlines() if "example_app: store=" in line]
@@ -236,7 +253,131 @@ def test_app_starts_and_demo_cli_passes(app_process: tuple[str, Path]) -> None:
     steps = lines[1:-1]
     assert len(steps) >= len(SCENARIOS)
     assert all("  ok  " in line for line in steps)
-    assert "one per key; balance 5900 (expected 5900)" in steps[-1]
+    assert "one per key (the flushed one too); balance 6800 (expected 6800)" in steps[-1]
+
+
+# -- the store flushed: the database replays ---------------------------------------------------
+
+
+def pay_once(url: str, key: str) -> httpx.Response:
+    return httpx.post(
+        f"{url}/payments", json=payment("acct_f", 900), headers={"Idempotency-Key": key}, timeout=10
+    )
+
+
+def one_charge(url: str, first: httpx.Response) -> None:
+    doc = httpx.get(f"{url}/ledger?account=acct_f", timeout=10).json()
+    assert doc["accounts"] == {
+        "acct_f": {"balances": {"EUR": 900}, "payments": 1, "by_key": {"k1": [first.json()["id"]]}}
+    }
+    assert doc["duplicate_charges"] == {}
+
+
+def test_a_flushed_store_replays_from_the_database(tmp_path: Path) -> None:
+    """`python -m example_app` as a newcomer runs it (its default SQLite file): a payment,
+    the store flushed, the same request: the response committed with the charge is replayed
+    from the database, and nothing is charged twice. The file goes when the app stops."""
+    port = free_port()
+    log = tmp_path / "app.log"
+    proc = start_example_app(port, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        first = pay_once(url, "k1")
+        assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+        flushed = httpx.post(f"{url}/demo/flush-store", timeout=10)
+        assert flushed.status_code == 200 and flushed.json()["store"] == "memory"
+        assert flushed.json()["flushed_keys"] > 0
+        again = pay_once(url, "k1")
+        assert (again.status_code, again.headers["idempotent-replayed"]) == (201, "true")
+        assert again.content == first.content
+        assert again.headers["location"] == first.headers["location"]
+        one_charge(url, first)
+        counters = httpx.get(f"{url}/stats", timeout=10).json()["middleware"]
+        assert (counters["claimed"], counters["replayed"]) == (1, 1)
+    finally:
+        stop(proc)
+    text = log.read_text()
+    assert "goblin-idem records: table goblin_idem_records in sqlite+aiosqlite:///" in text
+    (line,) = [ln for ln in text.splitlines() if "example_app: payments and records in " in ln]
+    database = Path(line.split("sqlite+aiosqlite:///", 1)[1].strip())
+    assert database.name.startswith("goblin-idem-example-") and database.suffix == ".db"
+    assert not database.exists()  # removed at shutdown
+
+
+def test_a_database_of_your_own_replays_after_a_restart(tmp_path: Path) -> None:
+    """With GOBLIN_DATABASE_URL naming a file, a restart (a new, empty MemoryStore) is a
+    store that lost everything: the payment's replay comes from the file."""
+    database = tmp_path / "example.db"
+    env = {"GOBLIN_DATABASE_URL": f"sqlite+aiosqlite:///{database}"}
+    first: httpx.Response | None = None
+    for run in range(2):
+        port = free_port()
+        proc = start_example_app(port, tmp_path / f"app{run}.log", **env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            response = pay_once(url, "k1")
+            if first is None:
+                first = response
+                assert response.status_code == 201
+                assert "idempotent-replayed" not in response.headers
+            else:
+                assert response.headers["idempotent-replayed"] == "true"
+                assert response.content == first.content
+                one_charge(url, first)
+        finally:
+            stop(proc)
+    assert database.exists()
+
+
+async def test_without_sql_records_a_flushed_store_charges_again() -> None:
+    """What the records in the database prevent: with the store alone, a key whose stored
+    response was lost runs again, and charges again."""
+    app = create_app(MemoryStore(), sql_records=False)
+    async with serving(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            headers = {"Idempotency-Key": "k1"}
+            first = await c.post("/payments", json=payment("acct_f", 900), headers=headers)
+            assert (await c.post("/demo/flush-store")).status_code == 200
+            again = await c.post("/payments", json=payment("acct_f", 900), headers=headers)
+            assert (first.status_code, again.status_code) == (201, 201)
+            assert "idempotent-replayed" not in again.headers
+            doc = (await c.get("/ledger?account=acct_f")).json()
+    assert doc["accounts"]["acct_f"]["payments"] == 2
+    assert doc["duplicate_charges"] == {"acct_f/k1": [first.json()["id"], again.json()["id"]]}
+
+
+def failed_start(tmp_path: Path, **env: str) -> tuple[int, str]:
+    """`python -m example_app` whose startup fails: its PID and what it wrote."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GOBLIN_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "example_app", "--port", str(free_port())],
+        cwd=ROOT,
+        env={**full_env, **env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    assert proc.returncode != 0
+    return proc.pid, out.decode()
+
+
+def test_a_database_that_cannot_be_used_fails_the_startup(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "example.db"
+    _, out = failed_start(tmp_path, GOBLIN_DATABASE_URL=f"sqlite+aiosqlite:///{missing}")
+    assert f"example_app: cannot create the tables in sqlite+aiosqlite:///{missing}" in out
+
+
+def test_a_failed_startup_leaves_no_database_file(tmp_path: Path) -> None:
+    """The tables are created before the middleware checks the store; a store it cannot
+    reach fails the startup, and the temporary database goes with it."""
+    pid, out = failed_start(tmp_path, REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
+    assert "Application startup failed" in out
+    assert list(Path(tempfile.gettempdir()).glob(f"goblin-idem-example-{pid}-*")) == []
 
 
 # -- the routes, one behaviour at a time -------------------------------------------------------
