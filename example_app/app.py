@@ -40,7 +40,7 @@ from urllib.parse import urlsplit, urlunsplit
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message
 
 from goblin_idem import (
     CLAIMED,
@@ -65,9 +65,6 @@ PROBLEM_BASE = "urn:example-app:problem:"
 NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_DELAY_MS = 10_000
 MAX_JOB_MS = 5_000
-ENDED = frozenset(
-    {"lifespan.startup.failed", "lifespan.shutdown.complete", "lifespan.shutdown.failed"}
-)
 
 
 # -- request bodies ----------------------------------------------------------------------
@@ -154,46 +151,6 @@ def find_middleware(app: FastAPI) -> IdempotencyMiddleware:
     return IdempotencyMiddleware.of(app)
 
 
-class DatabaseLifespan:
-    """The database's part in the lifespan, outside IdempotencyMiddleware: the tables are
-    created when the lifespan starts, before the middleware checks that its records table
-    exists (it checks before the app's own lifespan runs); the pool is closed (and a
-    temporary file removed) when the lifespan ends, its startup failed or not."""
-
-    def __init__(self, app: ASGIApp, database: Database) -> None:
-        self.app = app
-        self.database = database
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "lifespan":
-            await self.app(scope, receive, send)
-            return
-        first = await receive()
-        if first["type"] == "lifespan.startup":
-            try:
-                await self.database.create_tables()
-            except Exception as exc:
-                await self.database.aclose()
-                message = f"example_app: cannot create the tables in {self.database.where}: {exc}"
-                await send({"type": "lifespan.startup.failed", "message": message})
-                return
-        given = False
-
-        async def replay_first() -> Message:
-            nonlocal given
-            if not given:
-                given = True
-                return first
-            return await receive()
-
-        async def closing_send(message: Message) -> None:
-            if message["type"] in ENDED:
-                await self.database.aclose()
-            await send(message)
-
-        await self.app(scope, replay_first, closing_send)
-
-
 @asynccontextmanager
 async def serving(app: FastAPI) -> AsyncIterator[FastAPI]:
     """Run `app`'s whole ASGI lifespan (its middleware's startup included) in this process,
@@ -231,7 +188,8 @@ def create_app(
 ) -> FastAPI:
     """A fresh app on `store` (default: a MemoryStore, or a RedisStore for `redis_url`),
     with its records and payments in the database at `database_url` (default: a new SQLite
-    file, removed at shutdown). Its lifespan creates the tables (`DatabaseLifespan`).
+    file, removed at shutdown). Its lifespan creates the tables, before the middleware
+    checks its records table (it does once the app's own startup is done).
     ``sql_records=False`` leaves the records to the store alone, to show what they prevent:
     the payments stay in the database, but a flushed store lets a key charge again.
 
@@ -248,7 +206,14 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The middleware's startup has run: the store is checked and its mode known.
+        try:
+            await database.create_tables()
+        except Exception as exc:
+            await database.aclose()
+            raise RuntimeError(
+                f"example_app: cannot create the tables in {database.where}: {exc}"
+            ) from exc
+        # The middleware's store check has run: the store is known, and its mode.
         info = describe_store(the_store)
         logger.info(
             "example_app: store=%s%s mode=%s lease=%ds ttl=%ds",
@@ -262,7 +227,10 @@ def create_app(
             logger.info("example_app: payments and records in %s", database.where)
         else:
             logger.info("example_app: payments in %s; records in the store only", database.where)
-        yield
+        try:
+            yield
+        finally:
+            await database.aclose()
 
     app = FastAPI(title="goblin-idem example", lifespan=lifespan)
     app.add_middleware(
@@ -273,7 +241,6 @@ def create_app(
         close_store=owns_store,
         records=database.records if sql_records else None,
     )
-    app.add_middleware(DatabaseLifespan, database=database)  # added last: the outermost
     app.state.store = the_store
     app.state.database = database
 
