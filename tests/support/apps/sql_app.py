@@ -121,7 +121,8 @@ def build(
 
 def build_store_only(store: Store, engine: AsyncEngine, payments: Table, **options: Any) -> FastAPI:
     """The same ``POST /payments`` (mode ``id``) without records: the handler commits its
-    row itself, and only the store keeps a duplicate from paying again."""
+    row itself, and only the store keeps a duplicate from paying again. The kill after a
+    commit (``KILL_AFTER_COMMIT``, or its file) comes right after the handler's."""
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
 
@@ -136,6 +137,8 @@ def build_store_only(store: Store, engine: AsyncEngine, payments: Table, **optio
         async with engine.begin() as conn:
             row = await conn.execute(insert(payments).values(values).returning(payments.c.id))
             payment = row.scalar_one()
+        if _kill_now():  # committed, and the store never hears of it
+            os.kill(os.getpid(), signal.SIGKILL)
         return {"ref": body["ref"], "payment": payment, "run": uuid.uuid4().hex}
 
     return app
