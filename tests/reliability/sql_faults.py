@@ -379,7 +379,7 @@ def run(opts: Options) -> Outcome:
                 failures.append(f"the fault thread failed: {faults.error!r}")
             duplicates = sum(len(ids) - 1 for ids in rows.values() if len(ids) > 1)
             figures: dict[str, Any] = {
-                "seed": opts.seed,
+                "seed": str(opts.seed),  # not a quantity: printed as is
                 "records": opts.records,
                 "keys": len(keys),
                 "keys_answered": sum(1 for k in keys if clients.answers[k]),
