@@ -52,6 +52,11 @@ SCENARIOS: list[tuple[str, str, list[str]]] = [
     ("fuzz", "6. Fuzz", ["examples"]),
     ("isolation", "7. Isolation", ["pairs", "requests"]),
     ("memory", "8. Memory", ["keys", "keys_total", "used_memory_per_key"]),
+    (
+        "sqlfaults",
+        "9. SQL records under faults",
+        ["requests", "keys", "faults", "duplicate_effects"],
+    ),
 ]
 
 

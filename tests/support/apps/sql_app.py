@@ -3,13 +3,16 @@
 `build` makes it in the test process; under uvicorn, ``app`` is built from the environment:
 ``REDIS_URL``, ``DATABASE_URL``, ``RECORDS_TABLE``, ``PAYMENTS_TABLE``, ``LEASE_SECONDS``;
 with ``KILL_AFTER_COMMIT=1`` the process SIGKILLs itself right after a run's commit, before
-the store hears of it (the worst moment for a crash).
+the store hears of it (the worst moment for a crash); with ``KILL_AFTER_COMMIT_FILE`` set to
+a path, only the first commit after that file appears does (it is removed: one kill per file).
+With ``RECORDS=0`` the middleware has no records and ``POST /payments`` commits its row on
+its own (the store alone stands between a duplicate and a second payment).
 
 A request's JSON body: ``ref`` and ``amount`` (one payment row), and optionally ``mode``:
 ``raise``, ``500``, ``big`` (a response of 64 KiB), ``commit`` (the handler commits
 itself), ``rollback`` (it rolls back, then writes again), ``session`` (the write goes
 through ``session()``), ``gate`` (waits on the test's `Gate` after its write), or
-``gate-after-read`` (counts the payments first).
+``gate-after-read`` (counts the payments first), or ``id`` (answers the payment's row id).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 
 from goblin_idem import IdempotencyMiddleware, RedisStore, Store
 from goblin_idem.sql import SqlRecords, connection, session
@@ -88,6 +91,9 @@ def build(
         if mode == "session":
             s = await session()
             await s.execute(insert(payments).values(values))
+        elif mode == "id":
+            row = await conn.execute(insert(payments).values(values).returning(payments.c.id))
+            return {"ref": body["ref"], "payment": row.scalar_one(), "run": uuid.uuid4().hex}
         else:
             await conn.execute(insert(payments).values(values))
         if mode in ("gate", "gate-after-read") and gate is not None:
@@ -113,12 +119,52 @@ def build(
     return app
 
 
+def build_store_only(store: Store, engine: AsyncEngine, payments: Table, **options: Any) -> FastAPI:
+    """The same ``POST /payments`` (mode ``id``) without records: the handler commits its
+    row itself, and only the store keeps a duplicate from paying again. The kill after a
+    commit (``KILL_AFTER_COMMIT``, or its file) comes right after the handler's."""
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/payments", status_code=201)
+    async def pay(request: Request) -> Any:
+        body = await request.json()
+        values = {"ref": body["ref"], "amount": body["amount"]}
+        async with engine.begin() as conn:
+            row = await conn.execute(insert(payments).values(values).returning(payments.c.id))
+            payment = row.scalar_one()
+        if _kill_now():  # committed, and the store never hears of it
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"ref": body["ref"], "payment": payment, "run": uuid.uuid4().hex}
+
+    return app
+
+
+def _kill_now() -> bool:
+    """Whether this commit is the one to die after (KILL_AFTER_COMMIT, or its file)."""
+    if os.environ.get("KILL_AFTER_COMMIT") == "1":
+        return True
+    armed = os.environ.get("KILL_AFTER_COMMIT_FILE")
+    if not armed:
+        return False
+    try:
+        os.unlink(armed)  # only one commit takes it
+    except FileNotFoundError:
+        return False
+    return True
+
+
 class KillingTransaction(RunTransaction):
-    """Commits, then ends the process at once (SIGKILL): nothing is published."""
+    """Commits, then ends the process at once (SIGKILL) when told to: nothing is published."""
 
     async def commit(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> None:
         await super().commit(key, key_hash, fp, data, ttl_ms)
-        os.kill(os.getpid(), signal.SIGKILL)
+        if _kill_now():
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class KillingRecords(SqlRecords):
@@ -129,14 +175,16 @@ class KillingRecords(SqlRecords):
 def _from_env() -> FastAPI | None:
     if "DATABASE_URL" not in os.environ:
         return None
-    kind = KillingRecords if os.environ.get("KILL_AFTER_COMMIT") == "1" else SqlRecords
+    store = RedisStore.from_url(os.environ["REDIS_URL"])
+    payments = payments_table(os.environ["PAYMENTS_TABLE"])
+    lease = float(os.environ.get("LEASE_SECONDS", "30"))
+    if os.environ.get("RECORDS") == "0":
+        engine = create_async_engine(os.environ["DATABASE_URL"])
+        return build_store_only(store, engine, payments, lease_seconds=lease)
+    killing = os.environ.get("KILL_AFTER_COMMIT") == "1" or "KILL_AFTER_COMMIT_FILE" in os.environ
+    kind = KillingRecords if killing else SqlRecords
     records = kind(os.environ["DATABASE_URL"], table=os.environ["RECORDS_TABLE"])
-    return build(
-        RedisStore.from_url(os.environ["REDIS_URL"]),
-        records,
-        payments_table(os.environ["PAYMENTS_TABLE"]),
-        lease_seconds=float(os.environ.get("LEASE_SECONDS", "30")),
-    )
+    return build(store, records, payments, lease_seconds=lease)
 
 
 app = _from_env()
