@@ -39,6 +39,7 @@ __all__ = [
     "key_names",
     "names_of",
     "previous_names",
+    "shown",
     "string_key",
     "valid_key",
 ]
@@ -182,6 +183,17 @@ def names_of(namespace: bytes, digest: str) -> KeyNames:
     the 16 bytes, at the cost of 0.09 of the hash's 128 bits. Release 0.1.0 named them by
     the hex digits (CHANGELOG.md: Upgrading from 0.1.0)."""
     return _names(namespace, bytes.fromhex(digest), digest)
+
+
+def shown(name: bytes) -> str:
+    """A store key name as a log line shows it: the key hash (32 hex digits, as the other
+    lines print it) for a name `key_names` made, else the name with its bytes escaped. A
+    ``}`` byte of the hash, written as ``~`` in the name, shows as 7e: `names_of` maps it
+    back to the very same names, so ``inspect`` finds the key."""
+    start = name.find(b":{") + 2
+    if start >= 2 and name[start + 16 : start + 18] == b"}:" and len(name) == start + 19:
+        return name[start : start + 16].hex()
+    return repr(name)[2:-1]
 
 
 def _names(namespace: bytes, digest: bytes, hex_digest: str) -> KeyNames:

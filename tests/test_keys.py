@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, Store
-from goblin_idem._keys import key_names, string_key
+from goblin_idem._keys import key_names, names_of, shown, string_key
 from tests.support.asgi import Handler, problem, request
 from tests.support.procs import start_uvicorn, stop
 from tests.support.servers import Server, free_port
@@ -113,3 +113,17 @@ async def test_quoted_keys_through_uvicorn_on_redis(redis_server: Server) -> Non
     finally:
         stop(worker)
         await client.aclose()
+
+
+def test_a_log_line_shows_a_name_by_its_key_hash_and_inspect_finds_it_back() -> None:
+    plain = key_names(b"idem", b"", b"order-1")
+    assert shown(plain.claim) == shown(plain.result) == plain.hash
+    braced = next(
+        n
+        for n in (key_names(b"idem", b"", f"k{i}".encode()) for i in range(10_000))
+        if b"}" in bytes.fromhex(n.hash)
+    )
+    assert shown(braced.claim) != braced.hash  # the } byte shows as 7e, as the name holds it
+    found = names_of(b"idem", shown(braced.claim))
+    assert (found.claim, found.result) == (braced.claim, braced.result)
+    assert shown(b"lock:\nreport") == "lock:\\nreport"  # any other name: escaped, one line

@@ -21,6 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from .._durations import renamed_ms, seconds
+from .._keys import shown
 from . import _autopipeline as autopipeline
 from . import _scripts as scripts
 from ._arguments import (
@@ -428,10 +429,10 @@ class RedisStore(_StoreConnection):
         if unwrap(value, self._acl_user) is None:  # expired meanwhile: the claim is the
             return CLAIMED  # caller's to run
         logger.warning(
-            "goblin-idem store: the claim %s was gone while its result was stored (evicted, "
-            "or lost in a restart or failover): answered from the result instead of running "
-            "again, and the claim is retaken for the result's TTL",
-            ck.decode("latin-1"),
+            "goblin-idem store: key %s: its claim was gone while its result was stored "
+            "(evicted, or lost in a restart or failover): answered from the result instead "
+            "of running again, and the claim is retaken for the result's TTL",
+            shown(ck),
         )
         return as_bytes(value, "reply")
 

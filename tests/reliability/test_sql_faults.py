@@ -56,11 +56,6 @@ def test_random_faults_pay_each_key_once(tmp_path: Path) -> None:
     assert faults["redis_restart"] + faults["worker_kill"] + faults["kill_after_commit"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the warning prints the claim's name, whose hash tag is 16 raw bytes, not the key "
-    "hash that other lines print: unreadable, and a newline byte splits the log line",
-)
 async def test_a_claim_lost_in_a_restart_is_logged_by_its_key_hash(
     redis_server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:
