@@ -399,7 +399,7 @@ class Run:
                     )
                     return
                 await asyncio.sleep(delay)
-        _log_retaken(names, token, holder)
+        _log_retaken(names, token, holder, self.config.recording is not None)
 
 
 def _is_outcome(status: int, store_server_errors: bool) -> bool:
@@ -427,13 +427,22 @@ def _report_lost(report: Events, lease: Lease) -> None:
     report("lease_lost", lease.label)
 
 
-def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None) -> None:
-    """What retaking a lapsed claim found: the claim back, another run's, or nothing."""
+def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None, recorded: bool) -> None:
+    """What retaking a lapsed claim found: the claim back, another run's, or nothing. With
+    SQL records the other run's effects cannot commit: this run's record holds the key's row."""
     if holder == token:
         logger.warning(
             "key %s: the claim lapsed before the response was published; retaken for "
             "the result's TTL",
             names.hash,
+        )
+    elif holder is not None and recorded:
+        logger.warning(
+            "key %s: the claim lapsed before the response was published, and another "
+            "run (token %s) holds it now: its commit will find this run's record, roll "
+            "back and answer with it",
+            names.hash,
+            holder.decode("latin-1"),
         )
     elif holder is not None:
         logger.error(

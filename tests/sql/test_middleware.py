@@ -6,13 +6,17 @@ import asyncio
 import contextlib
 import datetime
 import json
+import logging
 import secrets
 from typing import Any
 
+import pytest
 from sqlalchemy import insert, update
 from sqlalchemy.ext.asyncio import create_async_engine
+from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, _recording
+from goblin_idem._keys import key_names
 from goblin_idem.records._format import decode
 from goblin_idem.sql import connection
 from tests.sql.conftest import Setup
@@ -262,3 +266,28 @@ async def test_an_unfinished_response_leaves_nothing(setup: Setup) -> None:
     assert reply.messages == []  # nothing of it was sent: it was held, and never committed
     assert await setup.payment_count("u") == 0 and await setup.rows() == []
     assert await setup.store.client.keys("*:c") == []  # type: ignore[union-attr]
+
+
+async def test_a_claim_taken_while_a_recorded_run_published_is_logged_as_harmless(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With records, a run that finds its lapsed claim taken by another has committed: the
+    other run's commit will meet its row, so the log says so instead of 'a second time'."""
+    names = key_names(b"idem", b"", b"k1")
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        conn = await connection()
+        await conn.execute(insert(setup.payments).values(ref="taken", amount=1))
+        await setup.store.set(names.claim, b"999:other", px=60_000)  # lapsed, and taken
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"paid"})
+
+    mw = IdempotencyMiddleware(app, store=setup.store, records=setup.records)
+    with caplog.at_level(logging.WARNING, logger="goblin_idem"):
+        reply = await request(mw, "POST", "/payments", key="k1", body=b"{}")
+    assert (reply.status, reply.body) == (201, b"paid")
+    lines = [r.getMessage() for r in caplog.records if r.name == "goblin_idem.middleware"]
+    assert any("its commit will find this run's record" in line for line in lines), lines
+    assert not any("a second time" in line for line in lines), lines
+    assert await setup.payment_count("taken") == 1
