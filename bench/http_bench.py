@@ -139,11 +139,14 @@ def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
     cmd += ["--body-bytes", str(args.body_bytes), "--compression", args.compression]
     if args.handler == "pg":
         cmd += ["--handler", "pg", "--pg-dsn", args.pg_dsn]
+    if args.prefill_keys and v.name == "goblin-memory":
+        cmd += ["--prefill-keys", str(args.prefill_keys)]
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
     v.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_http(v.proc, v.port, path=serve.STATS_PATH, name="server", timeout=30)
+        wait = 30 + args.prefill_keys / 20_000  # a MemoryStore fills as it starts
+        wait_http(v.proc, v.port, path=serve.STATS_PATH, name="server", timeout=wait)
     except RuntimeError as exc:  # "server exited (1): <stderr>": keep its last line
         what, _, said = str(exc).partition(": ")
         v.broken = f"{what}: {(said.strip().splitlines() or ['?'])[-1]}"
@@ -549,7 +552,8 @@ def parse_args() -> argparse.Namespace:
         "--prefill-keys",
         type=int,
         default=0,
-        help="complete this many keys in each Redis variant's store before the runs",
+        help="complete this many keys in each Redis variant's store (and MemoryStore's) "
+        "before the runs",
     )
     p.add_argument("--cluster-primaries", type=int, default=3, help="for goblin-cluster-*")
     p.add_argument("--json", type=Path, help="also write every run's figures here")
