@@ -12,7 +12,8 @@ the inclusive count of CPython's `gc_collect_main`, taken the same way. The stor
 is a loop of the same two calls a first run makes (`claim_unless_done`, then `publish`) on
 fresh keys, at the same concurrency, with no app around them. As in http_bench.py,
 `PYTHONPATH=<other checkout>` measures another version of goblin-idem. The time columns are the same
-workloads run natively (no valgrind), median of `--reps` runs, per request.
+workloads run natively (no valgrind): the measured requests' time (after the warm-up) over
+their number, median of `--reps` runs of the larger count.
 
 Instructions are counted for this process only: a Redis store's server (a throwaway
 redis-server on a free loopback port, with the goblin module for native mode) and the
@@ -103,7 +104,7 @@ def store_of(app: Any) -> Any:
     return layer.store
 
 
-async def workload(variant: str, part: str, url: str, n: int, concurrency: int) -> None:
+async def workload(variant: str, part: str, url: str, n: int, concurrency: int) -> float:
     app = make_app(variant, url)
     run = f"{os.getpid()}-{time.monotonic_ns()}"
     store: Any = None
@@ -121,8 +122,10 @@ async def workload(variant: str, part: str, url: str, n: int, concurrency: int) 
     warm = 4 * concurrency
     for start in range(0, warm, concurrency):
         await batch(-warm + start, concurrency)
+    started = time.perf_counter()
     for start in range(0, n, concurrency):
         await batch(start, min(concurrency, n - start))
+    return time.perf_counter() - started
 
 
 async def first_run_calls(store: Any, key: bytes) -> None:
@@ -141,9 +144,7 @@ def child(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(BENCH))
     sys.path.append(str(ROOT))  # after PYTHONPATH, which may name another copy
-    started = time.perf_counter()
-    uvloop.run(workload(args.variant, args.part, args.url, args.n, args.concurrency))
-    elapsed = time.perf_counter() - started
+    elapsed = uvloop.run(workload(args.variant, args.part, args.url, args.n, args.concurrency))
     print(f"elapsed {elapsed:.6f} gc {gc.get_count()}", flush=True)
 
 
@@ -200,14 +201,11 @@ def measure(
         (t1, g1), (t2, g2) = pool.map(
             lambda n: callgrind(variant, part, url, n, concurrency), (low, high)
         )
-    times = []
-    for _ in range(reps):
-        longer = timed(variant, part, url, high, concurrency)
-        times.append(longer - timed(variant, part, url, low, concurrency))
+    times = [timed(variant, part, url, high, concurrency) for _ in range(reps)]
     return {
         f"{part}_ir": (t2 - t1) / (high - low),
         f"{part}_gc_ir": (g2 - g1) / (high - low),
-        f"{part}_us": statistics.median(times) * 1e6 / (high - low),
+        f"{part}_us": statistics.median(times) * 1e6 / high,
     }
 
 
