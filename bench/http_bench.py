@@ -450,6 +450,17 @@ def prefill(redis: Any, keys: int) -> dict[str, float]:
     return {"keys": keys, "before": before, "after": after, "seconds": seconds}
 
 
+def per_node(v: Variant) -> str:
+    """How a cluster variant's whole run spread over its primaries: commands and CPU each."""
+    figures = []
+    for server in nodes(v.redis):
+        with server.sync_client() as client:
+            info = client.info()
+        cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        figures.append(f"{int(info['total_commands_processed']):,} commands, {cpu:.1f} s CPU")
+    return f"{v.name}, per primary over the whole run: " + "; ".join(figures)
+
+
 def fetch_record(server: Any) -> bytes:
     """A result record as the middleware stores it: the first completed replay key's."""
     from goblin_idem._keys import key_names
@@ -613,6 +624,7 @@ def main() -> None:
     started = time.monotonic()
     servers = []
     pg: Postgres | None = None
+    spread: list[str] = []  # a cluster variant's commands and CPU per primary
     runs: list[Run] = []
     redis_version = "-"
     try:
@@ -668,6 +680,7 @@ def main() -> None:
                     run.p99_ratio = run.p99_ms / ((before.p99_ms + after.p99_ms) / 2)
                     run.cpu_ratio = (before.cpu_us + after.cpu_us) / 2 / run.cpu_us
                     before = after
+        spread = [per_node(v) for v in variants if len(nodes(v.redis)) > 1]
     finally:
         for v in variants:
             if v.proc is not None:
@@ -693,6 +706,8 @@ def main() -> None:
                 f"{f['after'] / 2**20:,.0f} MiB, {(f['after'] - f['before']) / f['keys']:,.0f} "
                 "bytes per completed key"
             )
+    for line in spread:
+        print(f"\n{line}")
     print()
     print(command_table(variants, runs, args))
     if args.json:
