@@ -587,7 +587,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def labels() -> dict[str, str]:
+def labels(primaries: int = 3) -> dict[str, str]:
     from importlib.metadata import version
 
     return {
@@ -596,9 +596,9 @@ def labels() -> dict[str, str]:
         "goblin-script": "goblin-idem, Redis script mode",
         "goblin-native": "goblin-idem, Redis native mode",
         "goblin-native-direct": "goblin-idem, Redis native, autopipeline=False",
-        "goblin-cluster-native": "goblin-idem, Redis Cluster (3 primaries), native mode",
-        "goblin-cluster-script": "goblin-idem, Redis Cluster (3 primaries), script mode",
-        "goblin-cluster-direct": "goblin-idem, Redis Cluster (3 primaries), native, "
+        "goblin-cluster-native": f"goblin-idem, Redis Cluster ({primaries} primaries), native mode",
+        "goblin-cluster-script": f"goblin-idem, Redis Cluster ({primaries} primaries), script mode",
+        "goblin-cluster-direct": f"goblin-idem, Redis Cluster ({primaries} primaries), native, "
         "autopipeline=False",
         "asgi-idempotency-header": f"asgi-idempotency-header {version('asgi-idempotency-header')}"
         " (Redis)",
@@ -616,7 +616,7 @@ def main() -> None:
     from tests.support.procs import stop
     from tests.support.servers import free_port, start_cluster, start_server
 
-    names = labels()
+    names = labels(args.cluster_primaries)
     variants = [Variant(n, names[n]) for n in args.variants]
     per_run = (2 * len(variants) - 1) * len(args.scenarios) * args.reps
     estimate = per_run * (args.duration + 0.5) + len(variants) * (args.warmup + 3)
