@@ -269,7 +269,7 @@ def print_table(
     print(
         f"Python {sys.version.split()[0]}, valgrind --tool=callgrind; {high - low} requests "
         f"(the difference of runs of {low} and {high}), {args.concurrency} in flight; "
-        f"time: median of {args.reps}, without valgrind"
+        f"time: the {high} requests after the warm-up, median of {args.reps}, without valgrind"
     )
     print(f"total run time {elapsed / 60:.1f} min")
     print("```")
