@@ -22,6 +22,7 @@ just after, so that the machine's drift over minutes does not enter it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import http.client
 import json
@@ -32,6 +33,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import venv
 from dataclasses import asdict, dataclass, field
@@ -113,6 +115,7 @@ class Variant:
     proc: subprocess.Popen[bytes] | None = None
     redis: Any = None  # tests.support.servers.Server, or a Cluster for the cluster variants
     broken: str = ""  # why this variant could not be measured
+    prefill: dict[str, float] = field(default_factory=dict)  # used memory before and after
 
     def stats(self) -> dict[str, int]:
         _, _, body = fetch(self.port, "GET", serve.STATS_PATH)
@@ -133,11 +136,17 @@ def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
         cmd.append("--gc-freeze")
     if args.gc_threshold is not None:
         cmd += ["--gc-threshold", str(args.gc_threshold)]
+    cmd += ["--body-bytes", str(args.body_bytes), "--compression", args.compression]
+    if args.handler == "pg":
+        cmd += ["--handler", "pg", "--pg-dsn", args.pg_dsn]
+    if args.prefill_keys and v.name == "goblin-memory":
+        cmd += ["--prefill-keys", str(args.prefill_keys)]
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
     v.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_http(v.proc, v.port, path=serve.STATS_PATH, name="server", timeout=30)
+        wait = 30 + args.prefill_keys / 20_000  # a MemoryStore fills as it starts
+        wait_http(v.proc, v.port, path=serve.STATS_PATH, name="server", timeout=wait)
     except RuntimeError as exc:  # "server exited (1): <stderr>": keep its last line
         what, _, said = str(exc).partition(": ")
         v.broken = f"{what}: {(said.strip().splitlines() or ['?'])[-1]}"
@@ -403,10 +412,122 @@ def environment(args: argparse.Namespace, redis_version: str) -> str:
         f"redis-py {version('redis')} with {parser}; redis-server {redis_version}; "
         f"wrk {wrk_version}{'; gc.freeze() after startup' if args.gc_freeze else ''}"
         f"{'' if args.gc_threshold is None else f'; gc.set_threshold({args.gc_threshold}, ...)'}"
+        f"{f'; response body {args.body_bytes} B' if args.body_bytes else ''}"
+        f"{'; compression off' if args.compression == 'none' else ''}"
+        f"{f'; {args.prefill_keys:,} completed keys in Redis' if args.prefill_keys else ''}"
+        f"{'; handler: one INSERT into PostgreSQL (asyncpg)' if args.handler == 'pg' else ''}"
         f"\nwrk -t{args.threads} -c{args.connections} -d{args.duration}s per run, "
         f"{args.reps} repetitions, scenarios then variants in turn, the bare app between "
         "each two (bare A bare B bare), medians"
     )
+
+
+# -- what some runs need besides Redis ------------------------------------------------------
+
+
+def prefill(redis: Any, keys: int) -> dict[str, float]:
+    """Complete `keys` keys as the middleware would (a claim renewed to the result's TTL,
+    and the result record), pipelined straight into Redis; used_memory before and after."""
+    from goblin_idem._keys import key_names
+
+    server = nodes(redis)[0]
+    if len(nodes(redis)) > 1:
+        raise SystemExit("--prefill-keys fills a single server, not a cluster")
+    record = fetch_record(server)
+    with server.sync_client() as client:
+        before = float(client.info("memory")["used_memory"])
+        started = time.monotonic()
+        pipe = client.pipeline(transaction=False)
+        for i in range(keys):
+            names = key_names(b"idem", b"", f"prefill-{i}".encode())
+            pipe.set(names.claim, b"t-%d" % i, px=86_400_000)
+            pipe.set(names.result, record, px=86_400_000)
+            if i % 5000 == 4999:
+                pipe.execute()
+        pipe.execute()
+        seconds = time.monotonic() - started
+        after = float(client.info("memory")["used_memory"])
+    return {"keys": keys, "before": before, "after": after, "seconds": seconds}
+
+
+def per_node(v: Variant) -> str:
+    """How a cluster variant's whole run spread over its primaries: commands and CPU each."""
+    figures = []
+    for server in nodes(v.redis):
+        with server.sync_client() as client:
+            info = client.info()
+        cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        figures.append(f"{int(info['total_commands_processed']):,} commands, {cpu:.1f} s CPU")
+    return f"{v.name}, per primary over the whole run: " + "; ".join(figures)
+
+
+def fetch_record(server: Any) -> bytes:
+    """A result record as the middleware stores it: the first completed replay key's."""
+    from goblin_idem._keys import key_names
+
+    with server.sync_client() as client:
+        record = client.get(key_names(b"idem", b"", b"replay-0").result)
+    if record is None:
+        raise SystemExit("no completed replay key to copy the record of")
+    return bytes(record)
+
+
+@dataclass
+class Postgres:
+    """A throwaway PostgreSQL 15 (Debian's binaries), run as the postgres user."""
+
+    directory: Path
+    port: int
+    pid: int = 0
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def stop(self) -> None:
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGINT)  # fast shutdown
+            for _ in range(100):
+                if not Path(f"/proc/{self.pid}").exists():
+                    break
+                time.sleep(0.1)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def start_postgres(port: int) -> Postgres:
+    as_postgres = ["runuser", "-u", "postgres", "--"]
+    directory = Path(tempfile.mkdtemp(prefix="goblin-bench-pg-"))
+    shutil.chown(directory, "postgres", "postgres")
+    pg = Postgres(directory, port)
+    data = directory / "data"
+    subprocess.run(
+        [*as_postgres, str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+        check=True,
+        capture_output=True,
+    )
+    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {directory} -c max_connections=100"
+    log = str(directory / "postgres.log")
+    pg_ctl = [str(PG_BIN / "pg_ctl"), "-D", str(data), "-o", options, "-l", log, "-w", "start"]
+    subprocess.run(  # with a log file, so that the server does not hold our pipes open
+        [*as_postgres, *pg_ctl],
+        check=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    pg.pid = int((data / "postmaster.pid").read_text().split()[0])
+    pin(pg.pid, 1)
+    create = (
+        f"CREATE TABLE {serve.PG_TABLE} (id bigserial PRIMARY KEY, sku text NOT NULL, "
+        "qty int NOT NULL, created timestamptz DEFAULT now())"
+    )
+    psql = [str(PG_BIN / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres"]
+    subprocess.run([*as_postgres, *psql, "-q", "-c", create], check=True, capture_output=True)
+    return pg
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -430,6 +551,22 @@ def parse_args() -> argparse.Namespace:
         type=int,
         help="servers set the collector's first threshold (default 700; 0: no collections)",
     )
+    p.add_argument("--body-bytes", type=int, default=0, help="the handler answers N bytes")
+    p.add_argument("--compression", choices=("zlib", "none"), default="zlib")
+    p.add_argument(
+        "--handler",
+        choices=("json", "pg"),
+        default="json",
+        help="pg: insert one row into a throwaway PostgreSQL per request",
+    )
+    p.add_argument(
+        "--prefill-keys",
+        type=int,
+        default=0,
+        help="complete this many keys in each Redis variant's store (and MemoryStore's) "
+        "before the runs",
+    )
+    p.add_argument("--cluster-primaries", type=int, default=3, help="for goblin-cluster-*")
     p.add_argument("--json", type=Path, help="also write every run's figures here")
     p.add_argument(
         "--results",
@@ -450,7 +587,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def labels() -> dict[str, str]:
+def labels(primaries: int = 3) -> dict[str, str]:
     from importlib.metadata import version
 
     return {
@@ -459,9 +596,9 @@ def labels() -> dict[str, str]:
         "goblin-script": "goblin-idem, Redis script mode",
         "goblin-native": "goblin-idem, Redis native mode",
         "goblin-native-direct": "goblin-idem, Redis native, autopipeline=False",
-        "goblin-cluster-native": "goblin-idem, Redis Cluster (3 primaries), native mode",
-        "goblin-cluster-script": "goblin-idem, Redis Cluster (3 primaries), script mode",
-        "goblin-cluster-direct": "goblin-idem, Redis Cluster (3 primaries), native, "
+        "goblin-cluster-native": f"goblin-idem, Redis Cluster ({primaries} primaries), native mode",
+        "goblin-cluster-script": f"goblin-idem, Redis Cluster ({primaries} primaries), script mode",
+        "goblin-cluster-direct": f"goblin-idem, Redis Cluster ({primaries} primaries), native, "
         "autopipeline=False",
         "asgi-idempotency-header": f"asgi-idempotency-header {version('asgi-idempotency-header')}"
         " (Redis)",
@@ -479,22 +616,28 @@ def main() -> None:
     from tests.support.procs import stop
     from tests.support.servers import free_port, start_cluster, start_server
 
-    names = labels()
+    names = labels(args.cluster_primaries)
     variants = [Variant(n, names[n]) for n in args.variants]
     per_run = (2 * len(variants) - 1) * len(args.scenarios) * args.reps
     estimate = per_run * (args.duration + 0.5) + len(variants) * (args.warmup + 3)
     print(f"{per_run} wrk runs of {args.duration:g} s, about {estimate / 60:.0f} min", flush=True)
     started = time.monotonic()
     servers = []
+    pg: Postgres | None = None
+    spread: list[str] = []  # a cluster variant's commands and CPU per primary
     runs: list[Run] = []
     redis_version = "-"
     try:
+        if args.handler == "pg":
+            pg = start_postgres(free_port())
+            args.pg_dsn = pg.dsn
         module = build_module() if serve.NATIVE_VARIANTS & set(args.variants) else None
         for v in variants:
             if v.name in serve.REDIS_VARIANTS:
                 mods = [str(module)] if v.name in serve.NATIVE_VARIANTS and module else []
-                if v.name in serve.CLUSTER_VARIANTS:  # 3 primaries, no replicas
-                    v.redis = start_cluster("redis", masters=3, modules=mods)
+                if v.name in serve.CLUSTER_VARIANTS:  # no replicas
+                    masters = args.cluster_primaries
+                    v.redis = start_cluster("redis", masters=masters, modules=mods)
                 else:
                     v.redis = start_server("redis", modules=mods)
                 servers.append(v.redis)
@@ -505,6 +648,8 @@ def main() -> None:
             start_app(v, args, free_port)
             if not v.broken:
                 check_variant(v, args.replay_keys)
+            if not v.broken and args.prefill_keys and v.redis is not None:
+                v.prefill = prefill(v.redis, args.prefill_keys)
             if not v.broken and args.warmup > 0:
                 wrk(args, v.port, "new", "warm", args.warmup)
             print(f"  {v.label}: {v.broken or 'ready'}", flush=True)
@@ -535,12 +680,15 @@ def main() -> None:
                     run.p99_ratio = run.p99_ms / ((before.p99_ms + after.p99_ms) / 2)
                     run.cpu_ratio = (before.cpu_us + after.cpu_us) / 2 / run.cpu_us
                     before = after
+        spread = [per_node(v) for v in variants if len(nodes(v.redis)) > 1]
     finally:
         for v in variants:
             if v.proc is not None:
                 stop(v.proc)
         for s in servers:
             s.stop()
+        if pg is not None:
+            pg.stop()
     elapsed = time.monotonic() - started
     print()
     print("```")
@@ -549,6 +697,17 @@ def main() -> None:
     print("```")
     print()
     print(table(variants, runs, args))
+    for v in variants:
+        if v.prefill:
+            f = v.prefill
+            print(
+                f"\n{v.name}: {f['keys']:,.0f} completed keys (2 Redis keys each) filled in "
+                f"{f['seconds']:.0f} s; used_memory {f['before'] / 2**20:,.0f} -> "
+                f"{f['after'] / 2**20:,.0f} MiB, {(f['after'] - f['before']) / f['keys']:,.0f} "
+                "bytes per completed key"
+            )
+    for line in spread:
+        print(f"\n{line}")
     print()
     print(command_table(variants, runs, args))
     if args.json:

@@ -44,6 +44,15 @@ NATIVE_VARIANTS = frozenset(
     {"goblin-native", "goblin-native-direct", "goblin-cluster-native", "goblin-cluster-direct"}
 )
 
+# What the handler does and how the middleware is set up, from the command line (main):
+# `--body-bytes N` answers N bytes instead of the small JSON; `--handler pg` inserts one row
+# into PostgreSQL (asyncpg, `--pg-dsn`) per request; `--compression none` stores bodies as
+# sent. A SQL-records variant (goblin-sql: the middleware with its records in the same
+# database) is meant to slot in beside goblin-native here, under that name.
+HANDLER: dict[str, Any] = {"body_bytes": 0, "kind": "json", "pg_dsn": "", "prefill_keys": 0}
+MIDDLEWARE_OPTIONS: dict[str, Any] = {}
+PG_TABLE = "bench_orders"
+
 STATS = {"handler_calls": 0}
 PIPELINE: list[Any] = []  # the auto-pipelined store's shared connections (one per primary)
 
@@ -152,8 +161,15 @@ def goblin(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare
     async def prepare() -> None:
         names = key_names(b"idem", b"", INFLIGHT_KEY.encode())
         await store.claim(names.claim, names.result, b"bench-holder", 3600)
+        if isinstance(store, MemoryStore):  # completed keys held in the process
+            record = b"r" * 160  # about the size of the benchmark's records
+            for i in range(HANDLER["prefill_keys"]):
+                names = key_names(b"idem", b"", b"prefill-%d" % i)
+                await store.claim(names.claim, names.result, b"t", 30)
+                await store.publish(names.result, record, 86_400_000, names.claim, b"t")
+            gc.collect()
 
-    return [Middleware(IdempotencyMiddleware, store=store)], prepare
+    return [Middleware(IdempotencyMiddleware, store=store, **MIDDLEWARE_OPTIONS)], prepare
 
 
 def asgi_idempotency_header(url: str, no_hiredis: bool) -> tuple[list[Any], Prepare]:
@@ -231,19 +247,47 @@ def starlette_app(middleware: list[Any], prepare: Prepare) -> Any:
 
 
 def fastapi_app(middleware: list[Any], prepare: Prepare) -> Any:
-    from fastapi import FastAPI
+    from fastapi import FastAPI, Response
+
+    pool: list[Any] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
+        if HANDLER["kind"] == "pg":
+            import asyncpg
+
+            pool.append(await asyncpg.create_pool(HANDLER["pg_dsn"], min_size=16, max_size=16))
         await prepare()
         yield
+        if pool:
+            await pool[0].close()
 
     app = FastAPI(middleware=middleware, lifespan=lifespan)
+    padded = b'{"pad":"' + b"x" * max(0, HANDLER["body_bytes"] - 10) + b'"}'
 
-    @app.post(PATH, status_code=201)
-    async def create_order() -> dict[str, object]:
-        STATS["handler_calls"] += 1
-        return {"id": STATS["handler_calls"], "status": "created"}
+    if HANDLER["kind"] == "pg":
+
+        @app.post(PATH, status_code=201)
+        async def insert_order() -> dict[str, object]:
+            STATS["handler_calls"] += 1
+            row_id = await pool[0].fetchval(
+                f"INSERT INTO {PG_TABLE} (sku, qty) VALUES ($1, $2) RETURNING id", "A-1", 2
+            )
+            return {"id": row_id, "status": "created"}
+
+    elif HANDLER["body_bytes"]:
+
+        @app.post(PATH, status_code=201)
+        async def sized_order() -> Response:
+            STATS["handler_calls"] += 1
+            return Response(padded, 201, media_type="application/json")
+
+    else:
+
+        @app.post(PATH, status_code=201)
+        async def create_order() -> dict[str, object]:
+            STATS["handler_calls"] += 1
+            return {"id": STATS["handler_calls"], "status": "created"}
 
     @app.get(STATS_PATH)
     async def stats() -> dict[str, int]:
@@ -263,7 +307,18 @@ def main() -> None:
     parser.add_argument(
         "--gc-threshold", type=int, help="the collector's first threshold (0: no collections)"
     )
+    parser.add_argument("--body-bytes", type=int, default=0, help="answer this many bytes")
+    parser.add_argument("--handler", choices=("json", "pg"), default="json")
+    parser.add_argument("--pg-dsn", default="", help="PostgreSQL for --handler pg")
+    parser.add_argument("--compression", choices=("zlib", "none"), default="zlib")
+    parser.add_argument("--prefill-keys", type=int, default=0, help="MemoryStore: keys held")
     args = parser.parse_args()
+    HANDLER.update(body_bytes=args.body_bytes, kind=args.handler, pg_dsn=args.pg_dsn)
+    HANDLER["prefill_keys"] = args.prefill_keys
+    if args.compression == "none":
+        MIDDLEWARE_OPTIONS["compression"] = None
+    if args.handler == "pg" and args.app != "fastapi":
+        raise SystemExit("--handler pg serves the FastAPI app only")
     if args.variant in REDIS_VARIANTS and not args.redis_url:
         raise SystemExit(f"{args.variant} needs --redis-url")
 

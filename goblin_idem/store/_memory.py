@@ -30,26 +30,29 @@ __all__ = ["MemoryStore"]
 # Expired entries reclaimed per write at most, so one write never pays for a whole backlog.
 _EVICT_PER_WRITE = 64
 
-
-# A string is stored as a (value, deadline) tuple: a tuple of bytes and a float (or None)
-# is not tracked by the garbage collector, so the completed keys a busy store holds add
-# nothing to a full collection's pause, as an object per entry would. Deadlines are
-# time.monotonic() seconds, None for no TTL.
-_String: TypeAlias = tuple[bytes, "float | None"]
+# What the store holds is laid out so that the garbage collector has nothing to walk, however
+# many keys it holds: a full collection visits every object it tracks, and every reference
+# held by a tracked container, so per-entry objects (or a list of a million deadlines) would
+# lengthen every full collection of the process by tens of milliseconds per million keys.
+# A dict whose keys and values are all bytes, floats or None is not tracked. So a string is
+# `_data[key] = value` (bytes); its deadline, if it has a TTL, `_deadlines[key] = seconds`
+# (time.monotonic()); and expiry goes by buckets, the keys due by a bucket's end,
+# `_buckets[end] = {key: None, ...}` (untracked), with the ends in a small heap of floats.
+# A bucket's width is a power of two seconds, 1/64 to 1/128 of the TTL it was written with
+# (1/64 s to 64 s), so a key is reclaimed at most that long after its deadline, and a
+# day-long TTL adds one bucket per minute, not one entry per key.
+# The width by the bit length of int(ttl * 128): a TTL in [2**(n-8), 2**(n-7)) seconds has
+# n bits, and a bucket 2**(n-14) seconds wide, within 2**-6 and 2**6 (from 4096 s on).
+_WIDTHS = tuple(2.0 ** min(6, max(-6, n - 14)) for n in range(21))
+_WIDEST_FROM = 4096.0
 
 
 class _OtherType(Protocol):
     """A value of another type (a hash, a set): no command here makes one, and every one
     reads it as WRONGTYPE, as a server does."""
 
-    deadline: float | None
 
-
-_Entry: TypeAlias = "_String | _OtherType"
-
-
-def _deadline(entry: _Entry) -> float | None:
-    return entry[1] if isinstance(entry, tuple) else entry.deadline
+_Entry: TypeAlias = "bytes | _OtherType"
 
 
 class MemoryStore:
@@ -60,7 +63,8 @@ class MemoryStore:
     the store's lock throughout, so it is atomic across threads too (a store shared by
     threads each running an event loop). Expiry is
     lazy (a key past its deadline reads as absent) on the monotonic clock, and each write
-    also reclaims a few expired entries, so memory tracks the live keys.
+    also reclaims a few expired entries, so memory tracks the live keys. Nothing it holds
+    is tracked by the garbage collector, so its keys add nothing to a collection's pause.
 
     It is per-process: two workers (uvicorn ``--workers 2``, gunicorn) each have their own
     and do not see each other's claims. Use RedisStore as soon as more than one process
@@ -70,7 +74,9 @@ class MemoryStore:
     def __init__(self, *, max_value_bytes: int | None = DEFAULT_MAX_VALUE_BYTES) -> None:
         self.max_value_bytes = max_value_bytes
         self._data: dict[bytes, _Entry] = {}
-        self._deadlines: list[tuple[float, bytes]] = []
+        self._deadlines: dict[bytes, float] = {}
+        self._buckets: dict[float, dict[bytes, None]] = {}
+        self._ends: list[float] = []  # a heap of the buckets' ends
         self._lock = threading.Lock()
         _stores.add(self)
 
@@ -82,51 +88,75 @@ class MemoryStore:
         with self._lock:
             self._data.clear()
             self._deadlines.clear()
+            self._buckets.clear()
+            self._ends.clear()
 
     # -- internals --
 
     def _live(self, key: bytes) -> _Entry | None:
         entry = self._data.get(key)
         if entry is not None:
-            deadline = _deadline(entry)
+            deadline = self._deadlines.get(key)
             if deadline is not None and deadline <= time.monotonic():
-                del self._data[key]
+                self._drop(key)
                 return None
         return entry
 
-    def _live_string(self, key: bytes) -> _String | None:
+    def _live_string(self, key: bytes) -> bytes | None:
         entry = self._live(key)
-        if entry is not None and not isinstance(entry, tuple):
+        if entry is not None and type(entry) is not bytes:
             raise ResponseError(WRONGTYPE)
         return entry
 
-    def _string(self, key: bytes) -> bytes | None:
-        entry = self._live_string(key)
-        return None if entry is None else entry[0]
+    def _drop(self, key: bytes) -> None:
+        """Forget a key (a bucket may still name it: the sweep skips it then)."""
+        del self._data[key]
+        self._deadlines.pop(key, None)
 
     def _store(self, key: bytes, value: bytes, deadline: float | None) -> None:
-        self._data[key] = (value, deadline)
-        if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, key))
+        self._data[key] = value
+        if deadline is None:
+            self._deadlines.pop(key, None)
+            return
+        # Set the key's deadline, and file it in the bucket that ends just after it.
+        self._deadlines[key] = deadline
+        ttl = deadline - time.monotonic()
+        if ttl >= _WIDEST_FROM:
+            width = _WIDTHS[-1]
+        else:
+            width = _WIDTHS[int(ttl * 128).bit_length()] if ttl > 0 else _WIDTHS[0]
+        end = (deadline // width + 1) * width
+        bucket = self._buckets.get(end)
+        if bucket is None:
+            self._buckets[end] = {key: None}
+            heapq.heappush(self._ends, end)
+        else:
+            bucket[key] = None
 
     def _put(self, key: bytes, value: bytes, deadline: float | None) -> None:
         self._evict()
         self._store(key, check_size(value, self.max_value_bytes), deadline)
 
     def _evict(self) -> None:
-        """Drop up to a few entries whose deadline passed (a heap item may be stale: the
-        key was renewed or rewritten since, which its entry's own deadline tells)."""
+        """Drop up to a few entries whose deadline passed, from the buckets that ended (a
+        key a bucket names may have been renewed, rewritten or deleted since, which its
+        own deadline tells)."""
+        ends = self._ends
+        if not ends:
+            return
         now = time.monotonic()
-        heap = self._deadlines
-        for _ in range(_EVICT_PER_WRITE):
-            if not heap or heap[0][0] > now:
-                return
-            _, key = heapq.heappop(heap)
-            entry = self._data.get(key)
-            if entry is not None:
-                deadline = _deadline(entry)
+        budget = _EVICT_PER_WRITE
+        while ends and ends[0] <= now:
+            bucket = self._buckets[ends[0]]
+            while bucket:
+                if not budget:
+                    return
+                budget -= 1
+                key = bucket.popitem()[0]
+                deadline = self._deadlines.get(key)
                 if deadline is not None and deadline <= now:
-                    del self._data[key]
+                    self._drop(key)
+            del self._buckets[heapq.heappop(ends)]
 
     # -- the four GOBLIN commands --
 
@@ -148,7 +178,7 @@ class MemoryStore:
             self._put(ck, tok, time.monotonic() + lease)
             return CLAIMED
         # Same reply mapping as the wire: a stored b"CLAIMED" reads as the sentinel.
-        return claim_reply(self._string(rk))
+        return claim_reply(self._live_string(rk))
 
     async def claim_unless_done(
         self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
@@ -162,9 +192,9 @@ class MemoryStore:
             result = self._live(rk)
             if result is None:
                 return CLAIMED
-            value = self._string(rk)  # WRONGTYPE for a non-string, as GET on a server
+            value = self._live_string(rk)  # WRONGTYPE for a non-string, as GET on a server
             lease_end = time.monotonic() + claim_seconds(seconds)
-            kept = _deadline(result)
+            kept = self._deadlines.get(rk)
             keep = lease_end if kept is None else max(kept, lease_end)
             self._store(ck, as_bytes(token, "token"), keep)
             return value
@@ -176,10 +206,10 @@ class MemoryStore:
     def _caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
         k, e = as_bytes(key), as_bytes(expected, "expected")
         ttl = caexpire_ms(ms)
-        if self._string(k) != e:
+        if self._live_string(k) != e:
             return 0
         if ttl <= 0:
-            del self._data[k]
+            self._drop(k)
         else:
             self._store(k, e, time.monotonic() + ttl / 1000)
         return 1
@@ -188,18 +218,17 @@ class MemoryStore:
         with self._lock:
             k, e = as_bytes(key), as_bytes(expected, "expected")
             n = check_size(as_bytes(new, "new"), self.max_value_bytes)
-            entry = self._live_string(k)
-            if entry is None or entry[0] != e:
+            if self._live_string(k) != e:
                 return False
-            self._data[k] = (n, entry[1])  # the deadline, its TTL, stays as it was
+            self._data[k] = n  # the deadline, its TTL, stays as it was
             return True
 
     async def cad(self, key: KeyT, expected: KeyT) -> int:
         with self._lock:
             k, e = as_bytes(key), as_bytes(expected, "expected")
-            if self._string(k) != e:
+            if self._live_string(k) != e:
                 return 0
-            del self._data[k]
+            self._drop(k)
             return 1
 
     # -- compound steps --
@@ -216,9 +245,9 @@ class MemoryStore:
             if written:  # SET result value PX ttl NX
                 self._put(rk, v, time.monotonic() + ttl / 1000)
             renewed = self._caexpire(claim_key, token, ttl)
-            if written or self._string(rk) == v:
+            if written or self._live_string(rk) == v:
                 return WRITTEN[renewed]
-            deadline = _deadline(self._data[rk])
+            deadline = self._deadlines.get(rk)
             if renewed and deadline is not None:  # the claim lasts no longer than the result
                 self._store(as_bytes(claim_key), as_bytes(token, "token"), deadline)
             return Published.SUPERSEDED
@@ -238,7 +267,7 @@ class MemoryStore:
 
     async def get(self, key: KeyT) -> bytes | None:
         with self._lock:
-            return self._string(as_bytes(key))
+            return self._live_string(as_bytes(key))
 
     async def set(
         self,
@@ -268,7 +297,7 @@ class MemoryStore:
             entry = self._live(as_bytes(key))
             if entry is None:
                 return -2
-            deadline = _deadline(entry)
+            deadline = self._deadlines.get(as_bytes(key))
             if deadline is None:
                 return -1
             return max(0, round((deadline - time.monotonic()) * 1000))
@@ -279,7 +308,7 @@ class MemoryStore:
             for key in keys:
                 k = as_bytes(key)
                 if self._live(k) is not None:
-                    del self._data[k]
+                    self._drop(k)
                     removed += 1
             return removed
 

@@ -148,7 +148,7 @@ async def test_memory_store_reclaims_expired_entries() -> None:
             await complete(mw, [f"w{wave}-{i}" for i in range(WAVE)])
             gc.collect()
             held.append(len(store))
-            heap.append(len(store._deadlines))
+            heap.append(sum(map(len, store._buckets.values())))
             traced.append(tracemalloc.get_traced_memory()[0] - base)
             await asyncio.sleep(1.05)  # this wave expires before the next one writes
         idle_len = len(store)
@@ -164,7 +164,7 @@ async def test_memory_store_reclaims_expired_entries() -> None:
             "keys_total": WAVES * WAVE,
             "ttl_s": 1,
             "entries_held_after_each_wave": held,
-            "deadline_heap_after_each_wave": heap,
+            "expiry_bucket_entries_after_each_wave": heap,
             "traced_kib_after_each_wave": [round(t / 1024) for t in traced],
             "entries_held_when_idle": idle_len,
         },
@@ -175,7 +175,7 @@ async def test_memory_store_reclaims_expired_entries() -> None:
         notes=[
             "expired entries are reclaimed lazily, up to 64 per write; an idle store keeps "
             "its last wave until it is written to again",
-            "the deadline heap keeps each claim's lease-length entry until that deadline "
+            "the expiry buckets keep each claim's lease-length entry until that deadline "
             "passes (lease_seconds = 2 here; 30 by default), so it holds about requests per "
             "lease on top of the live keys",
         ],

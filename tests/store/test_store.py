@@ -408,7 +408,7 @@ async def test_memory_store_renewals_do_not_leak() -> None:
     for i in range(5):
         await store.set(f"x{i}", "v")
     assert await store.get("lease") is None
-    assert len(store._deadlines) == 0  # stale deadlines of the renewals were dropped too
+    assert not store._deadlines and not store._buckets  # the renewals' buckets went too
 
 
 async def test_memory_store_entries_add_nothing_for_the_garbage_collector() -> None:
@@ -427,6 +427,21 @@ async def test_memory_store_entries_add_nothing_for_the_garbage_collector() -> N
     assert len(gc.get_objects()) - tracked < 50
     elapsed_ms = (time.monotonic() - started) * 1000  # a loaded machine writes slowly
     assert await store.pttl("c7") > 60_000 - elapsed_ms - 100 and await store.get("c7") == b"tok2"
+
+
+async def test_memory_store_holds_nothing_the_collector_tracks() -> None:
+    """Its tables hold only bytes and floats, so the collector neither tracks nor walks
+    them; the expiry buckets number a few per TTL, not one per key."""
+    store = MemoryStore()
+    for i in range(3000):
+        assert await store.claim(f"c{i}", f"r{i}", "tok", 30) is CLAIMED
+        assert await store.publish(f"r{i}", b"result", 86_400_000, f"c{i}", "tok") == 1
+    await store.set("plain", "v")
+    gc.collect()
+    assert not any(map(gc.is_tracked, (store._data, store._deadlines)))
+    assert not any(map(gc.is_tracked, store._buckets.values()))
+    assert len(store._buckets) == len(store._ends) < 10
+    assert await store.pttl("c7") > 86_000_000 and await store.pttl("plain") == -1
 
 
 async def test_memory_store_set_options() -> None:

@@ -34,7 +34,6 @@ BACKENDS = [
 @dataclass
 class _Typed:
     kind: str
-    deadline: float | None = None
 
 
 class TypedMemoryStore(MemoryStore):
@@ -90,9 +89,9 @@ async def stored_items(store: Store, match: bytes = b"*") -> list[tuple[bytes, b
     dump or a SCAN would see (MemoryStore has no SCAN, so its entries are read directly)."""
     if isinstance(store, MemoryStore):
         return [
-            (k, e[0])
+            (k, e)
             for k, e in store._data.items()
-            if isinstance(e, tuple) and fnmatch.fnmatchcase(k.decode("latin-1"), match.decode())
+            if isinstance(e, bytes) and fnmatch.fnmatchcase(k.decode("latin-1"), match.decode())
         ]
     assert isinstance(store, RedisStore)
     client = store.client

@@ -1,0 +1,295 @@
+"""Where a first run's cost goes, in instructions (callgrind) and in time, in-process.
+
+    python3 bench/instructions.py          # --requests 400,1600 --concurrency 32
+
+Drives the benchmark's FastAPI app (bench/serve.py, `POST /orders`) straight through ASGI,
+with no server and no HTTP parsing: every request a new key, `--concurrency` of them in
+flight at once (asyncio.gather), on one event loop (uvloop). Each variant runs twice in a
+process of its own under `valgrind --tool=callgrind`, with the two request counts of
+`--requests`; the difference of the two totals, over the difference of the counts, is the
+instructions one request costs, start-up and warm-up cancelled. The collector's share is
+the inclusive count of CPython's `gc_collect_main`, taken the same way. The store's share
+is a loop of the same two calls a first run makes (`claim_unless_done`, then `publish`) on
+fresh keys, at the same concurrency, with no app around them. As in http_bench.py,
+`PYTHONPATH=<other checkout>` measures another version of goblin-idem. The time columns are the same
+workloads run natively (no valgrind): the measured requests' time (after the warm-up) over
+their number, median of `--reps` runs of the larger count.
+
+Instructions are counted for this process only: a Redis store's server (a throwaway
+redis-server on a free loopback port, with the goblin module for native mode) and the
+kernel's socket work are not in them, and show in the time column only.
+
+It runs in bench/.venv (made by http_bench.py), with valgrind on PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+VARIANTS = ("bare", "goblin-memory", "goblin-script", "goblin-native")
+BODY = b'{"sku":"A-1","qty":2}'
+RESULT = b'{"status":201,"body":"{\\"id\\":1,\\"status\\":\\"created\\"}"}'
+
+
+# -- the workload, run in a child process ----------------------------------------------------
+
+
+def make_app(variant: str, url: str) -> Any:
+    import serve
+
+    middleware, _ = serve.middleware_for(variant, url, no_hiredis=False)
+    return serve.fastapi_app(middleware, serve.middleware_for("bare", "", False)[1])
+
+
+def scope(key: bytes | None) -> dict[str, Any]:
+    headers = [(b"host", b"bench"), (b"content-type", b"application/json")]
+    headers.append((b"content-length", str(len(BODY)).encode()))
+    if key is not None:
+        headers.append((b"idempotency-key", key))
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/orders",
+        "raw_path": b"/orders",
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+
+
+async def one_request(app: Any, key: bytes) -> None:
+    status = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": BODY, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+
+    await app(scope(key), receive, send)
+    if status != [201]:
+        raise SystemExit(f"unexpected response {status}")
+
+
+def store_of(app: Any) -> Any:
+    """The goblin store behind the app's middleware (built on the first request)."""
+    from goblin_idem import IdempotencyMiddleware
+
+    layer = app.middleware_stack
+    while layer is not None and not isinstance(layer, IdempotencyMiddleware):
+        layer = getattr(layer, "app", None)
+    if layer is None:
+        raise SystemExit("no goblin middleware in the app")
+    return layer.store
+
+
+async def workload(variant: str, part: str, url: str, n: int, concurrency: int) -> float:
+    app = make_app(variant, url)
+    run = f"{os.getpid()}-{time.monotonic_ns()}"
+    store: Any = None
+    if part == "store":
+        await one_request(app, f"{run}-first".encode())  # builds the middleware stack
+        store = store_of(app)
+
+    async def batch(start: int, count: int) -> None:
+        keys = [f"{run}-{i}".encode() for i in range(start, start + count)]
+        if part == "app":
+            await asyncio.gather(*(one_request(app, k) for k in keys))
+        else:
+            await asyncio.gather(*(first_run_calls(store, k) for k in keys))
+
+    warm = 4 * concurrency
+    for start in range(0, warm, concurrency):
+        await batch(-warm + start, concurrency)
+    started = time.perf_counter()
+    for start in range(0, n, concurrency):
+        await batch(start, min(concurrency, n - start))
+    return time.perf_counter() - started
+
+
+async def first_run_calls(store: Any, key: bytes) -> None:
+    from goblin_idem._keys import key_names
+    from goblin_idem.store import CLAIMED
+
+    names = key_names(b"idem", b"", key)
+    token = b"t-" + key
+    if await store.claim_unless_done(names.claim, names.result, token, 30) is not CLAIMED:
+        raise SystemExit("a fresh key was not claimed")
+    await store.publish(names.result, RESULT, 86_400_000, names.claim, token)
+
+
+def child(args: argparse.Namespace) -> None:
+    import uvloop
+
+    sys.path.insert(0, str(BENCH))
+    sys.path.append(str(ROOT))  # after PYTHONPATH, which may name another copy
+    elapsed = uvloop.run(workload(args.variant, args.part, args.url, args.n, args.concurrency))
+    print(f"elapsed {elapsed:.6f} gc {gc.get_count()}", flush=True)
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+
+def callgrind(variant: str, part: str, url: str, n: int, concurrency: int) -> tuple[int, int]:
+    """Total instructions of one child process, and those inside the garbage collector."""
+    with tempfile.TemporaryDirectory(prefix="goblin-callgrind-") as tmp:
+        out = Path(tmp) / "callgrind.out"
+        cmd = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            variant,
+            part,
+            url,
+            str(n),
+            str(concurrency),
+        ]
+        subprocess.run(cmd, check=True, capture_output=True)
+        annotate = subprocess.run(
+            ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    total = gc_ir = 0
+    for line in annotate.splitlines():
+        count = line.strip().split(" ", 1)[0].replace(",", "")
+        if "PROGRAM TOTALS" in line:
+            total = int(count)
+        elif ":gc_collect_main [" in line:
+            gc_ir = int(count)
+    return total, gc_ir
+
+
+def timed(variant: str, part: str, url: str, n: int, concurrency: int) -> float:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, part, url]
+    out = subprocess.run(
+        [*cmd, str(n), str(concurrency)], check=True, capture_output=True, text=True
+    ).stdout
+    return float(re.search(r"elapsed ([\d.]+)", out).group(1))  # type: ignore[union-attr]
+
+
+def measure(
+    variant: str, part: str, url: str, concurrency: int, low: int, high: int, reps: int
+) -> dict[str, float]:
+    """Instructions (total, in the collector) and microseconds of one request or store loop."""
+    with ThreadPoolExecutor(2) as pool:  # one valgrind per core
+        (t1, g1), (t2, g2) = pool.map(
+            lambda n: callgrind(variant, part, url, n, concurrency), (low, high)
+        )
+    times = [timed(variant, part, url, high, concurrency) for _ in range(reps)]
+    return {
+        f"{part}_ir": (t2 - t1) / (high - low),
+        f"{part}_gc_ir": (g2 - g1) / (high - low),
+        f"{part}_us": statistics.median(times) * 1e6 / high,
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        a = argparse.Namespace(
+            variant=sys.argv[2],
+            part=sys.argv[3],
+            url=sys.argv[4],
+            n=int(sys.argv[5]),
+            concurrency=int(sys.argv[6]),
+        )
+        child(a)
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", default="400,1600", help="the two request counts (400,1600)")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight (32)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs per figure (3)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    args = p.parse_args()
+    low, high = (int(x) for x in args.requests.split(","))
+    variants = [v for v in args.variants.split(",") if v]
+    sys.path.insert(0, str(ROOT))
+    from goblin_idem.native import build_module
+    from tests.support.servers import start_server
+
+    servers: dict[str, Any] = {}
+    rows = []
+    started = time.monotonic()
+    try:
+        if "goblin-script" in variants:
+            servers["goblin-script"] = start_server("redis")
+        if "goblin-native" in variants:
+            servers["goblin-native"] = start_server("redis", modules=[str(build_module())])
+        for v in variants:
+            url = servers[v].url if v in servers else "-"
+            parts = ["app"] if v == "bare" else ["app", "store"]
+            figures: dict[str, float] = {}
+            for part in parts:
+                figures.update(measure(v, part, url, args.concurrency, low, high, args.reps))
+            rows.append((v, figures))
+            print(f"  {v}: {figures}", flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    print_table(rows, args, low, high, time.monotonic() - started)
+
+
+def print_table(
+    rows: list[tuple[str, dict[str, float]]],
+    args: argparse.Namespace,
+    low: int,
+    high: int,
+    elapsed: float,
+) -> None:
+    figures = dict(rows)
+    bare = figures.get("bare", {"app_ir": float("nan"), "app_gc_ir": 0.0, "app_us": float("nan")})
+    fastapi = bare["app_ir"] - bare["app_gc_ir"]
+    print()
+    print("```")
+    print(
+        f"Python {sys.version.split()[0]}, valgrind --tool=callgrind; {high - low} requests "
+        f"(the difference of runs of {low} and {high}), {args.concurrency} in flight; "
+        f"time: the {high} requests after the warm-up, median of {args.reps}, without valgrind"
+    )
+    print(f"total run time {elapsed / 60:.1f} min")
+    print("```")
+    print()
+    print(
+        "| variant | instructions/req | / bare | FastAPI app | middleware's own work "
+        "| store: 2 calls | collector | us/req | / bare | store us (2 calls) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for v, f in rows:
+        total, collector = f["app_ir"], f["app_gc_ir"]
+        store = f.get("store_ir", 0.0) - f.get("store_gc_ir", 0.0)
+        own = total - fastapi - store - collector if v != "bare" else 0.0
+        store_us = f"{f['store_us']:.1f}" if "store_us" in f else "-"
+        print(
+            f"| {v} | {total:,.0f} | {total / bare['app_ir']:.2f}x | {fastapi:,.0f} "
+            f"| {own:,.0f} | {store:,.0f} | {collector:,.0f} ({collector / total:.0%}) "
+            f"| {f['app_us']:.1f} | {f['app_us'] / bare['app_us']:.2f}x | {store_us} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
