@@ -137,8 +137,8 @@ def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
     if args.gc_threshold is not None:
         cmd += ["--gc-threshold", str(args.gc_threshold)]
     cmd += ["--body-bytes", str(args.body_bytes), "--compression", args.compression]
-    if args.handler == "pg":
-        cmd += ["--handler", "pg", "--pg-dsn", args.pg_dsn]
+    if args.handler in ("pg", "sql"):
+        cmd += ["--handler", args.handler, "--pg-dsn", args.pg_dsn]
     if args.prefill_keys and v.name == "goblin-memory":
         cmd += ["--prefill-keys", str(args.prefill_keys)]
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -416,6 +416,7 @@ def environment(args: argparse.Namespace, redis_version: str) -> str:
         f"{'; compression off' if args.compression == 'none' else ''}"
         f"{f'; {args.prefill_keys:,} completed keys in Redis' if args.prefill_keys else ''}"
         f"{'; handler: one INSERT into PostgreSQL (asyncpg)' if args.handler == 'pg' else ''}"
+        f"{'; handler: one INSERT into PostgreSQL (SQLAlchemy)' if args.handler == 'sql' else ''}"
         f"\nwrk -t{args.threads} -c{args.connections} -d{args.duration}s per run, "
         f"{args.reps} repetitions, scenarios then variants in turn, the bare app between "
         "each two (bare A bare B bare), medians"
@@ -555,9 +556,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compression", choices=("zlib", "none"), default="zlib")
     p.add_argument(
         "--handler",
-        choices=("json", "pg"),
+        choices=("json", "pg", "sql"),
         default="json",
-        help="pg: insert one row into a throwaway PostgreSQL per request",
+        help="pg: insert one row into a throwaway PostgreSQL per request (asyncpg); sql: the "
+        "same through SQLAlchemy, which variant goblin-sql records in the same transaction",
     )
     p.add_argument(
         "--prefill-keys",
@@ -596,6 +598,7 @@ def labels(primaries: int = 3) -> dict[str, str]:
         "goblin-script": "goblin-idem, Redis script mode",
         "goblin-native": "goblin-idem, Redis native mode",
         "goblin-native-direct": "goblin-idem, Redis native, autopipeline=False",
+        "goblin-sql": "goblin-idem, Redis native mode, SQL records (records=)",
         "goblin-cluster-native": f"goblin-idem, Redis Cluster ({primaries} primaries), native mode",
         "goblin-cluster-script": f"goblin-idem, Redis Cluster ({primaries} primaries), script mode",
         "goblin-cluster-direct": f"goblin-idem, Redis Cluster ({primaries} primaries), native, "
@@ -628,7 +631,7 @@ def main() -> None:
     runs: list[Run] = []
     redis_version = "-"
     try:
-        if args.handler == "pg":
+        if args.handler in ("pg", "sql"):
             pg = start_postgres(free_port())
             args.pg_dsn = pg.dsn
         module = build_module() if serve.NATIVE_VARIANTS & set(args.variants) else None

@@ -36,20 +36,24 @@ VARIANTS = (
 # default run, which would take too long with them (name them in --variants).
 # goblin-cluster-direct: native mode through redis-py (autopipeline=False), for comparison.
 CLUSTER_VARIANTS = ("goblin-cluster-native", "goblin-cluster-script", "goblin-cluster-direct")
-ALL_VARIANTS = (*VARIANTS, *CLUSTER_VARIANTS)
+# goblin-sql: goblin-native with SQL records (`records=`) in the handler's PostgreSQL; with
+# `--handler sql` only, where the other variants' handler commits its own transaction.
+SQL_VARIANTS = ("goblin-sql",)
+ALL_VARIANTS = (*VARIANTS, *CLUSTER_VARIANTS, *SQL_VARIANTS)
 REDIS_VARIANTS = frozenset(
     {"goblin-script", "goblin-native", "goblin-native-direct", "asgi-idempotency-header"}
-) | frozenset(CLUSTER_VARIANTS)
+) | frozenset((*CLUSTER_VARIANTS, *SQL_VARIANTS))
 NATIVE_VARIANTS = frozenset(
     {"goblin-native", "goblin-native-direct", "goblin-cluster-native", "goblin-cluster-direct"}
-)
+) | frozenset(SQL_VARIANTS)
 
 # What the handler does and how the middleware is set up, from the command line (main):
 # `--body-bytes N` answers N bytes instead of the small JSON; `--handler pg` inserts one row
-# into PostgreSQL (asyncpg, `--pg-dsn`) per request; `--compression none` stores bodies as
-# sent. A SQL-records variant (goblin-sql: the middleware with its records in the same
-# database) is meant to slot in beside goblin-native here, under that name.
+# into PostgreSQL (asyncpg, `--pg-dsn`) per request, `--handler sql` the same through
+# SQLAlchemy (its own transaction; under goblin-sql, the run's, which commits the record
+# too); `--compression none` stores bodies as sent.
 HANDLER: dict[str, Any] = {"body_bytes": 0, "kind": "json", "pg_dsn": "", "prefill_keys": 0}
+ENGINE: list[Any] = []  # --handler sql: the SQLAlchemy engine of the handler (and records)
 MIDDLEWARE_OPTIONS: dict[str, Any] = {}
 PG_TABLE = "bench_orders"
 
@@ -144,6 +148,11 @@ def goblin(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare
     from goblin_idem._keys import key_names
 
     store: Any
+    records: Any = None
+    if variant in SQL_VARIANTS:
+        from goblin_idem.sql import SqlRecords
+
+        records = SqlRecords(ENGINE[0])
     if variant == "goblin-memory":
         store = MemoryStore()
     else:
@@ -159,6 +168,8 @@ def goblin(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare
         count_store_calls(store)
 
     async def prepare() -> None:
+        if records is not None:
+            await records.create_table()
         names = key_names(b"idem", b"", INFLIGHT_KEY.encode())
         await store.claim(names.claim, names.result, b"bench-holder", 3600)
         if isinstance(store, MemoryStore):  # completed keys held in the process
@@ -169,7 +180,8 @@ def goblin(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare
                 await store.publish(names.result, record, 86_400_000, names.claim, b"t")
             gc.collect()
 
-    return [Middleware(IdempotencyMiddleware, store=store, **MIDDLEWARE_OPTIONS)], prepare
+    options = {**MIDDLEWARE_OPTIONS, "records": records}
+    return [Middleware(IdempotencyMiddleware, store=store, **options)], prepare
 
 
 def asgi_idempotency_header(url: str, no_hiredis: bool) -> tuple[list[Any], Prepare]:
@@ -275,6 +287,31 @@ def fastapi_app(middleware: list[Any], prepare: Prepare) -> Any:
             )
             return {"id": row_id, "status": "created"}
 
+    elif HANDLER["kind"] == "sql":
+        from sqlalchemy import Column, Integer, MetaData, Table, Text
+
+        from goblin_idem.sql import connection
+
+        orders = Table(
+            PG_TABLE,
+            MetaData(),
+            Column("id", Integer, primary_key=True),
+            Column("sku", Text),
+            Column("qty", Integer),
+        )
+        insert = orders.insert().values(sku="A-1", qty=2).returning(orders.c.id)
+        recorded = bool(middleware) and middleware[0].kwargs.get("records") is not None
+
+        @app.post(PATH, status_code=201)
+        async def insert_order_sql() -> dict[str, object]:
+            STATS["handler_calls"] += 1
+            if recorded:  # in the run's transaction: it commits with the record
+                row_id = (await (await connection()).execute(insert)).scalar_one()
+            else:
+                async with ENGINE[0].begin() as conn:
+                    row_id = (await conn.execute(insert)).scalar_one()
+            return {"id": row_id, "status": "created"}
+
     elif HANDLER["body_bytes"]:
 
         @app.post(PATH, status_code=201)
@@ -308,7 +345,7 @@ def main() -> None:
         "--gc-threshold", type=int, help="the collector's first threshold (0: no collections)"
     )
     parser.add_argument("--body-bytes", type=int, default=0, help="answer this many bytes")
-    parser.add_argument("--handler", choices=("json", "pg"), default="json")
+    parser.add_argument("--handler", choices=("json", "pg", "sql"), default="json")
     parser.add_argument("--pg-dsn", default="", help="PostgreSQL for --handler pg")
     parser.add_argument("--compression", choices=("zlib", "none"), default="zlib")
     parser.add_argument("--prefill-keys", type=int, default=0, help="MemoryStore: keys held")
@@ -317,8 +354,15 @@ def main() -> None:
     HANDLER["prefill_keys"] = args.prefill_keys
     if args.compression == "none":
         MIDDLEWARE_OPTIONS["compression"] = None
-    if args.handler == "pg" and args.app != "fastapi":
-        raise SystemExit("--handler pg serves the FastAPI app only")
+    if args.handler in ("pg", "sql") and args.app != "fastapi":
+        raise SystemExit(f"--handler {args.handler} serves the FastAPI app only")
+    if args.variant in SQL_VARIANTS and args.handler != "sql":
+        raise SystemExit(f"{args.variant} needs --handler sql")
+    if args.handler == "sql":
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        url = args.pg_dsn.replace("postgresql://", "postgresql+asyncpg://", 1)
+        ENGINE.append(create_async_engine(url, pool_size=16, max_overflow=0))
     if args.variant in REDIS_VARIANTS and not args.redis_url:
         raise SystemExit(f"{args.variant} needs --redis-url")
 
