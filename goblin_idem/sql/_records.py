@@ -21,6 +21,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    bindparam,
     delete,
     inspect,
     select,
@@ -90,6 +91,13 @@ class SqlRecords:
             Column("created_at", DateTime(timezone=True), nullable=False),
             Column("expires_at", DateTime(timezone=True), nullable=False, index=True),
         )
+        # The statements a run executes, built once: building one costs more than its
+        # round trip (SQLAlchemy coerces every clause), compiling it is cached per dialect.
+        t = self.table
+        self._lookup = select(t.c.record, t.c.expires_at).where(
+            t.c.key == bindparam("wanted"), t.c.expires_at > bindparam("now")
+        )
+        self._upserts: dict[str, Any] = {}
 
     @property
     def engine(self) -> AsyncEngine:
@@ -107,13 +115,11 @@ class SqlRecords:
         return RunTransaction(self, self.engine)
 
     async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
-        t = self.table
         now = _utcnow()
-        query = select(t.c.record, t.c.expires_at).where(t.c.key == key, t.c.expires_at > now)
         # Autocommit: the SELECT alone, one round trip (no BEGIN before it, no ROLLBACK after).
         async with self.engine.connect() as conn:
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            row = (await conn.execute(query)).first()
+            row = (await conn.execute(self._lookup, {"wanted": key, "now": now})).first()
         if row is None:
             return None
         expires = row[1] if row[1].tzinfo else row[1].replace(tzinfo=datetime.timezone.utc)
@@ -133,21 +139,31 @@ class SqlRecords:
             "created_at": now,
             "expires_at": now + datetime.timedelta(milliseconds=ttl_ms),
         }
+        # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
+        result = await conn.execute(self._upsert(conn.dialect.name), values)
+        return result.first() is not None
+
+    def _upsert(self, dialect: str) -> Any:
+        """INSERT ... ON CONFLICT (key) DO UPDATE ... WHERE the row has expired, RETURNING
+        key: a row only if the key had none, or an expired one. Built once per dialect."""
+        statement = self._upserts.get(dialect)
+        if statement is not None:
+            return statement
         insert: Any
-        if conn.dialect.name == "postgresql":
+        if dialect == "postgresql":
             from sqlalchemy.dialects.postgresql import insert
         else:
             from sqlalchemy.dialects.sqlite import insert
         t = self.table
-        statement = insert(t).values(values)
-        statement = statement.on_conflict_do_update(
+        upsert = insert(t)
+        updated = [c.name for c in t.columns if c.name != "key"]
+        statement = upsert.on_conflict_do_update(
             index_elements=[t.c.key],
-            set_={name: statement.excluded[name] for name in values if name != "key"},
-            where=t.c.expires_at <= statement.excluded.created_at,
-        )
-        # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
-        result = await conn.execute(statement.returning(t.c.key))
-        return result.first() is not None
+            set_={name: upsert.excluded[name] for name in updated},
+            where=t.c.expires_at <= upsert.excluded.created_at,
+        ).returning(t.c.key)
+        self._upserts[dialect] = statement
+        return statement
 
     async def insert_alone(
         self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
