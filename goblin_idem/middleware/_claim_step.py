@@ -4,14 +4,18 @@ The store's `claim_unless_done` answers in one round trip: CLAIMED (this request
 (another run holds the key) or the stored record (a stored result wins over a claim that was
 lost, so a result that survived is never run again). Around it, each only when configured:
 polling while the key is in flight (`wait_seconds`), 0.1.0's key names
-(`previous_key_names`), and the database's word on a won claim (`records`), asked alongside
-the claim so that a new key waits for the slower of the two, not for both.
+(`previous_key_names`), and the database's word on a won claim (`records`).
+
+The database is asked alongside the claim step while most keys are new, so that a new key
+waits for the slower of the two, not for both; while most are duplicates, after it, and only
+for a won claim, so that a replay costs no query (a query per replay cut replays to a
+quarter, in bench/README.md). `Overlap` follows which of the two the traffic is.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .._claim import poll_claim
 from .._keys import KeyNames
@@ -19,7 +23,23 @@ from .._recording import Lookup, Records
 from ..store import CLAIMED, ClaimReply, Store
 from ._names_010 import previous_reply
 
-__all__ = ["ClaimStep"]
+__all__ = ["ClaimStep", "Overlap"]
+
+
+class Overlap:
+    """Whether recent claim steps were mostly won (new keys): a moving average over about
+    the last 16, which starts at "new" (a fresh app's first keys are)."""
+
+    __slots__ = ("won",)
+
+    def __init__(self) -> None:
+        self.won = 1.0
+
+    def alongside(self) -> bool:
+        return self.won >= 0.5
+
+    def saw(self, won: bool) -> None:
+        self.won += ((1.0 if won else 0.0) - self.won) / 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +52,15 @@ class ClaimStep:
     namespace: bytes
     previous_key_names: bool
     records: Records | None
+    overlap: Overlap = field(default_factory=Overlap)
 
     async def __call__(self, names: KeyNames, token: bytes, claim_seconds: int) -> ClaimReply:
         """The claim step's reply. Raises what the store or the database raised: the claim
         is then in doubt (a won claim the database could not confirm is freed first)."""
-        lookup = None if self.records is None else Lookup(self.records, names.result)
+        records = self.records
+        lookup = None
+        if records is not None and self.overlap.alongside():
+            lookup = Lookup(records, names.result)
         try:
             reply = await self.store.claim_unless_done(
                 names.claim, names.result, token, claim_seconds
@@ -54,6 +78,11 @@ class ClaimStep:
             if lookup is not None:
                 lookup.forget()
             raise
-        if lookup is None:
+        if records is None:
             return reply
+        self.overlap.saw(reply is CLAIMED)
+        if lookup is None:
+            if reply is not CLAIMED:
+                return reply
+            lookup = Lookup(records, names.result)
         return await lookup.settle(reply, self.store, names, token)

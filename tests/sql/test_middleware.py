@@ -291,3 +291,35 @@ async def test_a_claim_taken_while_a_recorded_run_published_is_logged_as_harmles
     assert any("its commit will find this run's record" in line for line in lines), lines
     assert not any("a second time" in line for line in lines), lines
     assert await setup.payment_count("taken") == 1
+
+
+async def test_replays_ask_the_database_nothing_once_duplicates_are_most_of_the_traffic(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New keys are looked up alongside the claim step; once duplicates make most of the
+    traffic, a replay makes no query and a new key's lookup follows its won claim. Either
+    way, a key the store lost is still answered from the database."""
+    asked: list[bytes] = []
+    lookup = setup.records.lookup
+
+    async def counted(key: bytes) -> tuple[bytes, int] | None:
+        asked.append(key)
+        return await lookup(key)
+
+    monkeypatch.setattr(setup.records, "lookup", counted)
+    app = build(setup.store, setup.records, setup.payments)
+    first = await pay(app, "k1", "p1")
+    assert len(asked) == 1  # a new key: asked alongside the claim step
+    for _ in range(40):
+        assert replayed(await pay(app, "k1", "p1"))
+    replays_asked = len(asked) - 1
+    assert replays_asked < 16  # only until duplicates were most of what it saw
+    for _ in range(10):
+        assert replayed(await pay(app, "k1", "p1"))
+    assert len(asked) - 1 == replays_asked  # since then, none
+    assert (await pay(app, "k2", "p2")).status == 201  # a won claim is still looked up
+    assert len(asked) == replays_asked + 2
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    again = await pay(app, "k1", "p1")
+    assert replayed(again) and again.body == first.body
+    assert await setup.payment_count("p1") == 1
