@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from sqlalchemy import insert, select
+from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, NotInRunError, once
 from goblin_idem._cli import main
@@ -157,4 +158,24 @@ async def test_a_handler_that_writes_nothing_is_recorded(setup: Setup) -> None:
     assert first.status == 201 and len(await setup.rows()) == 1
     await setup.store.client.flushall()  # type: ignore[union-attr]
     again = await request(app, key="nothing")
+    assert again.header("idempotent-replayed") == b"true" and again.body == first.body
+
+
+async def test_a_handler_that_asks_for_the_connection_and_writes_nothing_is_recorded(
+    setup: Setup,
+) -> None:
+    """The run's transaction is open but holds nothing: the record commits alone."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await connection()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"nothing to write"})
+
+    mw = IdempotencyMiddleware(app, store=setup.store, records=setup.records)
+    first = await request(mw, key="asked")
+    assert (first.status, first.body) == (201, b"nothing to write")
+    assert len(await setup.rows()) == 1
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    again = await request(mw, key="asked")
     assert again.header("idempotent-replayed") == b"true" and again.body == first.body
