@@ -29,6 +29,7 @@ __all__ = [
     "charge",
     "get_payment",
     "ledger_view",
+    "view",
 ]
 
 PREFIX = "ledger"
@@ -153,8 +154,13 @@ async def ledger_view(store: Store, account: str | None = None) -> dict[str, Any
         if raw is not None:
             accounts[name] = json.loads(raw)
     count = await store.get(COUNTER)
+    return view(int(count or b"0"), accounts)
+
+
+def view(total: int, accounts: dict[str, Any]) -> dict[str, Any]:
+    """The ledger as ``GET /ledger`` shows it, with every key that charged more than once."""
     return {
-        "payments_total": int(count or b"0"),
+        "payments_total": total,
         "accounts": accounts,
         "duplicate_charges": {
             f"{name}/{key}": ids

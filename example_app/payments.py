@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from goblin_idem.exceptions import NotInRunError
 from goblin_idem.sql import SqlRecords, connection
 
-from .ledger import Payment
+from .ledger import Payment, view
 
 __all__ = ["Database", "charge", "get_payment", "ledger_view", "payments", "writes"]
 
@@ -182,13 +182,4 @@ async def ledger_view(engine: AsyncEngine, account: str | None = None) -> dict[s
         doc["payments"] += 1
         if row.idempotency_key is not None:
             doc["by_key"].setdefault(row.idempotency_key, []).append(_payment_id(row.id))
-    return {
-        "payments_total": total,
-        "accounts": accounts,
-        "duplicate_charges": {
-            f"{name}/{key}": ids
-            for name, doc in accounts.items()
-            for key, ids in doc["by_key"].items()
-            if len(ids) > 1
-        },
-    }
+    return view(total, accounts)
