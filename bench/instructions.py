@@ -41,7 +41,6 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VARIANTS = ("bare", "goblin-memory", "goblin-script", "goblin-native")
-BODY = b'{"sku":"A-1","qty":2}'
 RESULT = b'{"status":201,"body":"{\\"id\\":1,\\"status\\":\\"created\\"}"}'
 
 
@@ -55,33 +54,10 @@ def make_app(variant: str, url: str) -> Any:
     return serve.fastapi_app(middleware, serve.middleware_for("bare", "", False)[1])
 
 
-def scope(key: bytes | None) -> dict[str, Any]:
-    headers = [(b"host", b"bench"), (b"content-type", b"application/json")]
-    headers.append((b"content-length", str(len(BODY)).encode()))
-    if key is not None:
-        headers.append((b"idempotency-key", key))
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/orders",
-        "raw_path": b"/orders",
-        "query_string": b"",
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 8000),
-        "state": {},
-    }
-
-
 async def one_request(app: Any, key: bytes) -> None:
-    status = []
+    from overhead import receive, scope  # wrk's request, as uvicorn hands it to the app
 
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": BODY, "more_body": False}
+    status = []
 
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
