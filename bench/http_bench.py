@@ -22,7 +22,6 @@ just after, so that the machine's drift over minutes does not enter it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import http.client
 import json
@@ -33,7 +32,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import venv
 from dataclasses import asdict, dataclass, field
@@ -473,61 +471,17 @@ def fetch_record(server: Any) -> bytes:
     return bytes(record)
 
 
-@dataclass
-class Postgres:
-    """A throwaway PostgreSQL 15 (Debian's binaries), run as the postgres user."""
+def start_postgres() -> Any:
+    """A throwaway PostgreSQL (tests/support/postgres.py) whose commits are synced, as an
+    application's are, its server pinned to the second core, with the handler's table."""
+    from tests.support.postgres import start_postgres as start
 
-    directory: Path
-    port: int
-    pid: int = 0
-
-    @property
-    def dsn(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-
-    def stop(self) -> None:
-        if self.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGINT)  # fast shutdown
-            for _ in range(100):
-                if not Path(f"/proc/{self.pid}").exists():
-                    break
-                time.sleep(0.1)
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
-
-
-def start_postgres(port: int) -> Postgres:
-    as_postgres = ["runuser", "-u", "postgres", "--"]
-    directory = Path(tempfile.mkdtemp(prefix="goblin-bench-pg-"))
-    shutil.chown(directory, "postgres", "postgres")
-    pg = Postgres(directory, port)
-    data = directory / "data"
-    subprocess.run(
-        [*as_postgres, str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
-        check=True,
-        capture_output=True,
-    )
-    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {directory} -c max_connections=100"
-    log = str(directory / "postgres.log")
-    pg_ctl = [str(PG_BIN / "pg_ctl"), "-D", str(data), "-o", options, "-l", log, "-w", "start"]
-    subprocess.run(  # with a log file, so that the server does not hold our pipes open
-        [*as_postgres, *pg_ctl],
-        check=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    pg.pid = int((data / "postmaster.pid").read_text().split()[0])
+    pg = start(durable=True)
     pin(pg.pid, 1)
-    create = (
+    pg.psql(
         f"CREATE TABLE {serve.PG_TABLE} (id bigserial PRIMARY KEY, sku text NOT NULL, "
         "qty int NOT NULL, created timestamptz DEFAULT now())"
     )
-    psql = [str(PG_BIN / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres"]
-    subprocess.run([*as_postgres, *psql, "-q", "-c", create], check=True, capture_output=True)
     return pg
 
 
@@ -626,14 +580,14 @@ def main() -> None:
     print(f"{per_run} wrk runs of {args.duration:g} s, about {estimate / 60:.0f} min", flush=True)
     started = time.monotonic()
     servers = []
-    pg: Postgres | None = None
+    pg: Any = None
     spread: list[str] = []  # a cluster variant's commands and CPU per primary
     runs: list[Run] = []
     redis_version = "-"
     try:
         if args.handler in ("pg", "sql"):
-            pg = start_postgres(free_port())
-            args.pg_dsn = pg.dsn
+            pg = start_postgres()
+            args.pg_dsn = pg.url()
         module = build_module() if serve.NATIVE_VARIANTS & set(args.variants) else None
         for v in variants:
             if v.name in serve.REDIS_VARIANTS:
@@ -691,7 +645,7 @@ def main() -> None:
         for s in servers:
             s.stop()
         if pg is not None:
-            pg.stop()
+            pg.remove()
     elapsed = time.monotonic() - started
     print()
     print("```")

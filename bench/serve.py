@@ -268,7 +268,8 @@ def fastapi_app(middleware: list[Any], prepare: Prepare) -> Any:
         if HANDLER["kind"] == "pg":
             import asyncpg
 
-            pool.append(await asyncpg.create_pool(HANDLER["pg_dsn"], min_size=16, max_size=16))
+            dsn = HANDLER["pg_dsn"].replace("+asyncpg", "", 1)  # asyncpg's own form
+            pool.append(await asyncpg.create_pool(dsn, min_size=16, max_size=16))
         await prepare()
         yield
         if pool:
@@ -346,7 +347,9 @@ def main() -> None:
     )
     parser.add_argument("--body-bytes", type=int, default=0, help="answer this many bytes")
     parser.add_argument("--handler", choices=("json", "pg", "sql"), default="json")
-    parser.add_argument("--pg-dsn", default="", help="PostgreSQL for --handler pg")
+    parser.add_argument(
+        "--pg-dsn", default="", help="PostgreSQL (postgresql+asyncpg://...) for --handler pg, sql"
+    )
     parser.add_argument("--compression", choices=("zlib", "none"), default="zlib")
     parser.add_argument("--prefill-keys", type=int, default=0, help="MemoryStore: keys held")
     args = parser.parse_args()
@@ -361,8 +364,7 @@ def main() -> None:
     if args.handler == "sql":
         from sqlalchemy.ext.asyncio import create_async_engine
 
-        url = args.pg_dsn.replace("postgresql://", "postgresql+asyncpg://", 1)
-        ENGINE.append(create_async_engine(url, pool_size=16, max_overflow=0))
+        ENGINE.append(create_async_engine(args.pg_dsn, pool_size=16, max_overflow=0))
     if args.variant in REDIS_VARIANTS and not args.redis_url:
         raise SystemExit(f"{args.variant} needs --redis-url")
 

@@ -24,6 +24,8 @@ from tests.support.procs import alive
 from tests.support.servers import free_port
 
 USER = "postgres"
+# Settings that trade durability for speed, for the test servers.
+FAST = " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
 
 
 def binaries() -> Path:
@@ -52,6 +54,7 @@ class Postgres:
     port: int
     dir: Path
     pid: int = 0
+    durable: bool = False  # commits synced, as an application's server would
 
     def url(self, database: str = "postgres", driver: str = "asyncpg") -> str:
         return f"postgresql+{driver}://{USER}@127.0.0.1:{self.port}/{database}"
@@ -100,8 +103,8 @@ class Postgres:
                 "30",
                 "-o",
                 f"-p {self.port} -c listen_addresses=127.0.0.1 "
-                f"-c unix_socket_directories={self.dir} -c fsync=off "
-                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200",
+                f"-c unix_socket_directories={self.dir} -c max_connections=200"
+                + ("" if self.durable else FAST),
                 "start",
             ),
             check=True,
@@ -133,8 +136,10 @@ class Postgres:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_postgres() -> Postgres:
-    """initdb in a fresh directory and start the server on a free port (trust auth)."""
+def start_postgres(*, durable: bool = False) -> Postgres:
+    """initdb in a fresh directory and start the server on a free port (trust auth); with
+    `durable`, commits are synced (for benchmarks), else not (tests: faster, and a stop
+    loses what the last moment committed)."""
     directory = Path(tempfile.mkdtemp(prefix="goblin-pg-"))
     shutil.chown(directory, USER, USER)
     os.chmod(directory, 0o700)
@@ -155,7 +160,7 @@ def start_postgres() -> Postgres:
         stderr=subprocess.PIPE,
         timeout=120,
     )
-    server = Postgres(free_port(), directory)
+    server = Postgres(free_port(), directory, durable=durable)
     try:
         server.start()
     except BaseException:
