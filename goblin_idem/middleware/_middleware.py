@@ -7,7 +7,7 @@ a MULTI/EXEC) before the last body chunk reaches the client; every duplicate is 
 from the claim step's reply alone. A request without a key costs nothing.
 
 The middleware decides and answers: which requests are covered (_routes.py), whether a key
-is acceptable, what the claim step's reply (_claim_step.py) means, and every response it
+is acceptable, what the claim step's reply (../_claim_step.py) means, and every response it
 writes itself. The
 run of the app under a won claim is a `Run` (_run.py); what happened is counted by one
 event function (_events.py).
@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import _options as options
 from .._claim import new_token
+from .._claim_step import ClaimStep
 from .._keys import (
     DEFAULT_KEY_PATTERN,
     KeyNames,
@@ -43,9 +44,9 @@ from .._recording import Records
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Store
 from . import _routes
-from ._claim_step import ClaimStep
 from ._events import Counters, Events
 from ._lifespan import Lifespan, Refused
+from ._names_010 import previous_reply
 from ._openapi import Coverage, document_openapi
 from ._recorded import Recording
 from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
@@ -241,13 +242,11 @@ class IdempotencyMiddleware:
             self.sealer,
             self.require_sealed,
         )
+        previous = None
+        if self.previous_key_names:  # 0.1.0's names, looked at for a won claim
+            previous = functools.partial(previous_reply, self._store, self.namespace)
         self.claim_step = ClaimStep(
-            self._store,
-            self.wait_seconds,
-            self.poll_interval,
-            self.namespace,
-            self.previous_key_names,
-            self.records,
+            self._store, self.wait_seconds, self.poll_interval, self.records, previous
         )
         if self.records is not None:
             self.runs = dataclasses.replace(

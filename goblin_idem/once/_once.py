@@ -33,15 +33,16 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from .. import _options as options
-from .._claim import Claim, current, new_token, poll_claim
+from .._claim import Claim, current, new_token
+from .._claim_step import ClaimStep
 from .._closing import free_claim, publish_retried, run_to_end
 from .._keys import KeyNames, key_names
 from .._lease import Lease, Watchdog
 from .._log import describe
-from .._recording import Committed, Lookup, Records, RunTransaction
+from .._recording import Committed, Records, RunTransaction
 from ..exceptions import InFlightError
 from ..records._sealing import Sealer
-from ..store import CLAIMED, ClaimReply, Published, Store
+from ..store import CLAIMED, Published, Store
 from ._codecs import Codec, codec_for, from_stored, to_stored
 from ._sync import in_callers_thread
 
@@ -125,11 +126,11 @@ def once(
             round(ttl * 1000),
             round(lease * 1000),
             math.ceil(lease),
-            float(wait_seconds),
             sealer,
             sealed_only,
             Watchdog.for_store(the_store),
             the_records,
+            ClaimStep(the_store, float(wait_seconds), POLL_SECONDS, the_records),
         )
 
         @functools.wraps(func)
@@ -190,11 +191,11 @@ class _Once:
     ttl_ms: int
     lease_ms: int
     claim_seconds: int  # the claim's first lease, in GOBLIN.CLAIM's whole seconds
-    wait_seconds: float
     sealer: Sealer | None
     require_sealed: bool  # a stored value in the clear raises RecordError
     watchdog: Watchdog  # the store's, shared
     records: Records | None  # the function's writes commit with its value (goblin_idem.sql)
+    claim_step: ClaimStep  # with the wait and the database's word on a won claim
 
     def names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyNames:
         value = self.key(*args, **kwargs)
@@ -214,22 +215,7 @@ class _Once:
     async def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = self.names(args, kwargs)
         token = new_token()
-        step = functools.partial(
-            self.store.claim_unless_done, names.claim, names.result, token, self.claim_seconds
-        )
-        lookup = None if self.records is None else Lookup(self.records, names.result)
-        try:
-            reply: ClaimReply = await step()
-            if reply is None and self.wait_seconds > 0:
-                reply = await poll_claim(step, self.wait_seconds, POLL_SECONDS)
-                if lookup is not None and reply is CLAIMED:
-                    lookup = lookup.again()
-        except BaseException:
-            if lookup is not None:
-                lookup.forget()
-            raise
-        if lookup is not None:  # the database's word on a won claim: it wins over the store
-            reply = await lookup.settle(reply, self.store, names, token)
+        reply = await self.claim_step(names, token, self.claim_seconds)
         if reply is None:
             raise InFlightError(
                 f"{self.name.decode()}: another run holds key {names.hash} (or its worker "

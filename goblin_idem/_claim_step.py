@@ -1,10 +1,11 @@
-"""The middleware's opening step for a request with a key: one claim step, and what it means.
+"""The opening step of a keyed run (the middleware's request, a `once` call): one claim step.
 
-The store's `claim_unless_done` answers in one round trip: CLAIMED (this request runs), None
-(another run holds the key) or the stored record (a stored result wins over a claim that was
-lost, so a result that survived is never run again). Around it, each only when configured:
-polling while the key is in flight (`wait_seconds`), 0.1.0's key names
-(`previous_key_names`), and the database's word on a won claim (`records`).
+The store's `claim_unless_done` answers in one round trip: CLAIMED (this run goes ahead),
+None (another run holds the key) or the stored result (a stored result wins over a claim
+that was lost, so a result that survived is never run again). Around it, each only when
+configured: polling while the key is in flight (`wait_seconds`), a look under other names
+(`previous`: the middleware's 0.1.0 key names), and the database's word on a won claim
+(`records`).
 
 The database is asked alongside the claim step while most keys are new, so that a new key
 waits for the slower of the two, not for both; while most are duplicates, after it, and only
@@ -15,14 +16,13 @@ quarter, in bench/README.md). `Overlap` follows which of the two the traffic is.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from .._claim import poll_claim
-from .._keys import KeyNames
-from .._recording import Lookup, Records
-from ..store import CLAIMED, ClaimReply, Store
-from ._names_010 import previous_reply
+from ._claim import poll_claim
+from ._keys import KeyNames
+from ._recording import Lookup, Records
+from .store import CLAIMED, ClaimReply, Store
 
 __all__ = ["ClaimStep", "Overlap"]
 
@@ -45,19 +45,20 @@ class Overlap:
 
 @dataclass(frozen=True, slots=True)
 class ClaimStep:
-    """Built once from the middleware's options; called once per request with a key."""
+    """Built once from the options; called once per keyed run."""
 
     store: Store
     wait_seconds: float
     poll_interval: float
-    namespace: bytes
-    previous_key_names: bool
     records: Records | None
+    # A won claim's reply under other names (the key, its claim token): the middleware's
+    # 0.1.0 names (`previous_key_names`).
+    previous: Callable[[KeyNames, bytes], Awaitable[ClaimReply]] | None = None
     overlap: Overlap = field(default_factory=Overlap)
     plain: bool = field(init=False)  # none of the three: the store's step alone
 
     def __post_init__(self) -> None:
-        plain = self.wait_seconds <= 0 and not self.previous_key_names and self.records is None
+        plain = self.wait_seconds <= 0 and self.previous is None and self.records is None
         object.__setattr__(self, "plain", plain)
 
     def __call__(self, names: KeyNames, token: bytes, claim_seconds: int) -> Awaitable[ClaimReply]:
@@ -85,8 +86,8 @@ class ClaimStep:
                 reply = await poll_claim(step, self.wait_seconds, self.poll_interval)
                 if lookup is not None and reply is CLAIMED:
                     lookup = lookup.again()  # the first answer predates the wait
-            if reply is CLAIMED and self.previous_key_names:
-                reply = await previous_reply(self.store, self.namespace, names, token)
+            if reply is CLAIMED and self.previous is not None:
+                reply = await self.previous(names, token)
         except BaseException:
             if lookup is not None:
                 lookup.forget()
