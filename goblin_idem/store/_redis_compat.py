@@ -37,9 +37,12 @@ def slots_stale(client: RedisCluster) -> bool:
 
 
 def mark_cluster_closed(client: RedisCluster) -> None:
-    """Mark a cluster client closed without awaiting `aclose`: redis-py logs an error for a
-    cluster client collected while initialized."""
+    """Mark a cluster client closed without awaiting `aclose`, for one whose connections
+    were dropped with its closed event loop: redis-py logs "Unclosed RedisCluster client"
+    for a cluster client collected while initialized, which it tells by `_initialize`
+    before 8.2 and by the nodes manager's default node from 8.2 on (`aclose` clears both)."""
     client._initialize = True
+    client.nodes_manager.default_node = None
 
 
 def startup_nodes(client: RedisCluster) -> list[Any]:
