@@ -6,8 +6,9 @@ reference back to the middleware, it holds the claim's lease while the app runs,
 the response through as it streams and keeps a copy, and closes with one store step:
 publish the response (the result and the claim's new TTL in one MULTI/EXEC) before the
 client gets the message that ends it, or release the key (CAD with the run's token) if
-the app failed or sent the client elsewhere (`_is_outcome`). What happens is reported
-through the config's one event function. With SQL records (`records=`), the response is
+the app failed, or its status is not the request's outcome (`_outcome`: a redirect, a
+throttle, an authentication refusal). What happens is reported through the config's one
+event function. With SQL records (`records=`), the response is
 held back until the run's transaction commits with its record, before the publish
 (`_recorded.Recorded`).
 """
@@ -38,6 +39,7 @@ from ..records._sealing import Sealer
 from ..store import Published, Store
 from ..store._server_errors import VALUE_TOO_LARGE
 from ._events import Events
+from ._outcome import is_outcome
 from ._recorded import HOLDING, Recorded, Recording
 from ._routes import Settings
 
@@ -84,7 +86,6 @@ class RunConfig:
     compressor: Compressor | None
     compress_above: int
     max_response_bytes: int
-    store_server_errors: bool
     fingerprint_headers: frozenset[str]  # lowercase names the key covers (for Vary)
     background: set[asyncio.Task[Any]]
     warned: set[str]
@@ -103,7 +104,6 @@ class RunConfig:
         compression: str | None,
         compress_above_bytes: int,
         max_response_bytes: int,
-        store_server_errors: bool,
         fingerprint_headers: Iterable[bytes],
     ) -> RunConfig:
         """The middleware's options on what is stored, checked (a wrong one raises)."""
@@ -116,7 +116,6 @@ class RunConfig:
             options.compressor(compression),
             options.whole_number("compress_above_bytes", compress_above_bytes, minimum=0),
             options.whole_number("max_response_bytes", max_response_bytes, minimum=0),
-            options.flag("store_server_errors", store_server_errors),
             frozenset(h.decode("latin-1") for h in fingerprint_headers),
             set(),
             set(),
@@ -196,7 +195,7 @@ class Run:
         if kind == "http.response.start":
             self.status = message["status"]
             self.headers = list(message.get("headers", ()))
-            self.keep = _is_outcome(self.status, self.config.store_server_errors)
+            self.keep = is_outcome(self.settings.outcome, self.status)
             if message.get("trailers", False):
                 self.trailers = []
         elif kind == "http.response.body":
@@ -228,7 +227,8 @@ class Run:
             and self.size > self.config.max_response_bytes
         ):
             await run_to_end(self._commit_early, self.config.background)
-        # A response that is not the outcome (a 5xx, a redirect) commits nothing: it passes.
+        # A response that is not the outcome (a 5xx, a redirect, a 429) commits nothing: it
+        # passes, and the run's transaction is rolled back when the key is released.
         await recorded.pass_on(message, self.finished or not self.keep)
 
     async def _commit_early(self) -> None:
@@ -288,7 +288,7 @@ class Run:
             await run_to_end(self._closing_step(), self.config.background)
 
     def _closing_step(self) -> ClosingStep:
-        """Publish the response, or release the key (see `_is_outcome`); counted here, once.
+        """Publish the response, or release the key (see `_outcome`); counted here, once.
         Run to its end by `run_to_end`, even if the request is cancelled meanwhile."""
         config, names = self.config, self.names
         if not self.keep:
@@ -400,21 +400,6 @@ class Run:
                     return
                 await asyncio.sleep(delay)
         _log_retaken(names, token, holder, self.config.recording is not None)
-
-
-def _is_outcome(status: int, store_server_errors: bool) -> bool:
-    """Whether a response of `status` is the request's outcome, to be stored and replayed;
-    if not, the key is released (counted as `released`) and a retry runs the app again.
-
-    A 5xx says the work may not have happened (unless `store_server_errors`). A 307 or 308
-    says it has not happened here: the client is to repeat the request, method and body
-    unchanged, at another URL (a moved route, FastAPI's trailing-slash redirect), and a
-    client that follows it with the same key must find the key free there. A 301, 302 or
-    303 is an outcome (303 See Other is the usual answer to a POST that created something):
-    a client follows it with a GET, another request."""
-    if status >= 500:
-        return store_server_errors
-    return status != 307 and status != 308
 
 
 def _too_large(exc: Exception) -> bool:
