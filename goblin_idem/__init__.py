@@ -4,6 +4,7 @@ __version__ = "0.2.0"  # the one place: pyproject.toml reads it
 
 from . import _log
 from ._claim import Claim, current_claim
+from ._forget import forget
 from ._keys import cookie_scope, header_scope
 from ._lease import Lease, Watchdog
 from ._lock import Lock
@@ -53,6 +54,7 @@ __all__ = [
     "Watchdog",
     "cookie_scope",
     "current_claim",
+    "forget",
     "header_scope",
     "idempotent",
     "once",

@@ -46,6 +46,7 @@ EXPORTED = [
     "Watchdog",
     "cookie_scope",
     "current_claim",
+    "forget",
     "header_scope",
     "idempotent",
     "once",
