@@ -29,6 +29,7 @@ EXPORTED = [
     "GoblinError",
     "IdempotencyMiddleware",
     "InFlightError",
+    "KeyReusedError",
     "KeyT",
     "Lease",
     "Lock",
