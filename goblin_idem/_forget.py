@@ -1,5 +1,5 @@
 """`forget`: an operator lets a key run again, by removing what answers it: the SQL record
-(the truth), then the stored result and the claim.
+(the truth), then the stored result (with the redirects its runs answered) and the claim.
 
 Every way of forgetting a key (the function, ``python -m goblin_idem forget``) is this one
 function, so whatever else comes to hold a key's answer is removed here too.
@@ -15,7 +15,7 @@ let a second run start while the first one still runs.
 from __future__ import annotations
 
 from . import _options as options
-from ._keys import KeyNames, key_names
+from ._keys import KeyNames, hop_key, key_names
 from ._recording import Records
 from .exceptions import InFlightError
 from .store import KeyT, Store, as_bytes
@@ -63,7 +63,7 @@ async def forget(
             retry_after=max(ms, 0) / 1000,
         )
     removed = records is not None and await records.forget(names.result)
-    removed = bool(await store.delete(names.result)) or removed
+    removed = bool(await store.delete(names.result, hop_key(names))) or removed
     if token is not None:
         removed = bool(await store.cad(names.claim, token)) or removed
     return removed

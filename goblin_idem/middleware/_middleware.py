@@ -245,6 +245,7 @@ class IdempotencyMiddleware:
             self.retry_after,
             self.sealer,
             self.require_sealed,
+            self._store,
         )
         previous = None
         if self.previous_key_names:  # 0.1.0's names, looked at for a won claim

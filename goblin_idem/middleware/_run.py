@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import _options as options
 from .._claim import Claim, current
 from .._closing import ClosingStep, free_claim, publish_retried, run_to_end
-from .._keys import KeyNames
+from .._keys import KeyNames, hop_key
 from .._lease import Lease, Watchdog
 from .._log import describe
 from ..records._compression import Compressor
@@ -38,6 +38,7 @@ from ..records._format import Record, encode
 from ..records._sealing import Sealer
 from ..store import Published, Store
 from ..store._server_errors import VALUE_TOO_LARGE
+from . import _hops
 from ._events import Events
 from ._outcome import is_outcome
 from ._recorded import HOLDING, Recorded, Recording
@@ -153,6 +154,7 @@ class Run:
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
     keep: bool = True  # False: release the key at the end, store nothing
+    hop: bool = False  # a complete redirect, remembered as the key is released (_hops)
     trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
     finished: bool = False  # the closing step has started
     data: bytes = b""  # the record the closing step publishes, encoded
@@ -181,7 +183,7 @@ class Run:
             if not self.finished:
                 # Raised, cancelled, or returned without a complete response: the work
                 # may not have happened, so free the key for the client's retry.
-                self.keep = False
+                self.keep = self.hop = False
                 await self._finish()
 
     def claim(self) -> Claim:
@@ -196,11 +198,13 @@ class Run:
             self.status = message["status"]
             self.headers = list(message.get("headers", ()))
             self.keep = is_outcome(self.settings.outcome, self.status)
+            self.hop = not self.keep and self.status in _hops.REPEAT_ELSEWHERE
             if message.get("trailers", False):
                 self.trailers = []
+                self.hop = False
         elif kind == "http.response.body":
             chunk = message.get("body", b"")
-            if self.keep:
+            if self.keep or self.hop:
                 self.size += len(chunk)
                 if self.size <= self.config.max_response_bytes:
                     self.chunks.append(chunk)
@@ -256,6 +260,7 @@ class Run:
         """The body message of the bytes a pathsend or zerocopysend names, or the message
         itself if they are not to be stored (see the class docstring)."""
         room = self.config.max_response_bytes - self.size
+        self.hop = False  # a redirect sent as a file is not remembered
         if not self.keep or room < 0:
             return message
         try:
@@ -293,6 +298,13 @@ class Run:
         config, names = self.config, self.names
         if not self.keep:
             config.report("released", names.hash)
+            if self.hop and self.size <= config.max_response_bytes:
+                body = b"".join(self.chunks)
+                headers = _replay_headers(self.status, self.headers, body, False)
+                record = Record(self.status, headers, body, self.fp)
+                self.data = self._encoded(record, hop_key(names))
+            else:
+                self.hop = False
             return self._release
         if self.size > config.max_response_bytes:
             config.report("too_large", names.hash)
@@ -308,12 +320,13 @@ class Run:
         self.data = self._encoded(record)
         return self._publish
 
-    def _encoded(self, record: Record) -> bytes:
+    def _encoded(self, record: Record, name: bytes | None = None) -> bytes:
+        """The record's bytes, sealed for the store key `name` (default: the result's)."""
         config = self.config
         return encode(
             record,
             sealer=config.sealer,
-            name=self.names.result,
+            name=self.names.result if name is None else name,
             codec=config.compressor,
             compress_above=config.compress_above,
         )
@@ -321,6 +334,10 @@ class Run:
     async def _release(self) -> None:
         if self.recorded is not None:
             await self.recorded.rollback()  # the run's writes vanish with its claim
+        if self.hop:  # while the claim is held: before any run that follows the redirect
+            await _hops.remember(
+                self.config.store, self.names, self.fp, self.data, self.settings.ttl_ms
+            )
         await self.config.watchdog.release(self.lease)
         await free_claim(self.config.store, self.names, self.token)
 
