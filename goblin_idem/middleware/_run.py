@@ -7,10 +7,10 @@ the response through as it streams and keeps a copy, and closes with one store s
 publish the response (the result and the claim's new TTL in one MULTI/EXEC) before the
 client gets the message that ends it, or release the key (CAD with the run's token) if
 the app failed, or its status is not the request's outcome (`_outcome`: a redirect, a
-throttle, an authentication refusal). What happens is reported through the config's one
-event function. With SQL records (`records=`), the response is
-held back until the run's transaction commits with its record, before the publish
-(`_recorded.Recorded`).
+throttle, an authentication refusal; a redirect is remembered first, `_hops`). What happens
+is reported through the config's one event function. With SQL records (`records=`), the
+response is held back until the run's transaction commits with its record, before the
+publish (`_recorded.Recorded`).
 """
 
 from __future__ import annotations
