@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _options as options
 from ._forget import forget
@@ -16,6 +16,9 @@ from ._log import describe
 from .exceptions import InFlightError
 from .inspection import SCOPE_ENV, KeyState, format_state, inspect_key, names_for_hash
 from .store import RedisStore
+
+if TYPE_CHECKING:
+    from .sql import SqlRecords
 
 __all__ = ["main"]
 
@@ -186,25 +189,37 @@ def _add_forget(subparsers: Any) -> None:
         ),
     )
     _add_key_arguments(parser, "forget")
+    _add_records_arguments(parser, "--database-url", "; none: the store only")
+    parser.set_defaults(func=_forget)
+
+
+def _add_records_arguments(parser: argparse.ArgumentParser, flag: str, none: str = "") -> None:
+    """Where SQL records are: the database URL (`flag`, default $DATABASE_URL), the table."""
     parser.add_argument(
-        "--database-url",
+        flag,
+        dest="database_url",
         default=os.environ.get("DATABASE_URL"),
-        help="the SQL records' database, as SqlRecords takes it (default: $DATABASE_URL; "
-        "none: the store only)",
+        help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: "
+        f"$DATABASE_URL{none})",
     )
     parser.add_argument(
         "--table", default=None, help="the records table (default: goblin_idem_records)"
     )
-    parser.set_defaults(func=_forget)
+
+
+def _records(args: argparse.Namespace) -> SqlRecords:
+    """The SqlRecords the arguments name; ImportError saying what to install without the
+    `sql` extra, TypeError or ValueError for a URL it refuses."""
+    try:
+        from .sql import SqlRecords
+        from .sql._records import DEFAULT_TABLE
+    except ImportError as exc:
+        raise ImportError(f"{exc}: install goblin-idem[sql]") from None
+    return SqlRecords(args.database_url, table=args.table or DEFAULT_TABLE)
 
 
 async def _forget_url(store: RedisStore, args: argparse.Namespace, scope: str) -> bool:
-    records = None
-    if args.database_url:
-        from .sql import SqlRecords
-        from .sql._records import DEFAULT_TABLE
-
-        records = SqlRecords(args.database_url, table=args.table or DEFAULT_TABLE)
+    records = _records(args) if args.database_url else None
     names = names_for_hash(args.key_hash, namespace=args.namespace) if args.key_hash else None
     try:
         if records is not None:
@@ -249,32 +264,18 @@ def _add_sql(subparsers: Any) -> None:
             "batch per transaction, and print how many were deleted."
         ),
     )
-    purge.add_argument(
-        "--url",
-        default=os.environ.get("DATABASE_URL"),
-        help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: "
-        "$DATABASE_URL)",
-    )
-    purge.add_argument(
-        "--table", default=None, help="the records table (default: goblin_idem_records)"
-    )
+    _add_records_arguments(purge, "--url")
     purge.add_argument("--batch", type=int, default=1000, help="rows per transaction (1000)")
     purge.set_defaults(func=_purge)
 
 
 def _purge(args: argparse.Namespace) -> int:
-    if args.url is None:
+    if args.database_url is None:
         print("error: give --url (or set DATABASE_URL)", file=sys.stderr)
         return 2
     try:
-        from .sql import SqlRecords
-        from .sql._records import DEFAULT_TABLE
-    except ImportError as exc:
-        print(f"error: {exc}: install goblin-idem[sql]", file=sys.stderr)
-        return 2
-    try:
-        records = SqlRecords(args.url, table=args.table or DEFAULT_TABLE)
-    except (TypeError, ValueError) as exc:
+        records = _records(args)
+    except (ImportError, TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -15,10 +15,11 @@ let a second run start while the first one still runs.
 from __future__ import annotations
 
 from . import _options as options
-from ._keys import KeyNames, hop_key, key_names
+from ._keys import KeyNames, hop_key
 from ._recording import Records
 from .exceptions import InFlightError
-from .store import KeyT, Store, as_bytes
+from .inspection import names_given
+from .store import KeyT, Store
 
 __all__ = ["forget"]
 
@@ -45,10 +46,7 @@ async def forget(
     records = options.records(records)
     if records is not None and not callable(getattr(records, "forget", None)):
         raise TypeError("records must be SqlRecords(engine) from goblin_idem.sql, with forget()")
-    if names is None:
-        if key is None:
-            raise ValueError("give a key or names")
-        names = key_names(as_bytes(namespace, "namespace"), as_bytes(scope, "scope"), as_bytes(key))
+    names = names_given(key, scope, namespace, names)
     token = await store.get(names.claim)
     completed = await store.get(names.result) is not None
     if token is not None and not completed and records is not None:
