@@ -16,13 +16,15 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, overload
 
 from starlette.routing import Match
 from starlette.types import Scope
 
 from .. import _options as options
+from . import _outcome
+from ._outcome import Outcome, OutcomeOption
 
 __all__ = [
     "RESOLVED_POLICY",
@@ -58,8 +60,13 @@ class RoutePolicy:
     required: bool | None = None
     ttl_seconds: float | None = None
     lease_seconds: float | None = None
+    outcome: OutcomeOption = None
+    statuses: Outcome | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.outcome is not None:  # the table, computed once (_outcome)
+            table = _outcome.table("@idempotent(outcome=...)", self.outcome)
+            object.__setattr__(self, "statuses", table)
         options.flag("@idempotent(enabled=...)", self.enabled)
         if self.required is not None:
             options.flag("@idempotent(required=...)", self.required)
@@ -80,6 +87,7 @@ def idempotent(
     required: bool | None = None,
     ttl_seconds: float | None = None,
     lease_seconds: float | None = None,
+    outcome: OutcomeOption = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -91,19 +99,21 @@ def idempotent(
     required: bool | None = None,
     ttl_seconds: float | None = None,
     lease_seconds: float | None = None,
+    outcome: OutcomeOption = None,
 ) -> F | Callable[[F], F]:
     """Mark a Starlette/FastAPI endpoint with its own idempotency settings.
 
     Put it under the route decorator (``@app.post(...)`` then ``@idempotent(required=True)``).
     The middleware finds the route the request will reach and applies its policy;
-    ``enabled=False`` exempts the route.
+    ``enabled=False`` exempts the route; ``outcome=`` says which statuses of its responses
+    are stored and replayed (the middleware's option, for this route).
     """
     if func is not None and not callable(func):
         raise TypeError(
             "idempotent takes keyword arguments only, as in @idempotent(required=True); "
             f"got a {type(func).__name__} as its first argument"
         )
-    policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds)
+    policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds, outcome)
 
     def mark(f: F) -> F:
         global marked_endpoints
@@ -118,20 +128,25 @@ def idempotent(
 class Settings:
     """What applies to one covered request, in the store's units: the claim's lease in
     whole seconds (GOBLIN.CLAIM's EX, rounded up; the watchdog's first renewal, at a third
-    of the lease, makes it exact), the lease and the result's TTL in ms."""
+    of the lease, makes it exact), the lease and the result's TTL in ms; which statuses are
+    stored (`_outcome`)."""
 
     required: bool
     ttl_ms: int
     lease_ms: int
     claim_seconds: int
+    outcome: Outcome
 
     @classmethod
-    def of(cls, required: bool, ttl_seconds: float, lease_seconds: float) -> Settings:
+    def of(
+        cls, required: bool, ttl_seconds: float, lease_seconds: float, outcome: Outcome
+    ) -> Settings:
         return cls(
             required,
             round(ttl_seconds * 1000),
             round(lease_seconds * 1000),
             math.ceil(lease_seconds),
+            outcome,
         )
 
 
@@ -165,12 +180,16 @@ class Routes:
         include: Sequence[str] | None,
         exclude: Sequence[str],
         required_paths: Sequence[str],
+        outcome: OutcomeOption = None,
+        store_server_errors: bool = False,
     ) -> Routes:
         """The middleware's options, checked (a wrong one raises, naming it)."""
         lease = options.seconds("lease_seconds", lease_seconds, minimum=1)
         ttl = options.seconds("ttl_seconds", ttl_seconds, minimum=1)
+        server_errors = options.flag("store_server_errors", store_server_errors)
+        statuses = _outcome.table("outcome", outcome, server_errors)
         return cls(
-            Settings.of(options.flag("required", required), ttl, lease),
+            Settings.of(options.flag("required", required), ttl, lease, statuses),
             options.patterns("include", include) if include is not None else None,
             options.patterns("exclude", exclude),
             options.patterns("required_paths", required_paths),
@@ -190,6 +209,7 @@ class Routes:
             base.ttl_ms if ttl is None else round(ttl * 1000),
             base.lease_ms if lease is None else round(lease * 1000),
             base.claim_seconds if lease is None else math.ceil(lease),
+            base.outcome if policy.statuses is None else policy.statuses,
         )
 
     def _policy(self, scope: Scope) -> RoutePolicy | None:
