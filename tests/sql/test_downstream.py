@@ -5,7 +5,9 @@ middleware on one redis-server and SQL records in a PostgreSQL database each.
 A's run is made to run twice — its claim deleted mid-run, its worker SIGSTOPped past its
 lease, its first run failing after B answered — and the second run sends B the key the
 first one sent (derived from A's claim): B's handler runs once, A's second run gets B's
-replayed answer, and each database holds one effect."""
+replayed answer, and each database holds one effect. Then the same with `once` on a plain
+function calling B: called here (a deleted claim, a failed first run) and as a Celery task
+whose worker is killed after B answered."""
 
 from __future__ import annotations
 
@@ -22,16 +24,21 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from celery import Celery
 from sqlalchemy import create_engine, select
 
+from goblin_idem import RedisStore
 from goblin_idem._keys import key_names
+from goblin_idem._loop import loop_thread
 from goblin_idem.sql import SqlRecords
 from tests.support.apps.downstream_app import effects_table
+from tests.support.apps.downstream_worker import NAME, make_pay
 from tests.support.postgres import Postgres
-from tests.support.procs import start_uvicorn, stop
+from tests.support.procs import spawn, start_uvicorn, stop
 from tests.support.servers import Server, free_port
 
 APP = "tests.support.apps.downstream_app:app"
+WORKER = "tests.support.apps.downstream_worker"
 LEASE_SECONDS = 1
 
 
@@ -106,7 +113,6 @@ def services(postgres: Postgres, redis_server: Server) -> Iterator[Services]:
     control = redis_server.sync_client()
     try:
         a.env["B_URL"] = f"http://127.0.0.1:{b.start()}"
-        a.start()
         yield Services(a, b, control)
     finally:
         for proc in a.procs + b.procs:
@@ -161,7 +167,7 @@ def assert_answered_by_the_second_run(late: httpx.Response, second: httpx.Respon
 def test_a_run_whose_claim_was_deleted_charges_once(services: Services) -> None:
     s = services
     key, ref, claim = run_key()
-    port = s.a.ports[0]
+    port = s.a.start()
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(order, port, key, ref, "hold")
         s.until(lambda: s.control.get(f"answered:{ref}:1"), "B's answer to the first run")
@@ -176,7 +182,7 @@ def test_a_run_whose_claim_was_deleted_charges_once(services: Services) -> None:
 def test_a_worker_stopped_past_its_lease_charges_once(services: Services) -> None:
     s = services
     key, ref, claim = run_key()
-    port = s.a.ports[0]
+    port = s.a.start()
     other_port = s.a.start()  # a second worker of A, which the retry reaches
     paused = s.a.procs[0].pid
     with ThreadPoolExecutor(1) as pool:
@@ -197,7 +203,7 @@ def test_a_worker_stopped_past_its_lease_charges_once(services: Services) -> Non
 def test_a_run_that_failed_after_b_answered_charges_once(services: Services) -> None:
     s = services
     key, ref, _ = run_key()
-    port = s.a.ports[0]
+    port = s.a.start()
     failed = order(port, key, ref, "raise")
     assert failed.status_code == 500
     assert s.a.effects(ref) == []  # rolled back with the run
@@ -205,3 +211,83 @@ def test_a_run_that_failed_after_b_answered_charges_once(services: Services) -> 
     assert_one_effect_each_side(s, ref, second)
     again = order(port, key, ref, "raise")  # and a third request is A's stored answer
     assert again.json() == second.json() and again.headers["idempotent-replayed"] == "true"
+
+
+# -- `once` on a plain function calling B (tests/support/apps/downstream_worker.py) --
+
+
+def once_claim(ref: str) -> bytes:
+    return key_names(b"once", NAME.encode(), ref.encode()).claim
+
+
+def assert_b_charged_once(s: Services, ref: str, value: dict[str, Any]) -> None:
+    assert value["run"] == 2 and value["replayed"] is True, value
+    assert s.b_runs(ref) == 1
+    assert s.b.effects(ref) == [value["charge"]]
+    first_answer = s.control.get(f"answered:{ref}:1")
+    assert first_answer is not None and first_answer.decode() == value["charge"]
+
+
+@pytest.fixture
+def pay(services: Services, redis_server: Server) -> Iterator[Callable[..., Any]]:
+    store = RedisStore.from_url(redis_server.url)
+    yield make_pay(store, services.a.env["B_URL"], services.control)
+    loop_thread().run(store.aclose())  # where the sync `once` used it
+
+
+def test_a_once_run_whose_claim_was_deleted_charges_once(
+    services: Services, pay: Callable[..., Any]
+) -> None:
+    s = services
+    ref = f"event-{secrets.token_hex(6)}"
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(pay, ref, "hold")
+        s.until(lambda: s.control.get(f"answered:{ref}:1"), "B's answer to the first run")
+        assert s.control.delete(once_claim(ref)) == 1
+        second = pay(ref, "hold")
+        s.control.rpush(f"go:{ref}", 1)
+        late = first.result(timeout=60)
+    # The first run returns its own value (the second's stands in the store): B's one charge.
+    assert late == {"charge": second["charge"], "replayed": False, "run": 1}
+    assert_b_charged_once(s, ref, second)
+    assert pay(ref, "hold") == second  # the second run's value, stored
+
+
+def test_a_once_run_that_failed_after_b_answered_charges_once(
+    services: Services, pay: Callable[..., Any]
+) -> None:
+    s = services
+    ref = f"event-{secrets.token_hex(6)}"
+    with pytest.raises(RuntimeError, match="after the card was charged"):
+        pay(ref, "raise")
+    assert_b_charged_once(s, ref, pay(ref, "raise"))  # the task's retry
+
+
+def celery_worker(services: Services, redis_url: str) -> subprocess.Popen[bytes]:
+    args = ["-m", "celery", "-A", WORKER, "worker", "--pool", "threads", "--concurrency", "1"]
+    args += ["--without-heartbeat", "--without-gossip", "--without-mingle"]
+    args += ["--loglevel", "warning", "--hostname", f"w{time.monotonic_ns()}@%h"]
+    return spawn(args, {"REDIS_URL": redis_url, "B_URL": services.a.env["B_URL"]})
+
+
+def test_a_celery_task_redelivered_after_b_answered_charges_once(
+    services: Services, redis_server: Server
+) -> None:
+    s = services
+    ref = f"event-{secrets.token_hex(6)}"
+    client = Celery("client", broker=redis_server.url, backend=redis_server.url)
+    first = celery_worker(s, redis_server.url)
+    try:
+        result = client.send_task("pay", args=[ref, "hold"])
+        s.until(lambda: s.control.get(f"answered:{ref}:1"), "B's answer to the first run", 30)
+        first.send_signal(signal.SIGKILL)  # charged at B, nothing stored, not acknowledged
+        first.wait(10)
+    finally:
+        stop(first)
+    second = celery_worker(s, redis_server.url)
+    try:
+        value = result.get(timeout=60)  # redelivered; run again once the lease ran out
+    finally:
+        stop(second)
+        client.close()
+    assert_b_charged_once(s, ref, value)
