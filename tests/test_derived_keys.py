@@ -1,5 +1,6 @@
 """Keys derived from a run's claim (`Claim.derive_key`, the transports' outgoing keys), seen
-from the run: `once` on a MemoryStore holds a real claim. What they do across two real
+from the run: `once` on a MemoryStore holds a real claim (and the WSGI middleware, for a
+view in a thread of its own). What they do across two real
 services is tests/client/test_downstream.py."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 from goblin_idem import MemoryStore, current_claim, once
 from goblin_idem._keys import DEFAULT_KEY_PATTERN, key_names
 from goblin_idem.client import AsyncIdempotentTransport, IdempotentTransport
+from goblin_idem.wsgi import IdempotencyMiddleware as WSGIMiddleware
+from tests.support.wsgi import call
 
 # The same run key in a process of its own: the same function name, namespace and key.
 IN_ANOTHER_PROCESS = """
@@ -164,3 +167,28 @@ def test_a_bad_label_extension_is_refused() -> None:
 
     with pytest.raises(TypeError, match="idempotency_label"):
         in_run(work)
+
+
+def test_a_wsgi_view_rerun_sends_the_same_keys() -> None:
+    """The sync adapters run a view in a thread of its own: the claim is there too."""
+    echo = Echo()
+    runs: list[str] = []
+
+    def view(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        claim = current_claim()
+        assert claim is not None
+        runs.append(claim.derive_key("charge"))
+        with httpx.Client(transport=IdempotentTransport(echo)) as client:
+            client.post("http://127.0.0.1:9/charges", json={})
+        if len(runs) == 1:
+            raise RuntimeError("failed after the charge")  # the key is released
+        start_response("201 Created", [("Content-Type", "application/json")])
+        return [b"{}"]
+
+    app = WSGIMiddleware(view, store=MemoryStore())
+    with pytest.raises(RuntimeError):
+        call(app, key="order-1")
+    assert call(app, key="order-1").status == "201 Created"
+    assert call(app, key="order-2").status == "201 Created"
+    assert runs[0] == runs[1] != runs[2]
+    assert echo.keys[0] == echo.keys[1] != echo.keys[2]

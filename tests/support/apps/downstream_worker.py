@@ -9,8 +9,8 @@ test pushes to ``go:<ref>``: a worker killed there has charged and stored nothin
 store keys are the same in every process (the function is named), so a second run
 anywhere derives the same key for B.
 
-As a Celery app (``celery -A``): ``REDIS_URL`` is broker, result backend and store, ``B_URL``
-is B; tasks are acknowledged late and redelivered 2 s after their worker died.
+As a Celery app (``celery -A``, with ``B_URL`` set): tests/support/apps/celery_app.py's, with
+``pay`` added (``REDIS_URL`` is broker, result backend and store, ``B_URL`` is B).
 """
 
 from __future__ import annotations
@@ -59,22 +59,13 @@ def make_pay(store: RedisStore, b_url: str, control: redis.Redis) -> Callable[..
 
 
 def _celery() -> Celery | None:
+    """celery_app's app (its broker settings: acknowledged late, redelivered 2 s after a
+    worker died), with ``pay`` registered on it."""
     if "B_URL" not in os.environ:
         return None
+    from tests.support.apps.celery_app import app as celery
+
     url = os.environ["REDIS_URL"]
-    celery = Celery("goblin_idem_downstream", broker=url, backend=url)
-    celery.conf.update(
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        broker_transport_options={
-            "visibility_timeout": 2,
-            "unacked_restore_interval": 1,
-            "unacked_restore_throttle": 1,
-            "unacked_mutex_expire": 1,
-        },
-    )
     pay = make_pay(RedisStore.from_url(url), os.environ["B_URL"], redis.Redis.from_url(url))
     celery.task(name="pay")(pay)
     return celery
