@@ -1,7 +1,7 @@
 """Keys derived from a run's claim (`Claim.derive_key`, the transports' outgoing keys), seen
 from the run: `once` on a MemoryStore holds a real claim (and the WSGI middleware, for a
-view in a thread of its own). What they do across two real
-services is tests/client/test_downstream.py."""
+view in a thread of its own). What they do across two real services is
+tests/sql/test_downstream.py."""
 
 from __future__ import annotations
 
