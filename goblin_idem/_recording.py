@@ -33,7 +33,8 @@ class Committed(Exception):
 
 
 class RunTransaction(Protocol):
-    """One run's transaction, opened on first use (by the work, or by `commit`)."""
+    """One run's transaction, opened on first use (by the work, or by `commit`); also the
+    transaction of a request without a claimed key (`commit_work`)."""
 
     def enter(self) -> contextvars.Token[object]:
         """Make this the transaction that ``connection()`` returns in this context."""
@@ -45,6 +46,11 @@ class RunTransaction(Protocol):
         """Insert the record and commit, atomically with the work's writes. Raises
         `Committed` if the key's unexpired row exists (nothing of this run is kept), or
         the database's error (nothing of this run is kept either)."""
+        ...
+
+    async def commit_work(self) -> None:
+        """Commit the work's writes alone (no record): a request without a claimed key,
+        before its response is sent. Raises the database's error if nothing committed."""
         ...
 
     async def rollback(self) -> None:

@@ -1,11 +1,18 @@
 """The run's transaction, as the work sees it: ``await connection()`` and ``await session()``.
 
-A context variable holds the `RunTransaction` of the run this code is part of (set by the
-middleware or `once` around the work; tasks the work starts inherit it). The connection is
-taken from the engine's pool and its transaction begun on first use, so a run that writes
-nothing through it costs nothing until its record is committed. Neither the connection nor
-the session commits: only the run does, with its record (`RunTransaction.commit`), so no
-effect can commit without the record that stops a second run.
+A context variable holds the `RunTransaction` of the request or run this code is part of
+(set by the middleware around every request, or by `once` around the work; tasks the work
+starts inherit it). The connection is taken from the engine's pool and its transaction
+begun on first use, so work that writes nothing through it costs nothing. Neither the
+connection nor the session commits: only the run does, with its record
+(`RunTransaction.commit`), so no effect can commit without the record that stops a second
+run; a request without a claimed key commits its writes alone (`RunTransaction.commit_work`),
+before its response is sent.
+
+A session the app makes itself on the run's connection (``SessionLocal(bind=await
+connection())``) is flushed with the run's own sessions: the ORM's ``after_attach`` event
+tells the run of it when an object is added, so that objects added and never flushed are
+not lost at the commit (a stored response would describe rows that do not exist).
 """
 
 from __future__ import annotations
@@ -13,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, AsyncTransaction
+from sqlalchemy.orm import Session
 
 from .._log import describe
 from .._recording import Committed
@@ -68,6 +77,7 @@ class RunTransaction:
         self.conn: RunConnection | None = None
         self.tx: AsyncTransaction | None = None
         self.sessions: list[RunSession] = []
+        self.adopted: list[Session] = []  # the app's own sessions on this connection
         self.ended = False  # committed or rolled back: connection() refuses
         self.opening = asyncio.Lock()  # two first uses at once open one connection
 
@@ -125,15 +135,41 @@ class RunTransaction:
     async def _commit_with_writes(
         self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
     ) -> bool:
+        conn = await self._flushed()
+        assert self.tx is not None
+        return await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
+
+    async def commit_work(self) -> None:
+        """Commit the work's writes without a record: a request without a claimed key (or
+        on a route the middleware does not cover), whose response is sent after this.
+        Raises the database's error if the commit fails (nothing was committed)."""
+        try:
+            if self.conn is not None and not self.ended:
+                await self._flushed()
+                assert self.tx is not None
+                await self.tx.commit()
+        finally:
+            await self.rollback()  # after a commit: only gives the connection back
+
+    async def _flushed(self) -> RunConnection:
+        """The run's connection with the work's pending ORM writes flushed into its
+        transaction, which must still be the one begun for the run."""
         conn = await self.connection()
         for s in self.sessions:
             await s.flush()  # the work's pending ORM writes, in this transaction
+        for own in self.adopted:
+            await conn.run_sync(_flush, own)
         if self.tx is None or not self.tx.is_active:
             raise RuntimeError(
                 "the run's transaction was rolled back by the work: its writes are gone, "
-                "so its record is not committed either"
+                "so nothing of the run commits"
             )
-        return await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
+        return conn
+
+    def adopt(self, own: Session) -> None:
+        """`own`, a session the app made on this run's connection, is flushed with it."""
+        if own not in self.adopted and all(s.sync_session is not own for s in self.sessions):
+            self.adopted.append(own)
 
     async def rollback(self) -> None:
         self.ended = True
@@ -141,6 +177,7 @@ class RunTransaction:
         for s in self.sessions:
             await s.close()
         self.sessions.clear()
+        self.adopted.clear()  # the app's: it closes them
         if conn is not None:
             try:
                 await conn.close()  # rolls back what was not committed
@@ -148,24 +185,44 @@ class RunTransaction:
                 logger.warning("could not give back the run's connection: %s", describe(exc))
 
 
+def _flush(_: object, own: Session) -> None:
+    own.flush()
+
+
+@event.listens_for(Session, "after_attach")
+def _attached(own: Session, _: object) -> None:
+    """An object added to a session: if the session is bound to the current run's
+    connection, the run flushes it before it commits. (One context variable read for the
+    sessions of everything else.)"""
+    run = _current.get()
+    if isinstance(run, RunTransaction) and run.conn is not None:
+        bind: Any = own.bind
+        if bind is not None and bind is run.conn.sync_connection:
+            run.adopt(own)
+
+
 def _running() -> RunTransaction:
     run = _current.get()
     if not isinstance(run, RunTransaction):
         raise NotInRunError(
-            "connection() and session() belong to a run under a won claim: a request with an "
-            "Idempotency-Key handled by IdempotencyMiddleware(records=...), or a call of a "
-            "once(..., records=...) function; this code runs outside one"
+            "connection() and session() belong to a request handled by "
+            "IdempotencyMiddleware(records=...) (any request: with a key they are the run's "
+            "transaction, without one a transaction committed before the response), or to a "
+            "call of a once(..., records=...) function; this code runs outside both"
         )
     return run
 
 
 async def connection() -> AsyncConnection:
     """The run's AsyncConnection, in its transaction (begun on first use); it commits with
-    the run's record. Also a FastAPI dependency: ``Depends(connection)``."""
+    the run's record, or for a request without a claimed key when the handler has
+    succeeded, before its response is sent. Also a FastAPI dependency:
+    ``Depends(connection)``."""
     return await _running().connection()
 
 
 async def session() -> AsyncSession:
-    """An AsyncSession on the run's connection; flushed and committed with the run's record.
-    Also a FastAPI dependency: ``Depends(session)``."""
+    """An AsyncSession on the run's connection; flushed and committed with it (see
+    `connection`). Also a FastAPI dependency: ``Depends(session)``, in place of an app's
+    own session dependency that commits."""
     return await _running().session()
