@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._closing import free_claim
@@ -61,7 +62,11 @@ class RunTransaction(Protocol):
 class Records(Protocol):
     """Where committed records live: the truth, which the store caches."""
 
-    def transaction(self) -> RunTransaction: ...
+    def transaction(self, where: Callable[[], str] | None = None) -> RunTransaction:
+        """A new transaction. `where` names the route (or function) of a run under a won
+        claim, for the WARNING about commits on the database outside the run; None for a
+        request without a claimed key (nothing watched)."""
+        ...
 
     async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
         """The unexpired record of `key` and the milliseconds it has left, or None."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -46,8 +47,16 @@ class Recording:
     records: Records
     answers: Answers
 
-    def recorded(self, send: Send, names: KeyNames, fp: bytes) -> Recorded:
-        return Recorded(self.records.transaction(), send, self.answers, names, fp)
+    def recorded(self, send: Send, names: KeyNames, fp: bytes, scope: Scope) -> Recorded:
+        where = functools.partial(route_of, scope)
+        return Recorded(self.records.transaction(where), send, self.answers, names, fp)
+
+
+def route_of(scope: Scope) -> str:
+    """The request's method and route, as the router matched it (its path template, once
+    routing has run: one name for all of a route's requests), else its path."""
+    path = getattr(scope.get("route"), "path", None)
+    return f"{scope['method']} {path if isinstance(path, str) else scope['path']}"
 
 
 @dataclass(eq=False, slots=True)

@@ -13,6 +13,11 @@ A session the app makes itself on the run's connection (``SessionLocal(bind=awai
 connection())``) is flushed with the run's own sessions: the ORM's ``after_attach`` event
 tells the run of it when an object is added, so that objects added and never flushed are
 not lost at the commit (a stored response would describe rows that do not exist).
+
+No silent gap: while a run under a won claim is under way, a commit on the same database
+from another connection (a session the app made itself) is not covered by the run, and the
+engine's ``commit`` event, seen in the run's context, logs a WARNING once per route that
+says so and how to move the writes into the run.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from sqlalchemy import event
+from sqlalchemy import URL, event
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, AsyncTransaction
 from sqlalchemy.orm import Session
 
@@ -69,11 +77,16 @@ class RunSession(AsyncSession):
 
 
 class RunTransaction:
-    """One run's transaction on `records`' engine, begun on first use."""
+    """One run's transaction on `records`' engine, begun on first use. `where` names the
+    route (or function) of a run under a won claim, whose database is watched for commits
+    outside the run; None for a request without a claimed key."""
 
-    def __init__(self, records: SqlRecords, engine: AsyncEngine) -> None:
+    def __init__(
+        self, records: SqlRecords, engine: AsyncEngine, where: Callable[[], str] | None = None
+    ) -> None:
         self.records = records
         self.engine = engine
+        self.where = where
         self.conn: RunConnection | None = None
         self.tx: AsyncTransaction | None = None
         self.sessions: list[RunSession] = []
@@ -187,6 +200,44 @@ class RunTransaction:
 
 def _flush(_: object, own: Session) -> None:
     own.flush()
+
+
+# The routes whose commits outside the run were logged, per records.
+_gaps_told: weakref.WeakKeyDictionary[SqlRecords, set[str]] = weakref.WeakKeyDictionary()
+
+
+@event.listens_for(Engine, "commit")
+def _committed(conn: Connection) -> None:
+    """A commit anywhere in the process: one outside the current run, on its database, is
+    a write the run does not cover (a claim lost mid-run can repeat it; a run that fails
+    leaves it). Logged once per route; one context variable read for every other commit."""
+    run = _current.get()
+    if not isinstance(run, RunTransaction) or run.where is None or run.ended:
+        return
+    if run.conn is not None and conn is run.conn.sync_connection:
+        return  # the run's own commit
+    if _database(conn.engine.url) != _database(run.engine.sync_engine.url):
+        return
+    where = run.where()
+    told = _gaps_told.setdefault(run.records, set())
+    if where in told:
+        return
+    told.add(where)
+    logger.warning(
+        "%s: a commit on the records' database (%s) from a connection that is not the "
+        "run's: those writes are not covered by the idempotency key (a claim lost mid-run "
+        "can make them twice, and they stay when the run fails). Write through the run's "
+        "transaction instead: Depends(session) or await session() / await connection() from "
+        "goblin_idem.sql, in place of a session or connection of the app's own, and do "
+        "not commit (the run commits with its record). Logged once for this route.",
+        where,
+        run.records.where,
+    )
+
+
+def _database(url: URL) -> tuple[object, ...]:
+    """What tells one database from another in `url` (not its driver, nor credentials)."""
+    return url.get_backend_name(), url.host, url.port, url.database
 
 
 @event.listens_for(Session, "after_attach")

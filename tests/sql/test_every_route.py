@@ -5,16 +5,23 @@ committed before its response is sent (a commit that fails is a 503, never a 2xx
 from __future__ import annotations
 
 import asyncio
+import logging
+from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from sqlalchemy import Table, insert, text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 from sqlalchemy.orm import registry
 
-from goblin_idem import IdempotencyMiddleware
+from goblin_idem import IdempotencyMiddleware, once
 from goblin_idem.sql import connection, session
 from tests.sql.conftest import Setup, on_postgres
 from tests.support.apps.sql_app import Gate
@@ -182,3 +189,68 @@ async def test_a_commit_that_fails_is_a_503_and_nothing_happened(
     assert retry.status == 201 and not replayed(retry)
     assert await setup.payment_count("taken") == 1
     assert len(await setup.rows()) == (key is not None)
+
+
+async def test_a_commit_outside_the_run_on_its_database_is_a_warning_once_per_route(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A keyed route that commits through a session of the app's own: not covered, and
+    said so, naming the route (its template, not the request's path) and what to use."""
+    own = async_sessionmaker(setup.engine, expire_on_commit=False)
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=setup.store, records=setup.records)
+
+    @app.post("/shops/{shop}/orders", status_code=201)
+    async def order(shop: str, ref: str) -> dict[str, str]:
+        async with own() as s:
+            await s.execute(insert(setup.payments).values(ref=ref, amount=1))
+            await s.commit()
+        return {"ref": ref}
+
+    with caplog.at_level(logging.WARNING, logger="goblin_idem"):
+        assert (await post(app, "/shops/1/orders", "o1")).status == 201  # no key: not watched
+        assert not caplog.records
+        assert (await post(app, "/shops/1/orders", "o2", key="k2")).status == 201
+        assert (await post(app, "/shops/2/orders", "o3", key="k3")).status == 201
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(told) == 1, told
+    assert told[0].startswith("POST /shops/{shop}/orders: a commit on the records' database")
+    assert "Depends(session)" in told[0]
+    assert await setup.payment_count() == 3
+
+
+async def test_the_run_s_own_commit_and_another_database_are_not_warned_of(
+    setup: Setup, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    other = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'other.db'}")
+    app = session_app(setup)
+
+    @app.post("/elsewhere", status_code=201)
+    async def elsewhere(s: Annotated[AsyncSession, Depends(session)]) -> dict[str, str]:
+        await s.execute(insert(setup.payments).values(ref="e", amount=1))
+        async with other.begin() as conn:  # another database: not the records'
+            await conn.execute(text("CREATE TABLE IF NOT EXISTS audit (n INTEGER)"))
+        return {"ref": "e"}
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="goblin_idem"):
+            assert (await post(app, "/payments", "p1", key="k1")).status == 201
+            assert (await post(app, "/elsewhere", "e", key="k2")).status == 201
+    finally:
+        await other.dispose()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_a_once_function_committing_outside_its_run_is_warned_of(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    @once(setup.store, key=lambda ref: ref, records=setup.records)
+    async def settle(ref: str) -> str:
+        async with setup.engine.begin() as conn:  # its own transaction, not the run's
+            await conn.execute(insert(setup.payments).values(ref=ref, amount=1))
+        return ref
+
+    with caplog.at_level(logging.WARNING, logger="goblin_idem"):
+        assert await settle("s1") == "s1"
+    (told,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert told.startswith("once ") and "settle: a commit on the records' database" in told

@@ -168,8 +168,8 @@ class KillingTransaction(RunTransaction):
 
 
 class KillingRecords(SqlRecords):
-    def transaction(self) -> RunTransaction:
-        return KillingTransaction(self, self.engine)
+    def transaction(self, where: Callable[[], str] | None = None) -> RunTransaction:
+        return KillingTransaction(self, self.engine, where)
 
 
 def _from_env() -> FastAPI | None:
