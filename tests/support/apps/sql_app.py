@@ -13,6 +13,8 @@ A request's JSON body: ``ref`` and ``amount`` (one payment row), and optionally 
 itself), ``rollback`` (it rolls back, then writes again), ``session`` (the write goes
 through ``session()``), ``gate`` (waits on the test's `Gate` after its write), or
 ``gate-after-read`` (counts the payments first), or ``id`` (answers the payment's row id).
+``POST /orders?ref=`` writes through ``Depends(session)``; ``POST /own-session?ref=``
+through a session of the app's own that commits (not covered: the WARNING).
 """
 
 from __future__ import annotations
@@ -114,6 +116,14 @@ def build(
     @app.post("/orders", status_code=201)
     async def order(ref: str, s: Annotated[AsyncSession, Depends(session)]) -> dict[str, str]:
         await s.execute(insert(payments).values(ref=ref, amount=1))
+        return {"ref": ref}
+
+    @app.post("/own-session", status_code=201)
+    async def own_session(ref: str) -> dict[str, str]:
+        """The pattern not covered: a session of the app's own that commits."""
+        async with AsyncSession(records.engine) as s:
+            await s.execute(insert(payments).values(ref=ref, amount=1))
+            await s.commit()
         return {"ref": ref}
 
     return app
