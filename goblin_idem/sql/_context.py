@@ -92,7 +92,7 @@ class RunTransaction:
         self.sessions: list[RunSession] = []
         self.adopted: list[Session] = []  # the app's own sessions on this connection
         self.ended = False  # committed or rolled back: connection() refuses
-        self.opening = asyncio.Lock()  # two first uses at once open one connection
+        self.opening: asyncio.Lock | None = None  # two first uses at once open one connection
 
     def enter(self) -> contextvars.Token[object]:
         return _current.set(self)
@@ -103,11 +103,13 @@ class RunTransaction:
     async def connection(self) -> RunConnection:
         if self.ended:
             raise NotInRunError(
-                "this run's transaction has ended (it committed with the run's record, or "
-                "rolled back): code that outlives the run, such as a background task, "
-                "takes a connection of its own from the engine"
+                "this run's transaction has ended (it committed, with the run's record if it "
+                "had a key, or rolled back): code that outlives the run or the response, such "
+                "as a background task, takes a connection of its own from the engine"
             )
         if self.conn is None:
+            if self.opening is None:  # made on first use: most requests without a key never
+                self.opening = asyncio.Lock()
             async with self.opening:
                 if self.conn is None:
                     conn = RunConnection(self.engine)
@@ -156,8 +158,11 @@ class RunTransaction:
         """Commit the work's writes without a record: a request without a claimed key (or
         on a route the middleware does not cover), whose response is sent after this.
         Raises the database's error if the commit fails (nothing was committed)."""
+        if self.conn is None:  # wrote nothing through it: nothing to commit
+            self.ended = True
+            return
         try:
-            if self.conn is not None and not self.ended:
+            if not self.ended:
                 await self._flushed()
                 assert self.tx is not None
                 await self.tx.commit()
@@ -186,6 +191,8 @@ class RunTransaction:
 
     async def rollback(self) -> None:
         self.ended = True
+        if self.conn is None and not self.sessions:  # never used, or given back already
+            return
         conn, self.conn = self.conn, None
         for s in self.sessions:
             await s.close()
