@@ -259,7 +259,9 @@ class SqlRecords:
                 # A COMMIT statement, not raw.commit(): that one syncs the pipeline, and
                 # leaving it syncs again (a second round trip).
                 await cursor.execute("COMMIT")
-        except UniqueViolation:
+        except UniqueViolation as exc:
+            if exc.diag.table_name != self.table.name:
+                raise  # the app's own constraint, checked at COMMIT: its error, not the key's
             return False
         await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
         return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,7 +25,6 @@ from sqlalchemy.orm import registry
 from goblin_idem import IdempotencyMiddleware, once
 from goblin_idem.sql import connection, session
 from tests.sql.conftest import Setup, on_postgres
-from tests.support.apps.sql_app import Gate
 from tests.support.asgi import Reply, problem, request
 
 
@@ -45,7 +45,7 @@ def mapped(payments: Table) -> type[Payment]:
     return kind
 
 
-def session_app(setup: Setup, gate: Gate | None = None) -> FastAPI:
+def session_app(setup: Setup, gate: Callable[[str], Awaitable[None]] | None = None) -> FastAPI:
     """Routes written as an app with its own session dependency is, with goblin-idem's."""
     kind = mapped(setup.payments)
     app = FastAPI()
@@ -134,18 +134,42 @@ async def test_a_keyed_run_through_the_session_commits_with_its_record(setup: Se
     assert await setup.payment_count("p1") == 1 and len(await setup.rows()) == 1
 
 
+class Turns:
+    """A gate per run, in the order the runs reach it: `reached[n]` is set when run n is
+    there, and it goes on once the test sets `go[n]`."""
+
+    def __init__(self) -> None:
+        self.reached = [asyncio.Event(), asyncio.Event()]
+        self.go = [asyncio.Event(), asyncio.Event()]
+        self.arrived = 0
+
+    async def __call__(self, ref: str) -> None:
+        n, self.arrived = self.arrived, self.arrived + 1
+        self.reached[n].set()
+        await self.go[n].wait()
+
+
+@on_postgres  # on SQLite the first run's write lock stops the second run's write
+@pytest.mark.parametrize("second_commits", ["first", "second"])
 async def test_a_claim_deleted_mid_run_through_the_session_commits_one_effect(
-    setup: Setup,
+    setup: Setup, second_commits: str
 ) -> None:
-    gate = Gate()
-    app = session_app(setup, gate)
+    """Two runs of one key (the first's claim deleted while it ran), each through the
+    session dependency, whichever commits first: one effect, one answer for both."""
+    turns = Turns()
+    app = session_app(setup, turns)
     client = setup.store.client
     first = asyncio.ensure_future(post(app, "/payments", "a", key="k1", mode="gate"))
-    await gate.events("a")[0].wait()
+    await turns.reached[0].wait()
     await client.delete(*await client.keys("*:c"))  # type: ignore[union-attr]
     second = asyncio.ensure_future(post(app, "/payments", "a", key="k1", mode="gate"))
-    await asyncio.sleep(0.05)  # the second run claims the key and writes
-    gate.events("a")[1].set()
+    await turns.reached[1].wait()  # the second run claimed the key and wrote
+    order = (1, 0) if second_commits == "first" else (0, 1)
+    runs = (first, second)
+    turns.go[order[0]].set()
+    done = await runs[order[0]]  # the one let go first commits first
+    assert done.status == 201 and not replayed(done)
+    turns.go[order[1]].set()
     one, two = await asyncio.gather(first, second)
     assert one.status == two.status == 201 and one.body == two.body
     assert await setup.payment_count("a") == 1 and len(await setup.rows()) == 1
@@ -254,3 +278,25 @@ async def test_a_once_function_committing_outside_its_run_is_warned_of(
         assert await settle("s1") == "s1"
     (told,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert told.startswith("once ") and "settle: a commit on the records' database" in told
+
+
+@on_postgres
+async def test_a_constraint_failing_at_commit_is_logged_as_itself(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deferred constraint of the app's table failing at COMMIT is the app's error, not
+    the key's row: the log names it (it said the record had expired meanwhile)."""
+    table = setup.payments.name
+    async with setup.engine.begin() as conn:
+        await conn.execute(
+            text(
+                f"ALTER TABLE {table} ADD CONSTRAINT {table}_ref UNIQUE (ref) "
+                "DEFERRABLE INITIALLY DEFERRED"
+            )
+        )
+        await conn.execute(insert(setup.payments).values(ref="taken", amount=1))
+    app = session_app(setup)
+    with caplog.at_level(logging.ERROR, logger="goblin_idem"):
+        assert (await post(app, "/payments", "taken", key="k-c")).status == 503
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert f"{table}_ref" in line and "expired" not in line, line
