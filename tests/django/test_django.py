@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, override_settings
 
 from goblin_idem.django import IdempotencyMiddleware
+from goblin_idem.sql import SqlRecords
 from tests.support.servers import Server
 from tests.support.wsgi import run_until_exit
 
@@ -138,6 +140,17 @@ def test_every_misconfiguration_is_refused_when_django_loads_the_middleware(
     setting: object, message: str
 ) -> None:
     with override_settings(GOBLIN_IDEM=setting), pytest.raises(ImproperlyConfigured, match=message):
+        IdempotencyMiddleware(view)
+
+
+def test_records_a_wsgi_django_cannot_honour_are_refused_at_startup(tmp_path: Path) -> None:
+    """SQL records under WSGI: no sync view can write through the run's transaction, and
+    the ORM commits apart from it, so the record would cover nothing: refused, not silent."""
+    records = SqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    with (
+        override_settings(GOBLIN_IDEM={"STORE": "memory", "RECORDS": records}),
+        pytest.raises(ImproperlyConfigured, match=r"\['RECORDS'\]: .* Remove RECORDS"),
+    ):
         IdempotencyMiddleware(view)
 
 
