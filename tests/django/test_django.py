@@ -15,9 +15,12 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, override_settings
+from django.urls import path
+from sqlalchemy import text
 
+from goblin_idem import MemoryStore
 from goblin_idem.django import IdempotencyMiddleware
-from goblin_idem.sql import SqlRecords
+from goblin_idem.sql import SqlRecords, connection
 from tests.support.servers import Server
 from tests.support.wsgi import run_until_exit
 
@@ -201,3 +204,40 @@ async def test_the_async_path_frees_the_key_of_a_stream_closed_unread() -> None:
         if again.status_code != 409:
             break
     assert again.status_code == 201 and "Idempotent-Replayed" not in again
+
+
+async def pay_through_the_run(request: HttpRequest) -> HttpResponse:
+    """An async view writing through the run's transaction (see the test below)."""
+    conn = await connection()
+    await conn.execute(text("INSERT INTO paid (ref) VALUES ('p')"))
+    return HttpResponse(uuid.uuid4().hex, status=201)
+
+
+urlpatterns = [path("pay", pay_through_the_run)]  # the URLconf of the test below
+
+
+async def test_async_views_under_asgi_commit_with_sql_records(tmp_path: Path) -> None:
+    """What the refusal under WSGI points to: under ASGI an async view's writes through
+    ``await connection()`` commit with the record, and the database replays it once the
+    store lost it."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'app.db'}"
+    records = SqlRecords(url)
+    await records.create_table()
+    async with records.engine.begin() as conn:
+        await conn.execute(text("CREATE TABLE paid (ref TEXT)"))
+    store = MemoryStore()
+    setting = {"STORE": store, "RECORDS": records}
+    try:
+        with override_settings(GOBLIN_IDEM=setting, ROOT_URLCONF=__name__):
+            client, headers = AsyncClient(), {"Idempotency-Key": key()}
+            first = await client.post("/pay", data=b"{}", content_type=JSON, headers=headers)
+            assert first.status_code == 201
+            await store.aclose()
+            setting["STORE"] = MemoryStore()  # a store that lost everything
+            again = await AsyncClient().post("/pay", data=b"{}", content_type=JSON, headers=headers)
+        assert again.status_code == 201 and again.content == first.content
+        assert again["Idempotent-Replayed"] == "true"
+        async with records.engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM paid"))).scalar_one() == 1
+    finally:
+        await records.aclose()
