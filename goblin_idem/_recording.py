@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._closing import free_claim
@@ -33,7 +34,8 @@ class Committed(Exception):
 
 
 class RunTransaction(Protocol):
-    """One run's transaction, opened on first use (by the work, or by `commit`)."""
+    """One run's transaction, opened on first use (by the work, or by `commit`); also the
+    transaction of a request without a claimed key (`commit_work`)."""
 
     def enter(self) -> contextvars.Token[object]:
         """Make this the transaction that ``connection()`` returns in this context."""
@@ -47,6 +49,11 @@ class RunTransaction(Protocol):
         the database's error (nothing of this run is kept either)."""
         ...
 
+    async def commit_work(self) -> None:
+        """Commit the work's writes alone (no record): a request without a claimed key,
+        before its response is sent. Raises the database's error if nothing committed."""
+        ...
+
     async def rollback(self) -> None:
         """Undo the work's writes and give the connection back; safe to repeat."""
         ...
@@ -55,7 +62,11 @@ class RunTransaction(Protocol):
 class Records(Protocol):
     """Where committed records live: the truth, which the store caches."""
 
-    def transaction(self) -> RunTransaction: ...
+    def transaction(self, where: Callable[[], str] | None = None) -> RunTransaction:
+        """A new transaction. `where` names the route (or function) of a run under a won
+        claim, for the WARNING about commits on the database outside the run; None for a
+        request without a claimed key (nothing watched)."""
+        ...
 
     async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
         """The unexpired record of `key` and the milliseconds it has left, or None."""

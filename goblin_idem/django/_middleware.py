@@ -59,6 +59,15 @@ class IdempotencyMiddleware:
         if self.is_async:
             markcoroutinefunction(self)
         options = _settings.read()
+        if options.get("records") is not None and not self.is_async:
+            raise ImproperlyConfigured(
+                f"settings.{_settings.SETTING}['RECORDS']: records commit with the writes "
+                "made through goblin_idem.sql's async connection() or session(), which the "
+                "sync views of a WSGI server cannot use, and Django's ORM commits apart from "
+                "them: the record would not cover the views' effects. Remove RECORDS (the "
+                "store alone guards each key), or serve async views under ASGI that write "
+                "through `await goblin_idem.sql.connection()`"
+            )
         app = django_app if self.is_async else thread_app
         try:
             self.core = ASGIIdempotencyMiddleware(app, **options)

@@ -48,7 +48,7 @@ from ._events import Counters, Events
 from ._lifespan import Lifespan, Refused
 from ._names_010 import previous_reply
 from ._openapi import Coverage, document_openapi
-from ._recorded import Recording
+from ._recorded import Recording, Unkeyed
 from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
 from ._responses import Answers
 from ._routes import RoutePolicy, Routes, Settings, idempotent
@@ -253,10 +253,14 @@ class IdempotencyMiddleware:
         self.claim_step = ClaimStep(
             self._store, self.wait_seconds, self.poll_interval, self.records, previous
         )
+        # The app for a request without a claimed key: with records, in a transaction of
+        # its own, so that connection() and session() work on every route.
+        self._unkeyed: ASGIApp = self.app
         if self.records is not None:
             self.runs = dataclasses.replace(
                 self.runs, recording=Recording(self.records, self.answers)
             )
+            self._unkeyed = Unkeyed(self.app, self.records, self.retry_after)
 
     @property
     def on_event(self) -> Callable[[str, str], None] | None:
@@ -304,7 +308,7 @@ class IdempotencyMiddleware:
             if scope["type"] == "lifespan":
                 await self._lifespan(scope, receive, send)
                 return
-            await self.app(scope, receive, send)
+            await self._unkeyed(scope, receive, send)
             return
         key = None
         keys = 0
@@ -316,17 +320,17 @@ class IdempotencyMiddleware:
             elif name == b"content-length":
                 content_length = value
         if key is None and not _routes.marked_endpoints and not self._may_require:
-            await self.app(scope, receive, send)  # the common case: nothing to do, fast
+            await self._unkeyed(scope, receive, send)  # the common case: nothing to do, fast
             return
         settings = self.routes.settings(scope)
         if settings is None:
-            await self.app(scope, receive, send)
+            await self._unkeyed(scope, receive, send)
         elif key is not None:
             await self._with_key(scope, receive, send, settings, key, keys, content_length)
         elif settings.required:
             await self.answers.missing_key(send, scope["method"], scope["path"])
         else:
-            await self.app(scope, receive, send)
+            await self._unkeyed(scope, receive, send)
 
     async def _with_key(
         self,
@@ -386,7 +390,7 @@ class IdempotencyMiddleware:
                 names.hash,
             )
             self.events("unprotected", names.hash)
-            await self.app(scope, receive, send)
+            await self._unkeyed(scope, receive, send)
             return
         log_store_error(
             self.store, logging.ERROR, exc, "store error for key %s, answering 503", names.hash

@@ -11,16 +11,21 @@ Two steps, each with its guarantee:
   client never sees a response whose effects did not commit; a commit that fails answers
   503 (the effects did not happen), and a commit refused by the key's row (another run got
   there first) answers that run's record.
+
+A request that runs without a claimed key (none sent, a route not covered, a store down
+under ``fail_open``) gets a transaction too (`Unkeyed`), so that ``connection()`` and
+``session()`` work on every route: committed when the response starts, before it is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 
-from starlette.types import Message, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._keys import KeyNames
 from .._log import describe
@@ -28,7 +33,7 @@ from .._recording import Committed, Records, RunTransaction
 from . import _problems as problems
 from ._responses import Answers
 
-__all__ = ["Recorded", "Recording"]
+__all__ = ["Recorded", "Recording", "Unkeyed"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -42,8 +47,16 @@ class Recording:
     records: Records
     answers: Answers
 
-    def recorded(self, send: Send, names: KeyNames, fp: bytes) -> Recorded:
-        return Recorded(self.records.transaction(), send, self.answers, names, fp)
+    def recorded(self, send: Send, names: KeyNames, fp: bytes, scope: Scope) -> Recorded:
+        where = functools.partial(route_of, scope)
+        return Recorded(self.records.transaction(where), send, self.answers, names, fp)
+
+
+def route_of(scope: Scope) -> str:
+    """The request's method and route, as the router matched it (its path template, once
+    routing has run: one name for all of a route's requests), else its path."""
+    path = getattr(scope.get("route"), "path", None)
+    return f"{scope['method']} {path if isinstance(path, str) else scope['path']}"
 
 
 @dataclass(eq=False, slots=True)
@@ -133,3 +146,66 @@ class Recorded:
         held, self.held = self.held, []
         for message in held:
             await self.send(message)
+
+
+@dataclass(frozen=True, slots=True)
+class Unkeyed:
+    """The app, for an HTTP request run without a claimed key: ``connection()`` and
+    ``session()`` are an ordinary transaction, begun on first use. It commits when the
+    response starts with a status below 500 (the handler succeeded), before that start is
+    sent, so a commit that fails is answered 503 and never follows a 2xx; it rolls back on
+    a 5xx, an exception or a cancel."""
+
+    app: ASGIApp
+    records: Records
+    retry_after: bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        tx = self.records.transaction()
+        token = tx.enter()
+        committing = _Committing(tx, send, self.retry_after, scope)
+        try:
+            await self.app(scope, receive, committing.send)
+        finally:
+            tx.leave(token)
+            await tx.rollback()  # undoes a failed request's writes; after a commit, nothing
+
+
+@dataclass(eq=False, slots=True)
+class _Committing:
+    """`Unkeyed`'s send: the transaction ends at the response start."""
+
+    tx: RunTransaction
+    server_send: Send
+    retry_after: bytes
+    scope: Scope
+    failed: bool = False  # answered 503: the app's messages are dropped
+
+    async def send(self, message: Message) -> None:
+        if self.failed:
+            return
+        if message["type"] == "http.response.start":
+            if message["status"] >= 500:
+                await self.tx.rollback()
+            else:
+                try:
+                    await self.tx.commit_work()
+                except Exception as exc:
+                    self.failed = True
+                    logger.error(
+                        "%s %s: the request's writes did not commit: answering 503 (%s)",
+                        self.scope["method"],
+                        self.scope["path"],
+                        describe(exc),
+                    )
+                    await problems.send_problem(
+                        self.server_send,
+                        problems.NOT_COMMITTED,
+                        "The request's effects did not commit. Retry it.",
+                        [(b"retry-after", self.retry_after)],
+                    )
+                    return
+        await self.server_send(message)

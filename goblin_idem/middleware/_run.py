@@ -164,7 +164,7 @@ class Run:
         """Run the app once, holding the claim's lease, and close with one store step."""
         config, names = self.config, self.names
         if config.recording is not None:
-            self.recorded = config.recording.recorded(self._send, names, self.fp)
+            self.recorded = config.recording.recorded(self._send, names, self.fp, scope)
             in_sql = self.recorded.tx.enter()  # connection() in the handler: this run's
         self.lease = config.watchdog.hold(
             names.claim,
@@ -431,7 +431,8 @@ def _report_lost(report: Events, lease: Lease) -> None:
 
 def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None, recorded: bool) -> None:
     """What retaking a lapsed claim found: the claim back, another run's, or nothing. With
-    SQL records the other run's effects cannot commit: this run's record holds the key's row."""
+    SQL records the other run's writes in its run's transaction cannot commit (this run's
+    record holds the key's row); its writes outside that transaction can."""
     if holder == token:
         logger.warning(
             "key %s: the claim lapsed before the response was published; retaken for "
@@ -441,8 +442,10 @@ def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None, recorded: 
     elif holder is not None and recorded:
         logger.warning(
             "key %s: the claim lapsed before the response was published, and another "
-            "run (token %s) holds it now: its commit will find this run's record, roll "
-            "back and answer with it",
+            "run (token %s) holds it now: its commit will find this run's record, so its "
+            "writes through goblin_idem.sql's connection() or session() roll back and it "
+            "answers with this run's response; what it commits on a connection of its own "
+            "(a session the app made itself) is not rolled back: it happens twice",
             names.hash,
             holder.decode("latin-1"),
         )

@@ -212,6 +212,10 @@ class _Once:
     claim_step: ClaimStep  # with the wait and the database's word on a won claim
     fingerprint: Fingerprint | None  # of the arguments, stored with the value (None: off)
 
+    def _where(self) -> str:
+        """The run's name in the WARNING about commits outside its transaction."""
+        return f"once {self.name.decode()}"
+
     def names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyNames:
         value = self.key(*args, **kwargs)
         if isinstance(value, str):
@@ -264,7 +268,7 @@ class _Once:
         fp: bytes | None,
     ) -> Any:
         lease = self.watchdog.hold(names.claim, token, self.lease_ms, label=names.hash)
-        tx = None if self.records is None else self.records.transaction()
+        tx = None if self.records is None else self.records.transaction(self._where)
         try:
             held = current.set(Claim(self.store, lease))
             in_sql = None if tx is None else tx.enter()

@@ -1,11 +1,23 @@
 """The run's transaction, as the work sees it: ``await connection()`` and ``await session()``.
 
-A context variable holds the `RunTransaction` of the run this code is part of (set by the
-middleware or `once` around the work; tasks the work starts inherit it). The connection is
-taken from the engine's pool and its transaction begun on first use, so a run that writes
-nothing through it costs nothing until its record is committed. Neither the connection nor
-the session commits: only the run does, with its record (`RunTransaction.commit`), so no
-effect can commit without the record that stops a second run.
+A context variable holds the `RunTransaction` of the request or run this code is part of
+(set by the middleware around every request, or by `once` around the work; tasks the work
+starts inherit it). The connection is taken from the engine's pool and its transaction
+begun on first use, so work that writes nothing through it costs nothing. Neither the
+connection nor the session commits: only the run does, with its record
+(`RunTransaction.commit`), so no effect can commit without the record that stops a second
+run; a request without a claimed key commits its writes alone (`RunTransaction.commit_work`),
+before its response is sent.
+
+A session the app makes itself on the run's connection (``SessionLocal(bind=await
+connection())``) is flushed with the run's own sessions: the ORM's ``after_attach`` event
+tells the run of it when an object is added, so that objects added and never flushed are
+not lost at the commit (a stored response would describe rows that do not exist).
+
+No silent gap: while a run under a won claim is under way, a commit on the same database
+from another connection (a session the app made itself) is not covered by the run, and the
+engine's ``commit`` event, seen in the run's context, logs a WARNING once per route that
+says so and how to move the writes into the run.
 """
 
 from __future__ import annotations
@@ -13,9 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from typing import TYPE_CHECKING, NoReturn
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from sqlalchemy import URL, event
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, AsyncTransaction
+from sqlalchemy.orm import Session
 
 from .._log import describe
 from .._recording import Committed
@@ -60,16 +77,22 @@ class RunSession(AsyncSession):
 
 
 class RunTransaction:
-    """One run's transaction on `records`' engine, begun on first use."""
+    """One run's transaction on `records`' engine, begun on first use. `where` names the
+    route (or function) of a run under a won claim, whose database is watched for commits
+    outside the run; None for a request without a claimed key."""
 
-    def __init__(self, records: SqlRecords, engine: AsyncEngine) -> None:
+    def __init__(
+        self, records: SqlRecords, engine: AsyncEngine, where: Callable[[], str] | None = None
+    ) -> None:
         self.records = records
         self.engine = engine
+        self.where = where
         self.conn: RunConnection | None = None
         self.tx: AsyncTransaction | None = None
         self.sessions: list[RunSession] = []
+        self.adopted: list[Session] = []  # the app's own sessions on this connection
         self.ended = False  # committed or rolled back: connection() refuses
-        self.opening = asyncio.Lock()  # two first uses at once open one connection
+        self.opening: asyncio.Lock | None = None  # two first uses at once open one connection
 
     def enter(self) -> contextvars.Token[object]:
         return _current.set(self)
@@ -80,11 +103,13 @@ class RunTransaction:
     async def connection(self) -> RunConnection:
         if self.ended:
             raise NotInRunError(
-                "this run's transaction has ended (it committed with the run's record, or "
-                "rolled back): code that outlives the run, such as a background task, "
-                "takes a connection of its own from the engine"
+                "this run's transaction has ended (it committed, with the run's record if it "
+                "had a key, or rolled back): code that outlives the run or the response, such "
+                "as a background task, takes a connection of its own from the engine"
             )
         if self.conn is None:
+            if self.opening is None:  # made on first use: most requests without a key never
+                self.opening = asyncio.Lock()
             async with self.opening:
                 if self.conn is None:
                     conn = RunConnection(self.engine)
@@ -125,22 +150,54 @@ class RunTransaction:
     async def _commit_with_writes(
         self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
     ) -> bool:
+        conn = await self._flushed()
+        assert self.tx is not None
+        return await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
+
+    async def commit_work(self) -> None:
+        """Commit the work's writes without a record: a request without a claimed key (or
+        on a route the middleware does not cover), whose response is sent after this.
+        Raises the database's error if the commit fails (nothing was committed)."""
+        if self.conn is None:  # wrote nothing through it: nothing to commit
+            self.ended = True
+            return
+        try:
+            if not self.ended:
+                await self._flushed()
+                assert self.tx is not None
+                await self.tx.commit()
+        finally:
+            await self.rollback()  # after a commit: only gives the connection back
+
+    async def _flushed(self) -> RunConnection:
+        """The run's connection with the work's pending ORM writes flushed into its
+        transaction, which must still be the one begun for the run."""
         conn = await self.connection()
         for s in self.sessions:
             await s.flush()  # the work's pending ORM writes, in this transaction
+        for own in self.adopted:
+            await conn.run_sync(_flush, own)
         if self.tx is None or not self.tx.is_active:
             raise RuntimeError(
                 "the run's transaction was rolled back by the work: its writes are gone, "
-                "so its record is not committed either"
+                "so nothing of the run commits"
             )
-        return await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
+        return conn
+
+    def adopt(self, own: Session) -> None:
+        """`own`, a session the app made on this run's connection, is flushed with it."""
+        if own not in self.adopted and all(s.sync_session is not own for s in self.sessions):
+            self.adopted.append(own)
 
     async def rollback(self) -> None:
         self.ended = True
+        if self.conn is None and not self.sessions:  # never used, or given back already
+            return
         conn, self.conn = self.conn, None
         for s in self.sessions:
             await s.close()
         self.sessions.clear()
+        self.adopted.clear()  # the app's: it closes them
         if conn is not None:
             try:
                 await conn.close()  # rolls back what was not committed
@@ -148,24 +205,82 @@ class RunTransaction:
                 logger.warning("could not give back the run's connection: %s", describe(exc))
 
 
+def _flush(_: object, own: Session) -> None:
+    own.flush()
+
+
+# The routes whose commits outside the run were logged, per records.
+_gaps_told: weakref.WeakKeyDictionary[SqlRecords, set[str]] = weakref.WeakKeyDictionary()
+
+
+@event.listens_for(Engine, "commit")
+def _committed(conn: Connection) -> None:
+    """A commit anywhere in the process: one outside the current run, on its database, is
+    a write the run does not cover (a claim lost mid-run can repeat it; a run that fails
+    leaves it). Logged once per route; one context variable read for every other commit."""
+    run = _current.get()
+    if not isinstance(run, RunTransaction) or run.where is None or run.ended:
+        return
+    if run.conn is not None and conn is run.conn.sync_connection:
+        return  # the run's own commit
+    if _database(conn.engine.url) != _database(run.engine.sync_engine.url):
+        return
+    where = run.where()
+    told = _gaps_told.setdefault(run.records, set())
+    if where in told:
+        return
+    told.add(where)
+    logger.warning(
+        "%s: a commit on the records' database (%s) from a connection that is not the "
+        "run's: those writes are not covered by the idempotency key (a claim lost mid-run "
+        "can make them twice, and they stay when the run fails). Write through the run's "
+        "transaction instead: Depends(session) or await session() / await connection() from "
+        "goblin_idem.sql, in place of a session or connection of the app's own, and do "
+        "not commit (the run commits with its record). Logged once for this route.",
+        where,
+        run.records.where,
+    )
+
+
+def _database(url: URL) -> tuple[object, ...]:
+    """What tells one database from another in `url` (not its driver, nor credentials)."""
+    return url.get_backend_name(), url.host, url.port, url.database
+
+
+@event.listens_for(Session, "after_attach")
+def _attached(own: Session, _: object) -> None:
+    """An object added to a session: if the session is bound to the current run's
+    connection, the run flushes it before it commits. (One context variable read for the
+    sessions of everything else.)"""
+    run = _current.get()
+    if isinstance(run, RunTransaction) and run.conn is not None:
+        bind: Any = own.bind
+        if bind is not None and bind is run.conn.sync_connection:
+            run.adopt(own)
+
+
 def _running() -> RunTransaction:
     run = _current.get()
     if not isinstance(run, RunTransaction):
         raise NotInRunError(
-            "connection() and session() belong to a run under a won claim: a request with an "
-            "Idempotency-Key handled by IdempotencyMiddleware(records=...), or a call of a "
-            "once(..., records=...) function; this code runs outside one"
+            "connection() and session() belong to a request handled by "
+            "IdempotencyMiddleware(records=...) (any request: with a key they are the run's "
+            "transaction, without one a transaction committed before the response), or to a "
+            "call of a once(..., records=...) function; this code runs outside both"
         )
     return run
 
 
 async def connection() -> AsyncConnection:
     """The run's AsyncConnection, in its transaction (begun on first use); it commits with
-    the run's record. Also a FastAPI dependency: ``Depends(connection)``."""
+    the run's record, or for a request without a claimed key when the handler has
+    succeeded, before its response is sent. Also a FastAPI dependency:
+    ``Depends(connection)``."""
     return await _running().connection()
 
 
 async def session() -> AsyncSession:
-    """An AsyncSession on the run's connection; flushed and committed with the run's record.
-    Also a FastAPI dependency: ``Depends(session)``."""
+    """An AsyncSession on the run's connection; flushed and committed with it (see
+    `connection`). Also a FastAPI dependency: ``Depends(session)``, in place of an app's
+    own session dependency that commits."""
     return await _running().session()

@@ -12,6 +12,7 @@ PostgreSQL and SQLite (their ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``).
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import (
@@ -123,8 +124,8 @@ class SqlRecords:
 
     # -- what the middleware and once use (goblin_idem._recording) --
 
-    def transaction(self) -> RunTransaction:
-        return RunTransaction(self, self.engine)
+    def transaction(self, where: Callable[[], str] | None = None) -> RunTransaction:
+        return RunTransaction(self, self.engine, where)
 
     async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
         now = _utcnow()
@@ -258,7 +259,9 @@ class SqlRecords:
                 # A COMMIT statement, not raw.commit(): that one syncs the pipeline, and
                 # leaving it syncs again (a second round trip).
                 await cursor.execute("COMMIT")
-        except UniqueViolation:
+        except UniqueViolation as exc:
+            if exc.diag.table_name != self.table.name:
+                raise  # the app's own constraint, checked at COMMIT: its error, not the key's
             return False
         await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
         return True

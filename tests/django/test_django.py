@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, override_settings
+from django.urls import path
+from sqlalchemy import text
 
+from goblin_idem import MemoryStore
 from goblin_idem.django import IdempotencyMiddleware
+from goblin_idem.sql import SqlRecords, connection
 from tests.support.servers import Server
 from tests.support.wsgi import run_until_exit
 
@@ -143,6 +148,17 @@ def test_every_misconfiguration_is_refused_when_django_loads_the_middleware(
         IdempotencyMiddleware(view)
 
 
+def test_records_a_wsgi_django_cannot_honour_are_refused_at_startup(tmp_path: Path) -> None:
+    """SQL records under WSGI: no sync view can write through the run's transaction, and
+    the ORM commits apart from it, so the record would cover nothing: refused, not silent."""
+    records = SqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    with (
+        override_settings(GOBLIN_IDEM={"STORE": "memory", "RECORDS": records}),
+        pytest.raises(ImproperlyConfigured, match=r"\['RECORDS'\]: .* Remove RECORDS"),
+    ):
+        IdempotencyMiddleware(view)
+
+
 def test_a_store_that_cannot_be_used_is_refused_at_startup(own_redis: Server) -> None:
     url = own_redis.url
     own_redis.stop()
@@ -190,3 +206,40 @@ async def test_the_async_path_frees_the_key_of_a_stream_closed_unread() -> None:
         if again.status_code != 409:
             break
     assert again.status_code == 201 and "Idempotent-Replayed" not in again
+
+
+async def pay_through_the_run(request: HttpRequest) -> HttpResponse:
+    """An async view writing through the run's transaction (see the test below)."""
+    conn = await connection()
+    await conn.execute(text("INSERT INTO paid (ref) VALUES ('p')"))
+    return HttpResponse(uuid.uuid4().hex, status=201)
+
+
+urlpatterns = [path("pay", pay_through_the_run)]  # the URLconf of the test below
+
+
+async def test_async_views_under_asgi_commit_with_sql_records(tmp_path: Path) -> None:
+    """What the refusal under WSGI points to: under ASGI an async view's writes through
+    ``await connection()`` commit with the record, and the database replays it once the
+    store lost it."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'app.db'}"
+    records = SqlRecords(url)
+    await records.create_table()
+    async with records.engine.begin() as conn:
+        await conn.execute(text("CREATE TABLE paid (ref TEXT)"))
+    store = MemoryStore()
+    setting = {"STORE": store, "RECORDS": records}
+    try:
+        with override_settings(GOBLIN_IDEM=setting, ROOT_URLCONF=__name__):
+            client, headers = AsyncClient(), {"Idempotency-Key": key()}
+            first = await client.post("/pay", data=b"{}", content_type=JSON, headers=headers)
+            assert first.status_code == 201
+            await store.aclose()
+            setting["STORE"] = MemoryStore()  # a store that lost everything
+            again = await AsyncClient().post("/pay", data=b"{}", content_type=JSON, headers=headers)
+        assert again.status_code == 201 and again.content == first.content
+        assert again["Idempotent-Replayed"] == "true"
+        async with records.engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM paid"))).scalar_one() == 1
+    finally:
+        await records.aclose()

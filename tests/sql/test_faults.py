@@ -24,7 +24,7 @@ from tests.support.servers import Server, free_port
 
 
 async def test_connection_and_session_outside_a_run_say_why() -> None:
-    with pytest.raises(NotInRunError, match="outside one"):
+    with pytest.raises(NotInRunError, match="outside both"):
         await connection()
     with pytest.raises(NotInRunError, match="records="):
         await session()

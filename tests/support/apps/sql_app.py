@@ -14,6 +14,8 @@ itself), ``rollback`` (it rolls back, then writes again), ``session`` (the write
 through ``session()``), ``gate`` (waits on the test's `Gate` after its write), or
 ``gate-after-read`` (counts the payments first), ``id`` (answers the payment's row id), or
 ``429`` (answers 429 with ``Retry-After: 1`` after its write).
+``POST /orders?ref=`` writes through ``Depends(session)``; ``POST /own-session?ref=``
+through a session of the app's own that commits (not covered: the WARNING).
 """
 
 from __future__ import annotations
@@ -121,6 +123,14 @@ def build(
         await s.execute(insert(payments).values(ref=ref, amount=1))
         return {"ref": ref}
 
+    @app.post("/own-session", status_code=201)
+    async def own_session(ref: str) -> dict[str, str]:
+        """The pattern not covered: a session of the app's own that commits."""
+        async with AsyncSession(records.engine) as s:
+            await s.execute(insert(payments).values(ref=ref, amount=1))
+            await s.commit()
+        return {"ref": ref}
+
     return app
 
 
@@ -173,8 +183,8 @@ class KillingTransaction(RunTransaction):
 
 
 class KillingRecords(SqlRecords):
-    def transaction(self) -> RunTransaction:
-        return KillingTransaction(self, self.engine)
+    def transaction(self, where: Callable[[], str] | None = None) -> RunTransaction:
+        return KillingTransaction(self, self.engine, where)
 
 
 def _from_env() -> FastAPI | None:
