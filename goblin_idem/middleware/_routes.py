@@ -17,12 +17,15 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from starlette.routing import Match
 from starlette.types import Scope
 
 from .. import _options as options
+
+if TYPE_CHECKING:
+    from ..webhooks import Provider
 
 __all__ = [
     "RESOLVED_POLICY",
@@ -30,6 +33,7 @@ __all__ = [
     "Routes",
     "Settings",
     "idempotent",
+    "mark_endpoint",
     "marked_endpoints",
     "policy_of",
 ]
@@ -58,8 +62,13 @@ class RoutePolicy:
     required: bool | None = None
     ttl_seconds: float | None = None
     lease_seconds: float | None = None
+    # A webhook route (goblin_idem.webhooks.webhook): the provider that verifies each
+    # delivery and names its key, before the claim step.
+    webhook: Provider | None = None
 
     def __post_init__(self) -> None:
+        if self.webhook is not None:
+            check_provider("webhook(provider)", self.webhook)
         options.flag("@idempotent(enabled=...)", self.enabled)
         if self.required is not None:
             options.flag("@idempotent(required=...)", self.required)
@@ -124,6 +133,7 @@ class Settings:
     ttl_ms: int
     lease_ms: int
     claim_seconds: int
+    webhook: Provider | None = None  # verified and keyed by the provider, not a key header
 
     @classmethod
     def of(cls, required: bool, ttl_seconds: float, lease_seconds: float) -> Settings:
@@ -144,14 +154,16 @@ class Routes:
         include: tuple[str, ...] | None,
         exclude: tuple[str, ...],
         required_paths: tuple[str, ...],
+        webhooks: dict[str, Provider] | None = None,
     ) -> None:
         self.defaults = defaults
+        self.webhooks = webhooks or {}
         self.include = include
         self.exclude = exclude
         self.required_paths = required_paths
         # Can a request without a key be refused (400) by the options? Route marks are
         # looked up for each request while any endpoint is marked (marked_endpoints).
-        self.may_require = defaults.required or bool(required_paths)
+        self.may_require = defaults.required or bool(required_paths) or bool(self.webhooks)
         self._for_path = functools.lru_cache(maxsize=4096)(self._settings_for_path)
         self._hidden_warned = False  # logged that a route hides its endpoint
 
@@ -165,6 +177,7 @@ class Routes:
         include: Sequence[str] | None,
         exclude: Sequence[str],
         required_paths: Sequence[str],
+        webhooks: dict[str, Provider] | None = None,
     ) -> Routes:
         """The middleware's options, checked (a wrong one raises, naming it)."""
         lease = options.seconds("lease_seconds", lease_seconds, minimum=1)
@@ -174,6 +187,7 @@ class Routes:
             options.patterns("include", include) if include is not None else None,
             options.patterns("exclude", exclude),
             options.patterns("required_paths", required_paths),
+            webhook_paths(webhooks),
         )
 
     def settings(self, scope: Scope) -> Settings | None:
@@ -190,6 +204,7 @@ class Routes:
             base.ttl_ms if ttl is None else round(ttl * 1000),
             base.lease_ms if lease is None else round(lease * 1000),
             base.claim_seconds if lease is None else math.ceil(lease),
+            base.webhook if policy.webhook is None else policy.webhook,
         )
 
     def _policy(self, scope: Scope) -> RoutePolicy | None:
@@ -207,6 +222,10 @@ class Routes:
             return None
 
     def _settings_for_path(self, path: str) -> Settings | None:
+        provider = self.webhooks.get(path)
+        if provider is not None:  # named by its exact path: include and exclude do not apply
+            return replace(self.defaults, webhook=provider)
+
         def any_match(patterns: Sequence[str]) -> bool:
             return any(fnmatch.fnmatchcase(path, p) for p in patterns)
 
@@ -239,6 +258,43 @@ def policy_of(*candidates: object) -> RoutePolicy | None:
         if isinstance(policy, RoutePolicy):
             return policy
     return None
+
+
+def mark_endpoint(func: F, policy: RoutePolicy) -> F:
+    """`func` marked with `policy`, and counted (marked_endpoints)."""
+    global marked_endpoints
+    setattr(func, _POLICY_ATTR, policy)
+    marked_endpoints += 1
+    return func
+
+
+def check_provider(name: str, provider: object) -> None:
+    """A webhook provider: a `name`, the `headers` it reads and a `verify` method."""
+    from ..webhooks import Provider  # here: the webhooks package imports the marks
+
+    if not isinstance(provider, Provider) or not callable(provider.verify):
+        raise TypeError(
+            f"{name} takes a webhook provider (goblin_idem.webhooks: StandardWebhooks, "
+            f"Stripe, GitHub, Shopify, or a Provider of your own), not a {type(provider).__name__}"
+        )
+
+
+def webhook_paths(webhooks: object) -> dict[str, Provider]:
+    """The middleware's `webhooks` option: exact request paths, each with its provider."""
+    if webhooks is None:
+        return {}
+    if not isinstance(webhooks, dict):
+        raise TypeError(
+            "webhooks must be a dict of request paths to providers, as in "
+            f"webhooks={{'/hooks/github': GitHub(secrets=[...])}}, not {type(webhooks).__name__}"
+        )
+    for path, provider in webhooks.items():
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ValueError(
+                f"webhooks: a path is an exact request path starting with '/', not {path!r}"
+            )
+        check_provider(f"webhooks[{path!r}]", provider)
+    return dict(webhooks)
 
 
 class _EndpointHidden(Exception):
