@@ -64,13 +64,13 @@ class StandardWebhooks:
         return f"StandardWebhooks({len(self._keys)} secrets, {len(self._public)} public keys)"
 
     def verify(self, headers: Mapping[str, str], body: bytes) -> Delivery:
-        prefix = next((p for p in _PREFIXES if p + "id" in headers), _PREFIXES[0])
-        msg_id = headers.get(prefix + "id")
-        if not msg_id:
-            raise malformed(f"The delivery has no {prefix}id header.")
+        prefix = next((p for p in _PREFIXES if p + "signature" in headers), _PREFIXES[0])
         signatures = headers.get(prefix + "signature")
-        if not signatures:
+        if not signatures:  # not a delivery of this sender's: unverified, however formed
             raise unverified(f"The delivery has no {prefix}signature header.")
+        msg_id = headers.get(prefix + "id")
+        if not msg_id:  # signed over the id: without one it cannot be verified
+            raise malformed(f"The delivery has no {prefix}id header.")
         stamp = check_timestamp(headers.get(prefix + "timestamp"), self.tolerance)
         signed = f"{msg_id}.{stamp}.".encode("latin-1") + body
         v1: list[bytes] = []
