@@ -4,6 +4,7 @@ __version__ = "0.2.0"  # the one place: pyproject.toml reads it
 
 from . import _log
 from ._claim import Claim, current_claim
+from ._forget import forget
 from ._keys import cookie_scope, header_scope
 from ._lease import Lease, Watchdog
 from ._lock import Lock
@@ -12,6 +13,7 @@ from .exceptions import (
     CommitRefusedError,
     GoblinError,
     InFlightError,
+    KeyReusedError,
     LockError,
     LockNotOwnedError,
     NotInRunError,
@@ -36,6 +38,7 @@ __all__ = [
     "GoblinError",
     "IdempotencyMiddleware",
     "InFlightError",
+    "KeyReusedError",
     "KeyT",
     "Lease",
     "Lock",
@@ -53,6 +56,7 @@ __all__ = [
     "Watchdog",
     "cookie_scope",
     "current_claim",
+    "forget",
     "header_scope",
     "idempotent",
     "once",

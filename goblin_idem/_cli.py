@@ -1,4 +1,4 @@
-"""Command line: `python -m goblin_idem <command>` (build-module, inspect, sql purge)."""
+"""Command line: `python -m goblin_idem <command>` (build-module, inspect, forget, sql purge)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _options as options
+from ._forget import forget
 from ._log import describe
+from .exceptions import InFlightError
 from .inspection import SCOPE_ENV, KeyState, format_state, inspect_key, names_for_hash
 from .store import RedisStore
+
+if TYPE_CHECKING:
+    from .sql import SqlRecords
 
 __all__ = ["main"]
 
@@ -51,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     build.set_defaults(func=_build_module)
 
     _add_inspect(sub)
+    _add_forget(sub)
     _add_sql(sub)
 
     args = parser.parse_args(argv)
@@ -68,12 +74,30 @@ def _add_inspect(subparsers: Any) -> argparse.ArgumentParser:
             "and owner token), or completed (TTL, stored status, headers and body size)."
         ),
     )
+    _add_key_arguments(parser, "inspect")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--reveal",
+        action="store_true",
+        help="show a sealed record's headers (opened with $GOBLIN_IDEM_ENCRYPTION_KEYS)",
+    )
+    parser.add_argument(
+        "--require-sealed",
+        action="store_true",
+        help="show a record in the clear as a middleware with require_sealed=True answers it",
+    )
+    parser.set_defaults(func=_inspect)
+    return parser
+
+
+def _add_key_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
+    """How `inspect` and `forget` name a key: KEY in --scope and --namespace, or --hash."""
     parser.add_argument("key", nargs="?", help="the Idempotency-Key as the client sent it")
     parser.add_argument(
         "--hash",
         dest="key_hash",
         metavar="HASH",
-        help="inspect by the key hash that log lines print, instead of by KEY",
+        help=f"{verb} by the key hash that log lines print, instead of by KEY",
     )
     parser.add_argument(
         "--url",
@@ -91,19 +115,6 @@ def _add_inspect(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--namespace", default="idem", help="key prefix (default: idem)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--reveal",
-        action="store_true",
-        help="show a sealed record's headers (opened with $GOBLIN_IDEM_ENCRYPTION_KEYS)",
-    )
-    parser.add_argument(
-        "--require-sealed",
-        action="store_true",
-        help="show a record in the clear as a middleware with require_sealed=True answers it",
-    )
-    parser.set_defaults(func=_inspect)
-    return parser
 
 
 def _scope(given: str | None) -> str:
@@ -132,17 +143,24 @@ async def _inspect_url(store: RedisStore, args: argparse.Namespace, scope: str) 
         await store.aclose()
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def _store_of(args: argparse.Namespace) -> RedisStore | None:
+    """The store the arguments name, with KEY or --hash given; else None, said why."""
     if args.url is None:
         print("error: give --url redis://host:port/db (or set REDIS_URL)", file=sys.stderr)
-        return 2
+        return None
     if (args.key is None) == (args.key_hash is None):
         print("error: give either KEY or --hash HASH", file=sys.stderr)
-        return 2
+        return None
     try:
-        store = RedisStore.from_url(args.url, max_connections=2)
+        return RedisStore.from_url(args.url, max_connections=2)
     except ValueError as exc:  # a malformed URL
         print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    store = _store_of(args)
+    if store is None:
         return 2
     try:
         state = asyncio.run(_inspect_url(store, args, _scope(args.scope)))
@@ -159,6 +177,81 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_forget(subparsers: Any) -> None:
+    """Add `forget`: remove a key's claim, stored response and SQL record (`_forget`)."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "forget",
+        help="remove an Idempotency-Key's claim, stored response and SQL record",
+        description=(
+            "Remove what answers one Idempotency-Key (its SQL record with --database-url, "
+            "its stored response, its claim), so that the next request with it runs the "
+            "handler again. A key in flight is refused: wait for its run to end."
+        ),
+    )
+    _add_key_arguments(parser, "forget")
+    _add_records_arguments(parser, "--database-url", "; none: the store only")
+    parser.set_defaults(func=_forget)
+
+
+def _add_records_arguments(parser: argparse.ArgumentParser, flag: str, none: str = "") -> None:
+    """Where SQL records are: the database URL (`flag`, default $DATABASE_URL), the table."""
+    parser.add_argument(
+        flag,
+        dest="database_url",
+        default=os.environ.get("DATABASE_URL"),
+        help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: "
+        f"$DATABASE_URL{none})",
+    )
+    parser.add_argument(
+        "--table", default=None, help="the records table (default: goblin_idem_records)"
+    )
+
+
+def _records(args: argparse.Namespace) -> SqlRecords:
+    """The SqlRecords the arguments name; ImportError saying what to install without the
+    `sql` extra, TypeError or ValueError for a URL it refuses."""
+    try:
+        from .sql import SqlRecords
+        from .sql._records import DEFAULT_TABLE
+    except ImportError as exc:
+        raise ImportError(f"{exc}: install goblin-idem[sql]") from None
+    return SqlRecords(args.database_url, table=args.table or DEFAULT_TABLE)
+
+
+async def _forget_url(store: RedisStore, args: argparse.Namespace, scope: str) -> bool:
+    records = _records(args) if args.database_url else None
+    names = names_for_hash(args.key_hash, namespace=args.namespace) if args.key_hash else None
+    try:
+        if records is not None:
+            await records.check()
+        return await forget(
+            store, args.key, scope=scope, namespace=args.namespace, names=names, records=records
+        )
+    finally:
+        await store.aclose()
+        if records is not None:
+            await records.aclose()
+
+
+def _forget(args: argparse.Namespace) -> int:
+    store = _store_of(args)
+    if store is None:
+        return 2
+    try:
+        removed = asyncio.run(_forget_url(store, args, _scope(args.scope)))
+    except (ImportError, TypeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except InFlightError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the store or the database is unreachable, or refused
+        print(f"error: could not forget the key: {describe(exc)}", file=sys.stderr)
+        return 1
+    print("forgotten" if removed else "nothing was stored for this key")
+    return 0
+
+
 def _add_sql(subparsers: Any) -> None:
     """Add `sql purge`: delete the expired rows of SQL records (goblin_idem.sql)."""
     sql = subparsers.add_parser("sql", help="SQL records in the app's database")
@@ -171,32 +264,18 @@ def _add_sql(subparsers: Any) -> None:
             "batch per transaction, and print how many were deleted."
         ),
     )
-    purge.add_argument(
-        "--url",
-        default=os.environ.get("DATABASE_URL"),
-        help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: "
-        "$DATABASE_URL)",
-    )
-    purge.add_argument(
-        "--table", default=None, help="the records table (default: goblin_idem_records)"
-    )
+    _add_records_arguments(purge, "--url")
     purge.add_argument("--batch", type=int, default=1000, help="rows per transaction (1000)")
     purge.set_defaults(func=_purge)
 
 
 def _purge(args: argparse.Namespace) -> int:
-    if args.url is None:
+    if args.database_url is None:
         print("error: give --url (or set DATABASE_URL)", file=sys.stderr)
         return 2
     try:
-        from .sql import SqlRecords
-        from .sql._records import DEFAULT_TABLE
-    except ImportError as exc:
-        print(f"error: {exc}: install goblin-idem[sql]", file=sys.stderr)
-        return 2
-    try:
-        records = SqlRecords(args.url, table=args.table or DEFAULT_TABLE)
-    except (TypeError, ValueError) as exc:
+        records = _records(args)
+    except (ImportError, TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -36,6 +36,7 @@ __all__ = [
     "credential_header",
     "credentials_scope",
     "header_scope",
+    "hop_key",
     "key_names",
     "names_of",
     "previous_names",
@@ -199,6 +200,12 @@ def shown(name: bytes) -> str:
 def _names(namespace: bytes, digest: bytes, hex_digest: str) -> KeyNames:
     base = namespace + b":{" + digest.replace(b"}", b"~") + b"}:"
     return KeyNames(base + b"c", base + b"r", hex_digest)
+
+
+def hop_key(names: KeyNames) -> bytes:
+    """``<ns>:{<hash>}:h``: the redirects the key's runs answered (`middleware/_hops.py`),
+    named as the claim and the result are, so it shares their cluster slot."""
+    return names.result[:-1] + b"h"
 
 
 def previous_names(namespace: bytes, digest: str) -> KeyNames:

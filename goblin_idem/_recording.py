@@ -65,6 +65,10 @@ class Records(Protocol):
         """Raise, saying what to change, unless records can be written; else describe them."""
         ...
 
+    async def forget(self, key: bytes) -> bool:
+        """Delete `key`'s record, expired or not (`goblin_idem.forget`); True if there was one."""
+        ...
+
 
 class Lookup:
     """The database's record of a key, asked for alongside the claim step."""

@@ -4,6 +4,7 @@
     ├── LockError                  a Lock could not be acquired or released as asked
     │   └── LockNotOwnedError      its lease was lost while the caller believed it held it
     ├── InFlightError              `once`: another run holds the key; nothing ran
+    ├── KeyReusedError             `once`: the key was first used with other arguments
     ├── ClaimLostError             the running work no longer holds its claim
     ├── RecordError (ValueError)   stored bytes this reader cannot read or open
     ├── SealError (ValueError)     a sealed value that does not open
@@ -32,6 +33,7 @@ __all__ = [
     "CommitRefusedError",
     "GoblinError",
     "InFlightError",
+    "KeyReusedError",
     "LockError",
     "LockNotOwnedError",
     "NotInRunError",
@@ -66,6 +68,18 @@ class InFlightError(GoblinError):
         super().__init__(message)
         self.key_hash = key_hash
         self.retry_after = retry_after
+
+
+class KeyReusedError(GoblinError):
+    """A `once` call's key was first used with other arguments (its stored value came from
+    a call that differs): nothing ran, and the stored value is not returned. The HTTP
+    middleware answers the same mistake 422 ``key-reused``; a call with other arguments
+    needs a new key, or ``fingerprint=False`` for a function whose arguments are not the
+    request."""
+
+    def __init__(self, message: str, *, key_hash: str) -> None:
+        super().__init__(message)
+        self.key_hash = key_hash
 
 
 class ClaimLostError(GoblinError):

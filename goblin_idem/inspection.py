@@ -51,6 +51,7 @@ __all__ = [
     "format_state",
     "inspect_key",
     "names_for_hash",
+    "names_given",
 ]
 
 FREE: Final = "free"
@@ -129,6 +130,16 @@ def names_for_hash(key_hash: str, *, namespace: KeyT = b"idem") -> KeyNames:
     return names_of(as_bytes(namespace), key_hash)
 
 
+def names_given(key: KeyT | None, scope: KeyT, namespace: KeyT, names: KeyNames | None) -> KeyNames:
+    """The store names of `key` in `scope` and `namespace` (as the middleware names them),
+    or `names` as given (a key hash's, `names_for_hash`)."""
+    if names is not None:
+        return names
+    if key is None:
+        raise ValueError("give a key or names")
+    return key_names(as_bytes(namespace), as_bytes(scope), as_bytes(key))
+
+
 async def _ttl(store: Store, key: bytes) -> int | None:
     ms = await store.pttl(key)
     return None if ms == -2 else ms
@@ -153,10 +164,7 @@ async def inspect_key(
     is opened with `sealer`; its headers are shown only if `reveal`. With `require_sealed`,
     a record in the clear is shown as unreadable, as such a middleware answers it.
     """
-    if names is None:
-        if key is None:
-            raise ValueError("give a key or names")
-        names = key_names(as_bytes(namespace), as_bytes(scope), as_bytes(key))
+    names = names_given(key, scope, namespace, names)
     token = await store.get(names.claim)
     claim_ttl = await _ttl(store, names.claim) if token is not None else None
     data = await store.get(names.result)

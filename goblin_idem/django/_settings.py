@@ -3,8 +3,9 @@
 ``"STORE"`` is a URL (``redis://...``, ``rediss://...``, ``unix://...``: RedisStore.from_url),
 the dotted path of a function that returns a store (``"myproject.idem.store"``, called with
 no arguments), or a store itself; ``"memory"``, or no STORE, is a MemoryStore (one per
-process). ``"SCOPE"`` and
-``"ON_EVENT"`` take a function or its dotted path; ``"KEY_PATTERN"`` a regular expression
+process). ``"SCOPE"``,
+``"ON_EVENT"`` and ``"OUTCOME"`` take a function or its dotted path (``"OUTCOME"`` also a
+list of statuses); ``"KEY_PATTERN"`` a regular expression
 (a str, compiled to match bytes) or a function. Every other key is the option of the same
 name, lowercased. A value refused raises ImproperlyConfigured naming the key and what to
 change, when Django loads its middleware (at startup).
@@ -31,7 +32,7 @@ __all__ = ["SETTING", "read", "refused"]
 
 SETTING = "GOBLIN_IDEM"
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
-_FUNCTIONS = ("scope", "on_event")
+_FUNCTIONS = ("scope", "on_event", "outcome")
 # Every option of the ASGI middleware, by name, but its app and the millisecond names it
 # keeps for one release (the settings are new: seconds only).
 OPTIONS = frozenset(inspect.signature(ASGIIdempotencyMiddleware.__init__).parameters) - {

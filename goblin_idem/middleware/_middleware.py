@@ -23,7 +23,7 @@ import math
 import re
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec
 
@@ -116,8 +116,10 @@ class IdempotencyMiddleware:
     - a duplicate of a completed request: the same response, byte for byte, plus
       ``Idempotent-Replayed: true``; with another method, path, query or body: 422.
     - a duplicate while the first is running: 409 with ``Retry-After``.
-    - the app raised, answered 5xx or never finished its response: the claim is released
-      so that a retry runs the work; nothing is stored.
+    - the app raised, never finished its response, or answered a status that is not the
+      request's outcome (5xx, a redirect to repeat it elsewhere, 401, 403, 408, 423, 425,
+      429: see `outcome`): the claim is released so that a retry runs the work; nothing
+      is stored.
     - the store is unreachable: 503 and the app is not run (``fail_open=True`` runs it
       unprotected instead).
     - a webhook route (``@webhook(provider)``, or ``webhooks={path: provider}``): the
@@ -148,6 +150,7 @@ class IdempotencyMiddleware:
         wait_seconds: float = 0,
         poll_interval_seconds: float = 0.05,
         store_server_errors: bool = False,
+        outcome: Callable[[int], bool] | Collection[int] | None = None,
         fail_open: bool = False,
         namespace: str = "idem",
         on_event: Callable[[str, str], None] | None = None,
@@ -184,6 +187,8 @@ class IdempotencyMiddleware:
             exclude=exclude,
             required_paths=required_paths,
             webhooks=webhooks,
+            outcome=outcome,
+            store_server_errors=store_server_errors,
         )
         self._may_require = self.routes.may_require  # read by every request without a key
         self.max_body_bytes = options.whole_number("max_body_bytes", max_body_bytes, minimum=1)
@@ -227,7 +232,6 @@ class IdempotencyMiddleware:
             compression=compression,
             compress_above_bytes=compress_above_bytes,
             max_response_bytes=max_response_bytes,
-            store_server_errors=store_server_errors,
             fingerprint_headers=self.fingerprint_headers,
         )
         self.sealer = self.runs.sealer
@@ -250,6 +254,7 @@ class IdempotencyMiddleware:
             self.retry_after,
             self.sealer,
             self.require_sealed,
+            self._store,
         )
         previous = None
         if self.previous_key_names:  # 0.1.0's names, looked at for a won claim

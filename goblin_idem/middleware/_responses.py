@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 from starlette.types import Send
 
-from .._keys import KeyNames
+from .._keys import KeyNames, hop_key
+from .._log import describe
 from ..exceptions import RecordError, WebhookRefusedError
 from ..records._format import Record, decode
 from ..records._sealing import Sealer
+from ..store import Store
+from . import _hops
 from . import _problems as problems
 from ._events import Events
 
@@ -37,6 +40,7 @@ class Answers:
     retry_after: bytes
     sealer: Sealer | None
     require_sealed: bool  # a record in the clear is answered as unreadable
+    store: Store | None = None  # for the redirects a key answered (_hops)
 
     # -- a request refused: nothing claimed, nothing run --
 
@@ -102,7 +106,8 @@ class Answers:
     async def stored(self, data: bytes, fp: bytes, send: Send, names: KeyNames) -> None:
         """The stored response replayed, byte for byte; or why it is not (422 for another
         request under the same key, 409 for a response too large to have been stored,
-        503 for a record this process cannot read)."""
+        503 for a record this process cannot read). A request that the key's runs once
+        redirected gets that redirect replayed instead of 422 (`_hops`)."""
         try:
             record = decode(
                 data, sealer=self.sealer, name=names.result, require_sealed=self.require_sealed
@@ -111,6 +116,8 @@ class Answers:
             await self._unreadable(exc, send, names)
             return
         if record.fingerprint != fp:
+            if self.store is not None and await self._redirected(fp, send, names):
+                return
             self.report("mismatch", names.hash)
             await problems.send_problem(
                 send,
@@ -130,6 +137,29 @@ class Answers:
             return
         self.report("replayed", names.hash)
         await _send_record(send, record)
+
+    async def _redirected(self, fp: bytes, send: Send, names: KeyNames) -> bool:
+        """Whether a redirect that answered this very request was found, and replayed (or,
+        if it could not be read, answered 503: the store's error, or an unreadable record)."""
+        assert self.store is not None
+        try:
+            data = await _hops.find(self.store, names, fp)
+        except Exception as exc:
+            logger.warning("key %s: could not read its redirects: %s", names.hash, describe(exc))
+            await self.store_unavailable(send)
+            return True
+        if data is None:
+            return False
+        try:
+            record = decode(
+                data, sealer=self.sealer, name=hop_key(names), require_sealed=self.require_sealed
+            )
+        except RecordError as exc:
+            await self._unreadable(exc, send, names)
+            return True
+        self.report("replayed", names.hash)
+        await _send_record(send, record)
+        return True
 
     async def _unreadable(self, exc: RecordError, send: Send, names: KeyNames) -> None:
         """A stored record this process cannot read: a newer release's format, a sealed

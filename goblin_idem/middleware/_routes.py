@@ -16,13 +16,15 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from starlette.routing import Match
 from starlette.types import Scope
 
 from .. import _options as options
+from . import _outcome
+from ._outcome import Outcome, OutcomeOption
 
 if TYPE_CHECKING:
     from ..webhooks import Provider
@@ -62,11 +64,16 @@ class RoutePolicy:
     required: bool | None = None
     ttl_seconds: float | None = None
     lease_seconds: float | None = None
+    outcome: OutcomeOption = None
+    statuses: Outcome | None = field(default=None, init=False, repr=False, compare=False)
     # A webhook route (goblin_idem.webhooks.webhook): the provider that verifies each
     # delivery and names its key, before the claim step.
     webhook: Provider | None = None
 
     def __post_init__(self) -> None:
+        if self.outcome is not None:  # the table, computed once (_outcome)
+            table = _outcome.table("@idempotent(outcome=...)", self.outcome)
+            object.__setattr__(self, "statuses", table)
         if self.webhook is not None:
             check_provider("webhook(provider)", self.webhook)
         options.flag("@idempotent(enabled=...)", self.enabled)
@@ -89,6 +96,7 @@ def idempotent(
     required: bool | None = None,
     ttl_seconds: float | None = None,
     lease_seconds: float | None = None,
+    outcome: OutcomeOption = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -100,19 +108,21 @@ def idempotent(
     required: bool | None = None,
     ttl_seconds: float | None = None,
     lease_seconds: float | None = None,
+    outcome: OutcomeOption = None,
 ) -> F | Callable[[F], F]:
     """Mark a Starlette/FastAPI endpoint with its own idempotency settings.
 
     Put it under the route decorator (``@app.post(...)`` then ``@idempotent(required=True)``).
     The middleware finds the route the request will reach and applies its policy;
-    ``enabled=False`` exempts the route.
+    ``enabled=False`` exempts the route; ``outcome=`` says which statuses of its responses
+    are stored and replayed (the middleware's option, for this route).
     """
     if func is not None and not callable(func):
         raise TypeError(
             "idempotent takes keyword arguments only, as in @idempotent(required=True); "
             f"got a {type(func).__name__} as its first argument"
         )
-    policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds)
+    policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds, outcome)
 
     def mark(f: F) -> F:
         global marked_endpoints
@@ -127,21 +137,26 @@ def idempotent(
 class Settings:
     """What applies to one covered request, in the store's units: the claim's lease in
     whole seconds (GOBLIN.CLAIM's EX, rounded up; the watchdog's first renewal, at a third
-    of the lease, makes it exact), the lease and the result's TTL in ms."""
+    of the lease, makes it exact), the lease and the result's TTL in ms; which statuses are
+    stored (`_outcome`)."""
 
     required: bool
     ttl_ms: int
     lease_ms: int
     claim_seconds: int
+    outcome: Outcome
     webhook: Provider | None = None  # verified and keyed by the provider, not a key header
 
     @classmethod
-    def of(cls, required: bool, ttl_seconds: float, lease_seconds: float) -> Settings:
+    def of(
+        cls, required: bool, ttl_seconds: float, lease_seconds: float, outcome: Outcome
+    ) -> Settings:
         return cls(
             required,
             round(ttl_seconds * 1000),
             round(lease_seconds * 1000),
             math.ceil(lease_seconds),
+            outcome,
         )
 
 
@@ -177,13 +192,17 @@ class Routes:
         include: Sequence[str] | None,
         exclude: Sequence[str],
         required_paths: Sequence[str],
+        outcome: OutcomeOption = None,
+        store_server_errors: bool = False,
         webhooks: dict[str, Provider] | None = None,
     ) -> Routes:
         """The middleware's options, checked (a wrong one raises, naming it)."""
         lease = options.seconds("lease_seconds", lease_seconds, minimum=1)
         ttl = options.seconds("ttl_seconds", ttl_seconds, minimum=1)
+        server_errors = options.flag("store_server_errors", store_server_errors)
+        statuses = _outcome.table("outcome", outcome, server_errors)
         return cls(
-            Settings.of(options.flag("required", required), ttl, lease),
+            Settings.of(options.flag("required", required), ttl, lease, statuses),
             options.patterns("include", include) if include is not None else None,
             options.patterns("exclude", exclude),
             options.patterns("required_paths", required_paths),
@@ -204,6 +223,7 @@ class Routes:
             base.ttl_ms if ttl is None else round(ttl * 1000),
             base.lease_ms if lease is None else round(lease * 1000),
             base.claim_seconds if lease is None else math.ceil(lease),
+            base.outcome if policy.statuses is None else policy.statuses,
             base.webhook if policy.webhook is None else policy.webhook,
         )
 

@@ -6,10 +6,11 @@ reference back to the middleware, it holds the claim's lease while the app runs,
 the response through as it streams and keeps a copy, and closes with one store step:
 publish the response (the result and the claim's new TTL in one MULTI/EXEC) before the
 client gets the message that ends it, or release the key (CAD with the run's token) if
-the app failed or sent the client elsewhere (`_is_outcome`). What happens is reported
-through the config's one event function. With SQL records (`records=`), the response is
-held back until the run's transaction commits with its record, before the publish
-(`_recorded.Recorded`).
+the app failed, or its status is not the request's outcome (`_outcome`: a redirect, a
+throttle, an authentication refusal; a redirect is remembered first, `_hops`). What happens
+is reported through the config's one event function. With SQL records (`records=`), the
+response is held back until the run's transaction commits with its record, before the
+publish (`_recorded.Recorded`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import _options as options
 from .._claim import Claim, current
 from .._closing import ClosingStep, free_claim, publish_retried, run_to_end
-from .._keys import KeyNames
+from .._keys import KeyNames, hop_key
 from .._lease import Lease, Watchdog
 from .._log import describe
 from ..records._compression import Compressor
@@ -37,7 +38,9 @@ from ..records._format import Record, encode
 from ..records._sealing import Sealer
 from ..store import Published, Store
 from ..store._server_errors import VALUE_TOO_LARGE
+from . import _hops
 from ._events import Events
+from ._outcome import is_outcome
 from ._recorded import HOLDING, Recorded, Recording
 from ._routes import Settings
 
@@ -84,7 +87,6 @@ class RunConfig:
     compressor: Compressor | None
     compress_above: int
     max_response_bytes: int
-    store_server_errors: bool
     fingerprint_headers: frozenset[str]  # lowercase names the key covers (for Vary)
     background: set[asyncio.Task[Any]]
     warned: set[str]
@@ -103,7 +105,6 @@ class RunConfig:
         compression: str | None,
         compress_above_bytes: int,
         max_response_bytes: int,
-        store_server_errors: bool,
         fingerprint_headers: Iterable[bytes],
     ) -> RunConfig:
         """The middleware's options on what is stored, checked (a wrong one raises)."""
@@ -116,7 +117,6 @@ class RunConfig:
             options.compressor(compression),
             options.whole_number("compress_above_bytes", compress_above_bytes, minimum=0),
             options.whole_number("max_response_bytes", max_response_bytes, minimum=0),
-            options.flag("store_server_errors", store_server_errors),
             frozenset(h.decode("latin-1") for h in fingerprint_headers),
             set(),
             set(),
@@ -154,6 +154,7 @@ class Run:
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
     keep: bool = True  # False: release the key at the end, store nothing
+    hop: bool = False  # a complete redirect, remembered as the key is released (_hops)
     trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
     finished: bool = False  # the closing step has started
     data: bytes = b""  # the record the closing step publishes, encoded
@@ -182,7 +183,7 @@ class Run:
             if not self.finished:
                 # Raised, cancelled, or returned without a complete response: the work
                 # may not have happened, so free the key for the client's retry.
-                self.keep = False
+                self.keep = self.hop = False
                 await self._finish()
 
     def claim(self) -> Claim:
@@ -196,12 +197,14 @@ class Run:
         if kind == "http.response.start":
             self.status = message["status"]
             self.headers = list(message.get("headers", ()))
-            self.keep = _is_outcome(self.status, self.config.store_server_errors)
+            self.keep = is_outcome(self.settings.outcome, self.status)
+            self.hop = not self.keep and self.status in _hops.REPEAT_ELSEWHERE
             if message.get("trailers", False):
                 self.trailers = []
+                self.hop = False
         elif kind == "http.response.body":
             chunk = message.get("body", b"")
-            if self.keep:
+            if self.keep or self.hop:
                 self.size += len(chunk)
                 if self.size <= self.config.max_response_bytes:
                     self.chunks.append(chunk)
@@ -228,7 +231,8 @@ class Run:
             and self.size > self.config.max_response_bytes
         ):
             await run_to_end(self._commit_early, self.config.background)
-        # A response that is not the outcome (a 5xx, a redirect) commits nothing: it passes.
+        # A response that is not the outcome (a 5xx, a redirect, a 429) commits nothing: it
+        # passes, and the run's transaction is rolled back when the key is released.
         await recorded.pass_on(message, self.finished or not self.keep)
 
     async def _commit_early(self) -> None:
@@ -256,6 +260,7 @@ class Run:
         """The body message of the bytes a pathsend or zerocopysend names, or the message
         itself if they are not to be stored (see the class docstring)."""
         room = self.config.max_response_bytes - self.size
+        self.hop = False  # a redirect sent as a file is not remembered
         if not self.keep or room < 0:
             return message
         try:
@@ -288,11 +293,18 @@ class Run:
             await run_to_end(self._closing_step(), self.config.background)
 
     def _closing_step(self) -> ClosingStep:
-        """Publish the response, or release the key (see `_is_outcome`); counted here, once.
+        """Publish the response, or release the key (see `_outcome`); counted here, once.
         Run to its end by `run_to_end`, even if the request is cancelled meanwhile."""
         config, names = self.config, self.names
         if not self.keep:
             config.report("released", names.hash)
+            if self.hop and self.size <= config.max_response_bytes:
+                body = b"".join(self.chunks)
+                headers = _replay_headers(self.status, self.headers, body, False)
+                record = Record(self.status, headers, body, self.fp)
+                self.data = self._encoded(record, hop_key(names))
+            else:
+                self.hop = False
             return self._release
         if self.size > config.max_response_bytes:
             config.report("too_large", names.hash)
@@ -308,12 +320,13 @@ class Run:
         self.data = self._encoded(record)
         return self._publish
 
-    def _encoded(self, record: Record) -> bytes:
+    def _encoded(self, record: Record, name: bytes | None = None) -> bytes:
+        """The record's bytes, sealed for the store key `name` (default: the result's)."""
         config = self.config
         return encode(
             record,
             sealer=config.sealer,
-            name=self.names.result,
+            name=self.names.result if name is None else name,
             codec=config.compressor,
             compress_above=config.compress_above,
         )
@@ -321,6 +334,10 @@ class Run:
     async def _release(self) -> None:
         if self.recorded is not None:
             await self.recorded.rollback()  # the run's writes vanish with its claim
+        if self.hop:  # while the claim is held: before any run that follows the redirect
+            await _hops.remember(
+                self.config.store, self.names, self.fp, self.data, self.settings.ttl_ms
+            )
         await self.config.watchdog.release(self.lease)
         await free_claim(self.config.store, self.names, self.token)
 
@@ -400,21 +417,6 @@ class Run:
                     return
                 await asyncio.sleep(delay)
         _log_retaken(names, token, holder, self.config.recording is not None)
-
-
-def _is_outcome(status: int, store_server_errors: bool) -> bool:
-    """Whether a response of `status` is the request's outcome, to be stored and replayed;
-    if not, the key is released (counted as `released`) and a retry runs the app again.
-
-    A 5xx says the work may not have happened (unless `store_server_errors`). A 307 or 308
-    says it has not happened here: the client is to repeat the request, method and body
-    unchanged, at another URL (a moved route, FastAPI's trailing-slash redirect), and a
-    client that follows it with the same key must find the key free there. A 301, 302 or
-    303 is an outcome (303 See Other is the usual answer to a POST that created something):
-    a client follows it with a GET, another request."""
-    if status >= 500:
-        return store_server_errors
-    return status != 307 and status != 308
 
 
 def _too_large(exc: Exception) -> bool:

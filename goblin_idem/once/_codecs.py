@@ -2,11 +2,15 @@
 
 Layout of a stored value::
 
-    b"GO" 0x01 payload                  in the clear
-    b"GO" 0x02 Sealer.seal(payload)     sealed (``encryption_keys``), bound to its key
+    b"GO" 0x01 payload                          in the clear
+    b"GO" 0x02 Sealer.seal(payload)             sealed (``encryption_keys``), bound to its key
+    b"GO" 0x03 fingerprint:16 payload           in the clear, with the call's fingerprint
+    b"GO" 0x04 fingerprint:16 Sealer.seal(payload)      sealed, with the fingerprint
 
-where the payload is the codec's bytes. A sealed value's associated data is its three
-head bytes and the name of the result key it is stored under, so a value copied under
+where the payload is the codec's bytes and the fingerprint that of the arguments of the
+call that stored it (`_arguments`; versions 1 and 2, as 0.2.0 wrote them, have none, and
+are still read). A sealed value's associated data is its head bytes (the fingerprint
+included) and the name of the result key it is stored under, so a value copied under
 another key, or altered, does not open (as the middleware's records). A reader refuses any
 other version (RecordError) rather than guess, so the format can evolve; a value in the
 clear is read whatever the keys, so encryption can be turned on without a flag day (and
@@ -39,8 +43,13 @@ __all__ = ["Codec", "DataclassCodec", "JsonCodec", "PydanticCodec", "codec_for"]
 MAGIC = b"GO"
 VERSION = 1
 SEALED = 2
+FINGERPRINTED = 3
+SEALED_FINGERPRINTED = 4
 _HEAD = MAGIC + bytes([VERSION])
 _SEALED_HEAD = MAGIC + bytes([SEALED])
+_FP_HEAD = MAGIC + bytes([FINGERPRINTED])
+_SEALED_FP_HEAD = MAGIC + bytes([SEALED_FINGERPRINTED])
+_FP_BYTES = 16
 
 
 @runtime_checkable
@@ -53,11 +62,26 @@ class Codec(Protocol):
     def decode(self, data: bytes) -> Any: ...
 
 
-def to_stored(codec: Codec, value: Any, sealer: Sealer | None = None, name: bytes = b"") -> bytes:
-    """The bytes stored for `value` under the result key `name`, sealed if a sealer is given."""
+def to_stored(
+    codec: Codec,
+    value: Any,
+    sealer: Sealer | None = None,
+    name: bytes = b"",
+    fingerprint: bytes | None = None,
+) -> bytes:
+    """The bytes stored for `value` under the result key `name`, sealed if a sealer is
+    given, with the call's `fingerprint` if there is one (16 bytes)."""
+    payload = codec.encode(value)
+    if fingerprint is None:
+        if sealer is None:
+            return _HEAD + payload
+        return _SEALED_HEAD + sealer.seal(payload, _SEALED_HEAD + name)
+    if len(fingerprint) != _FP_BYTES:
+        raise ValueError(f"a fingerprint is {_FP_BYTES} bytes")
     if sealer is None:
-        return _HEAD + codec.encode(value)
-    return _SEALED_HEAD + sealer.seal(codec.encode(value), _SEALED_HEAD + name)
+        return _FP_HEAD + fingerprint + payload
+    head = _SEALED_FP_HEAD + fingerprint
+    return head + sealer.seal(payload, head + name)
 
 
 def from_stored(
@@ -71,18 +95,20 @@ def from_stored(
     """The value stored as `data` under `name`; RecordError if it is not a value this
     version can read, a sealed one that the configured keys do not open, or with
     `require_sealed` one in the clear (which anyone who can write to the store can write)."""
-    if not stored_format(data).sealed:
+    fmt = stored_format(data)
+    start = _head_size(fmt.version)
+    if not fmt.sealed:
         if require_sealed:
             raise RecordError(
                 "the stored value is in the clear, and require_sealed=True refuses values "
                 "that are not sealed"
             )
-        payload = data[3:]
+        payload = data[start:]
     elif sealer is None:
         raise RecordError("the stored value is sealed, and no encryption_keys are configured")
     else:
         try:
-            payload = sealer.open(data[3:], _SEALED_HEAD + name)
+            payload = sealer.open(data[start:], data[:start] + name)
         except SealError as exc:
             raise RecordError(f"the stored value does not open: {exc}") from None
     try:
@@ -97,11 +123,26 @@ def stored_format(data: bytes) -> Format:
     """What a stored value's clear bytes say (its version, and a sealed one's key id),
     without opening it; RecordError if they are not a stored value's."""
     head = data[:3]
-    if head == _HEAD:
-        return Format(VERSION)
-    if head == _SEALED_HEAD:
-        return Format(SEALED, True, sealed_key_id(data[3:]))
-    raise RecordError(f"not a version {VERSION} or {SEALED} goblin-idem stored value")
+    if head == _HEAD or head == _FP_HEAD:
+        return Format(head[2])
+    if head == _SEALED_HEAD or head == _SEALED_FP_HEAD:
+        return Format(head[2], True, sealed_key_id(data[_head_size(head[2]) :]))
+    raise RecordError(
+        f"not a goblin-idem stored value of a version this reader knows ({VERSION} to "
+        f"{SEALED_FINGERPRINTED})"
+    )
+
+
+def stored_fingerprint(data: bytes) -> bytes | None:
+    """The fingerprint of the call that stored `data`; None for a value stored without one
+    (by 0.2.0, or with ``fingerprint=False``)."""
+    if data[:3] == _FP_HEAD or data[:3] == _SEALED_FP_HEAD:
+        return bytes(data[3 : 3 + _FP_BYTES])
+    return None
+
+
+def _head_size(version: int) -> int:
+    return 3 + _FP_BYTES if version >= FINGERPRINTED else 3
 
 
 class JsonCodec:

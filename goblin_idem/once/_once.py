@@ -11,6 +11,10 @@ a request:
 - at most one completed run per `ttl_seconds` while the store keeps the result: the return
   value is stored (codecs.to_stored) with the claim's new TTL in one MULTI/EXEC, never
   over a value already stored, and every later call returns it decoded, without running;
+- a call whose key was first used with other arguments raises KeyReusedError and runs
+  nothing: the value is stored with the fingerprint of the arguments that produced it
+  (`_arguments`), as the middleware stores a request's (``fingerprint=False`` turns this
+  off, for a function whose arguments are not the request);
 - a run that raises (or is cancelled, or returns what the codec cannot encode) stores
   nothing and releases the claim with CAD, only if it still holds this run's token, so the
   next call runs again: the function must leave nothing behind that a second run would
@@ -40,10 +44,11 @@ from .._keys import KeyNames, key_names
 from .._lease import Lease, Watchdog
 from .._log import describe
 from .._recording import Committed, Records, RunTransaction
-from ..exceptions import InFlightError
+from ..exceptions import InFlightError, KeyReusedError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Published, Store
-from ._codecs import Codec, codec_for, from_stored, to_stored
+from ._arguments import Fingerprint
+from ._codecs import Codec, codec_for, from_stored, stored_fingerprint, to_stored
 from ._sync import in_callers_thread
 
 __all__ = ["once"]
@@ -83,6 +88,7 @@ def once(
     encryption_keys: Sequence[bytes] | Sealer | None = None,
     require_sealed: bool = False,
     records: Records | None = None,
+    fingerprint: bool = True,
 ) -> Decorator:
     """Run the decorated function at most once per key (see the module docstring).
 
@@ -99,6 +105,12 @@ def once(
     With `records` (``goblin_idem.sql.SqlRecords``), the function's writes through
     ``goblin_idem.sql.connection()`` commit together with its stored value, in the app's
     database, which wins over a store that lost the value.
+
+    The value is stored with a fingerprint of the call's arguments, and a later call with
+    the same key and other arguments raises KeyReusedError instead of returning it (a key
+    reused for other work is a bug, as with HTTP's 422). ``fingerprint=False``: any call
+    with the key gets the value, whatever its arguments (for a function whose arguments
+    carry more than the work, such as a delivery attempt's number).
     """
     the_store = _checked(store, key, codec, wait_seconds, name)
     ttl = options.seconds("ttl_seconds", ttl_seconds, minimum=1)
@@ -107,6 +119,7 @@ def once(
     sealer = options.sealer(encryption_keys)
     sealed_only = options.require_sealed(require_sealed, sealer)
     the_records = options.records(records)
+    fingerprinted = options.flag("fingerprint", fingerprint)
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         if not inspect.iscoroutinefunction(func):
@@ -131,6 +144,7 @@ def once(
             Watchdog.for_store(the_store),
             the_records,
             ClaimStep(the_store, float(wait_seconds), POLL_SECONDS, the_records),
+            Fingerprint(func) if fingerprinted else None,
         )
 
         @functools.wraps(func)
@@ -196,6 +210,7 @@ class _Once:
     watchdog: Watchdog  # the store's, shared
     records: Records | None  # the function's writes commit with its value (goblin_idem.sql)
     claim_step: ClaimStep  # with the wait and the database's word on a won claim
+    fingerprint: Fingerprint | None  # of the arguments, stored with the value (None: off)
 
     def names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KeyNames:
         value = self.key(*args, **kwargs)
@@ -214,6 +229,8 @@ class _Once:
 
     async def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = self.names(args, kwargs)
+        # Before the claim: arguments the signature refuses raise with nothing claimed.
+        fp = None if self.fingerprint is None else self.fingerprint(args, kwargs)
         token = new_token()
         reply = await self.claim_step(names, token, self.claim_seconds)
         if reply is None:
@@ -224,13 +241,27 @@ class _Once:
                 retry_after=RETRY_AFTER,
             )
         if reply is not CLAIMED:
+            stored = stored_fingerprint(reply)
+            if fp is not None and stored is not None and stored != fp:
+                raise KeyReusedError(
+                    f"{self.name.decode()}: key {names.hash} was first used with other "
+                    "arguments; its stored value is not theirs, and nothing ran. Use a new "
+                    "key for other work (or fingerprint=False if the arguments are not the "
+                    "request)",
+                    key_hash=names.hash,
+                )
             return from_stored(
                 self.codec, reply, self.sealer, names.result, require_sealed=self.require_sealed
             )
-        return await self._run(args, kwargs, names, token)
+        return await self._run(args, kwargs, names, token, fp)
 
     async def _run(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], names: KeyNames, token: bytes
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        names: KeyNames,
+        token: bytes,
+        fp: bytes | None,
     ) -> Any:
         lease = self.watchdog.hold(names.claim, token, self.lease_ms, label=names.hash)
         tx = None if self.records is None else self.records.transaction()
@@ -244,7 +275,7 @@ class _Once:
                 if tx is not None and in_sql is not None:
                     tx.leave(in_sql)
             try:
-                data = to_stored(self.codec, value, self.sealer, names.result)
+                data = to_stored(self.codec, value, self.sealer, names.result, fp)
             except TypeError as exc:
                 raise TypeError(
                     f"{self.name.decode()} returned a value its codec cannot store ({exc}); "
@@ -253,7 +284,7 @@ class _Once:
                     "codec="
                 ) from exc
             if tx is not None:
-                data = await _committed(tx, names, data, self.ttl_ms)
+                data = await _committed(tx, names, fp or bytes(16), data, self.ttl_ms)
         except BaseException:
             if tx is not None:
                 await tx.rollback()  # nothing of the function's writes is kept
@@ -307,12 +338,14 @@ class _Once:
             )
 
 
-async def _committed(tx: RunTransaction, names: KeyNames, data: bytes, ttl_ms: int) -> bytes:
+async def _committed(
+    tx: RunTransaction, names: KeyNames, fp: bytes, data: bytes, ttl_ms: int
+) -> bytes:
     """The function's writes and its value, committed together: the value to publish (that
     of another run, if its row came first: this run's writes were rolled back). A commit
     that fails raises, and nothing of this run happened."""
     try:
-        await tx.commit(names.result, names.hash, bytes(16), data, ttl_ms)
+        await tx.commit(names.result, names.hash, fp, data, ttl_ms)
     except Committed as exc:
         return exc.data
     return data

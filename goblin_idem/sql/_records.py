@@ -312,6 +312,14 @@ class SqlRecords:
         async with self.engine.begin() as conn:
             await conn.run_sync(self.metadata.create_all, checkfirst=True)
 
+    async def forget(self, key: bytes) -> bool:
+        """Delete `key`'s record, expired or not: the next run of the key is a new one
+        (`goblin_idem.forget`, which also clears the store). True if there was a row."""
+        t = self.table
+        async with self.engine.begin() as conn:
+            deleted = (await conn.execute(delete(t).where(t.c.key == key))).rowcount
+        return bool(deleted)
+
     async def purge_expired(self, batch: int = PURGE_BATCH) -> int:
         """Delete the expired rows, `batch` per transaction; how many were deleted."""
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:

@@ -42,7 +42,7 @@ def mark_cluster_closed(client: RedisCluster) -> None:
     for a cluster client collected while initialized, which it tells by `_initialize`
     before 8.2 and by the nodes manager's default node from 8.2 on (`aclose` clears both)."""
     client._initialize = True
-    client.nodes_manager.default_node = None
+    client.nodes_manager.default_node = None  # type: ignore[assignment]
 
 
 def startup_nodes(client: RedisCluster) -> list[Any]:

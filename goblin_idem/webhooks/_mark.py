@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..middleware import _routes
+from ..middleware._outcome import OutcomeOption
 from ._provider import Provider
 
 __all__ = ["webhook"]
@@ -19,16 +20,18 @@ def webhook(
     *,
     ttl_seconds: float | None = None,
     lease_seconds: float | None = None,
+    outcome: OutcomeOption = None,
 ) -> Callable[[F], F]:
     """Mark an endpoint as the receiver of `provider`'s webhooks.
 
     Put it under the route decorator. Each delivery is verified on its raw body before
     anything is claimed (401 or 400 otherwise, nothing stored, the endpoint not run), then
     runs once per delivery id: a redelivery, re-signed or not, gets the stored answer. The
-    Flask, Django and WSGI adapters read the same mark on their views.
+    Flask, Django and WSGI adapters read the same mark on their views. The options are
+    `idempotent`'s, for this route.
     """
     policy = _routes.RoutePolicy(
-        ttl_seconds=ttl_seconds, lease_seconds=lease_seconds, webhook=provider
+        ttl_seconds=ttl_seconds, lease_seconds=lease_seconds, outcome=outcome, webhook=provider
     )
 
     def mark(func: F) -> F:

@@ -132,6 +132,8 @@ def view(request: HttpRequest) -> HttpResponse:
         ({"STORE": "tests.support.apps.django_site.views.health"}, r"of no arguments"),
         ({"SCOPE": "nowhere.scope"}, r"GOBLIN_IDEM\['SCOPE'\]: cannot import"),
         ({"KEY_PATTERN": "[unclosed"}, r"KEY_PATTERN'\] is not a valid regular expression"),
+        ({"OUTCOME": [99]}, r"GOBLIN_IDEM\['OUTCOME'\]: outcome: 99 is not an HTTP status"),
+        ({"OUTCOME": "nowhere.outcome"}, r"GOBLIN_IDEM\['OUTCOME'\]: cannot import"),
     ],
 )
 def test_every_misconfiguration_is_refused_when_django_loads_the_middleware(

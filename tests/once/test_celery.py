@@ -72,3 +72,25 @@ def test_a_redelivered_task_commits_once(broker: Server) -> None:
     assert count("started:cut-mid-work") == 2 and count("committed:cut-mid-work") == 1
     client.close()
     app.close()
+
+
+def test_a_task_that_reuses_a_key_with_other_arguments_fails(broker: Server) -> None:
+    """The arguments arrive through the broker's JSON and are fingerprinted the same: the
+    task sent again alike gets the stored value; sent with other cents, it fails with
+    KeyReusedError and the function does not run again."""
+    app = Celery("client", broker=broker.url, backend=broker.url)
+    client = broker.sync_client()
+    proc = worker(broker)
+    try:
+        first = app.send_task("refund", args=["o-1", 500]).get(timeout=30)
+        again = app.send_task("refund", args=["o-1"], kwargs={"cents": 500}).get(timeout=30)
+        assert first == again == {"cents": 500, "run": 1}
+        reused = app.send_task("refund", args=["o-1", 999])
+        reused.get(timeout=30, propagate=False)
+        assert reused.state == "FAILURE" and "KeyReusedError" in (reused.traceback or "")
+        assert "first used with other arguments" in reused.traceback
+    finally:
+        stop(proc)
+    assert int(client.get("runs:refunds:o-1") or 0) == 1
+    client.close()
+    app.close()

@@ -22,6 +22,7 @@ from goblin_idem import (
     ClaimLostError,
     IdempotencyMiddleware,
     InFlightError,
+    KeyReusedError,
     MemoryStore,
     RedisStore,
     Store,
@@ -31,6 +32,7 @@ from goblin_idem import (
 )
 from goblin_idem._keys import key_names
 from goblin_idem.exceptions import RecordError
+from goblin_idem.once._arguments import Fingerprint
 from tests.support.asgi import request
 from tests.support.backends import Backend, server_for
 from tests.support.procs import APPS, spawn, stop
@@ -258,6 +260,74 @@ async def test_a_value_json_cannot_encode_is_a_type_error_and_releases(store: St
     assert await as_set(1) == [1] and runs == 2
 
 
+@dataclasses.dataclass
+class Refund:
+    order: str
+    cents: int
+
+
+class Client:
+    """A connection-like argument: context, not the request."""
+
+
+async def test_a_key_reused_with_other_arguments_raises(store: Store) -> None:
+    """The HTTP path answers 422 to a key reused with another body; `once` raises
+    KeyReusedError for a key reused with other arguments, and runs nothing. The same call
+    spelled otherwise (by keyword, a default given, a whole float, a dict in another order,
+    another client object) is the same call."""
+    runs: list[int] = []
+
+    @once(store, key=lambda order, *_, **__: order, name="refund")
+    async def refund(
+        order: str, cents: int, meta: dict[str, Any] | None = None, client: Any = None
+    ) -> dict[str, int]:
+        runs.append(cents)
+        return {"cents": cents}
+
+    meta = {"a": 1, "b": [1, 2]}
+    assert await refund("o-1", 500, meta, Client()) == {"cents": 500}
+    same = [
+        refund("o-1", cents=500, meta={"b": (1, 2), "a": 1.0}, client=Client()),
+        refund(order="o-1", cents=500.0, meta=meta, client=Client()),
+    ]
+    for call in same:
+        assert await call == {"cents": 500}
+    others = [
+        refund("o-1", 999, meta, Client()),
+        refund("o-1", 500, {"a": 2, "b": [1, 2]}, Client()),
+    ]
+    for other in others:
+        with pytest.raises(KeyReusedError, match="first used with other arguments") as caught:
+            await other
+        assert caught.value.key_hash == key_names(b"once", b"refund", b"o-1").hash
+    assert runs == [500]
+
+    @once(store, key=lambda refund: refund.order, name="refund-dc")
+    async def by_dataclass(refund: Refund) -> int:
+        runs.append(refund.cents)
+        return refund.cents
+
+    assert await by_dataclass(Refund("o-2", 5)) == await by_dataclass(Refund("o-2", 5)) == 5
+    with pytest.raises(KeyReusedError):
+        await by_dataclass(Refund("o-2", 6))
+
+
+async def test_fingerprint_false_returns_the_value_whatever_the_arguments(store: Store) -> None:
+    runs: list[int] = []
+
+    @once(store, key=lambda order, attempt: order, name="attempts", fingerprint=False)
+    async def deliver(order: str, attempt: int) -> int:
+        runs.append(attempt)
+        return attempt
+
+    assert await deliver("o-1", 1) == await deliver("o-1", 2) == 1
+    assert runs == [1]
+    names = key_names(b"once", b"attempts", b"o-1")
+    assert await store.get(names.result) == b"GO\x011"  # stored as 0.2.0 stored it
+    with pytest.raises(TypeError, match="fingerprint must be True or False"):
+        once(store, key=lambda n: n, fingerprint="no")  # type: ignore[arg-type]
+
+
 async def test_the_stored_value_is_versioned(store: Store) -> None:
     @once(store, key=lambda n: n, name="versioned")
     async def value(n: int) -> dict[str, int]:
@@ -265,9 +335,12 @@ async def test_the_stored_value_is_versioned(store: Store) -> None:
 
     await value(1)
     names = key_names(b"once", b"versioned", b"1")
-    assert await store.get(names.result) == b'GO\x01{"n":1}'
+    fp = Fingerprint(value.__wrapped__)((1,), {})  # type: ignore[attr-defined]
+    assert await store.get(names.result) == b"GO\x03" + fp + b'{"n":1}'
+    await store.set(names.result, b'GO\x01{"n":2}', ex=60)  # as 0.2.0 stored it: no fingerprint
+    assert await value(1) == {"n": 2}
     await store.set(names.result, b'GO\x09{"n":1}', ex=60)  # a format this version predates
-    with pytest.raises(RecordError, match="version 1"):
+    with pytest.raises(RecordError, match="version this reader knows"):
         await value(1)
 
 
@@ -290,7 +363,7 @@ async def test_sealed_values_are_bound_to_their_key_and_rotate(store: Store) -> 
     assert await sealed_old("a") == {"card": "4242-a"}
     a = key_names(b"once", b"sealed", b"a")
     raw = await store.get(a.result)
-    assert raw is not None and raw.startswith(b"GO\x02") and b"4242" not in raw
+    assert raw is not None and raw.startswith(b"GO\x04") and b"4242" not in raw
     assert await charge([new, old])("a") == {"card": "4242-a"}  # rotation opens old values
     with pytest.raises(RecordError, match="not among the configured keys"):
         await charge([new])("a")
@@ -300,8 +373,13 @@ async def test_sealed_values_are_bound_to_their_key_and_rotate(store: Store) -> 
     b = key_names(b"once", b"sealed", b"b")
     await store.claim(b.claim, b.result, b"moved", 60)
     await store.set(b.result, raw, ex=60)  # a's sealed value, copied under b's key
+
+    @once(store, key=lambda event: "b", name="sealed", encryption_keys=[old])
+    async def under_b(event: str) -> dict[str, str]:
+        return {}
+
     with pytest.raises(RecordError, match="does not open"):
-        await sealed_old("b")
+        await under_b("a")  # the arguments of a's value, so only the seal can tell
 
     assert await charge(None)("c") == {"card": "4242-c"}  # in the clear
     assert await charge([new])("c") == {"card": "4242-c"}  # read with keys on

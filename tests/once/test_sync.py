@@ -15,6 +15,7 @@ import pytest
 from goblin_idem import (
     ClaimLostError,
     InFlightError,
+    KeyReusedError,
     MemoryStore,
     Store,
     current_claim,
@@ -244,3 +245,17 @@ async def test_a_sync_endpoint_of_an_asgi_app_checks_its_claim_with_a_plain_call
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
     reply = await request(IdempotencyMiddleware(app, store=store), path="/pay", key="k")
     assert reply.status == 201 and checks == ["owned", "lost"]
+
+
+def test_a_sync_function_refuses_a_key_reused_with_other_arguments(store: Store) -> None:
+    runs: list[int] = []
+
+    @once(store, key=lambda order, cents: order, name="sync-refund")
+    def refund(order: str, cents: int) -> int:
+        runs.append(cents)
+        return cents
+
+    assert refund("o-1", 500) == refund("o-1", cents=500) == 500
+    with pytest.raises(KeyReusedError, match="first used with other arguments"):
+        refund("o-1", 999)
+    assert runs == [500]

@@ -55,6 +55,19 @@ async def test_effects_and_record_commit_together_and_duplicates_replay(setup: S
     assert await setup.payment_count("p1") == 1
 
 
+async def test_a_throttled_run_commits_nothing_and_its_retry_runs(setup: Setup) -> None:
+    """A 429 (after the handler's write) is not the request's outcome: its write is rolled
+    back, no record row is committed, and the retry with the same key runs and commits."""
+    app = build(setup.store, setup.records, setup.payments)
+    throttled = await pay(app, "k1", "p1", mode="429")
+    assert throttled.status == 429 and throttled.header("retry-after") == b"1"
+    assert await setup.payment_count("p1") == 0
+    assert await setup.rows() == []
+    retry = await pay(app, "k1", "p1")
+    assert retry.status == 201 and not replayed(retry)
+    assert await setup.payment_count("p1") == 1 and len(await setup.rows()) == 1
+
+
 async def test_the_database_wins_over_a_flushed_store(setup: Setup) -> None:
     app = build(setup.store, setup.records, setup.payments)
     first = await pay(app, "k1", "p1")

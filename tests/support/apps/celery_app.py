@@ -6,6 +6,8 @@ counts ``started:<id>``, works for `work_ms`, checks its claim, then counts
 ``committed:<id>``), then waits `after_ms` before the task returns and is acknowledged:
 a worker killed then has done the work and stored its value, but not acknowledged. A
 redelivered task neither works nor waits (counts are kept in tests.support.apps.counting).
+``refund(order, cents)`` runs ``refund_once``, keyed by the order alone: a task sent again
+with other cents reuses the key with other arguments.
 A call while another run holds the key waits for it (`wait_seconds`): for its value, or
 for its lease to run out if its worker died, and then runs."""
 
@@ -37,7 +39,14 @@ app.conf.update(
 store = RedisStore.from_url(URL)
 
 
-@once(store, key=lambda event_id, work_ms: event_id, lease_seconds=1, wait_seconds=10)
+# fingerprint=False: `work_ms` is this test's knob (a redelivery passes 0), not the request.
+@once(
+    store,
+    key=lambda event_id, work_ms: event_id,
+    lease_seconds=1,
+    wait_seconds=10,
+    fingerprint=False,
+)
 def charge_once(event_id: str, work_ms: int) -> dict[str, int]:
     started = counting.count(f"started:{event_id}")
     time.sleep(work_ms / 1000)
@@ -53,3 +62,13 @@ def charge(self: Task, event_id: str, work_ms: int = 0, after_ms: int = 0) -> di
     value = charge_once(event_id, 0 if again else work_ms)
     time.sleep(0 if again else after_ms / 1000)
     return value
+
+
+@once(store, key=lambda order, cents: order)
+def refund_once(order: str, cents: int) -> dict[str, int]:
+    return {"cents": cents, "run": counting.count(f"refunds:{order}")}
+
+
+@app.task(name="refund")
+def refund(order: str, cents: int) -> dict[str, int]:
+    return refund_once(order, cents)

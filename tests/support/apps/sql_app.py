@@ -12,7 +12,8 @@ A request's JSON body: ``ref`` and ``amount`` (one payment row), and optionally 
 ``raise``, ``500``, ``big`` (a response of 64 KiB), ``commit`` (the handler commits
 itself), ``rollback`` (it rolls back, then writes again), ``session`` (the write goes
 through ``session()``), ``gate`` (waits on the test's `Gate` after its write), or
-``gate-after-read`` (counts the payments first), or ``id`` (answers the payment's row id).
+``gate-after-read`` (counts the payments first), ``id`` (answers the payment's row id), or
+``429`` (answers 429 with ``Retry-After: 1`` after its write).
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ def build(
             raise RuntimeError("the handler failed after its write")
         if mode == "500":
             return JSONResponse({"error": "failed"}, status_code=500)
+        if mode == "429":
+            return JSONResponse(
+                {"error": "throttled"}, status_code=429, headers={"retry-after": "1"}
+            )
         if mode == "big":
             return Response(b"x" * BIG, media_type="application/octet-stream")
         return {"ref": body["ref"], "run": uuid.uuid4().hex}
