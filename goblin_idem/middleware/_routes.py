@@ -125,10 +125,7 @@ def idempotent(
     policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds, outcome)
 
     def mark(f: F) -> F:
-        global marked_endpoints
-        setattr(f, _POLICY_ATTR, policy)
-        marked_endpoints += 1
-        return f
+        return mark_endpoint(f, policy)
 
     return mark(func) if func is not None else mark
 
