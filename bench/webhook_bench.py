@@ -225,29 +225,13 @@ def main() -> None:
 
     import uvloop
 
-    from goblin_idem import MemoryStore, RedisStore
-    from goblin_idem.native import build_module
-    from tests.support.servers import start_server
-
     http_bench.pin(os.getpid(), 0)
     for kind in args.stores.split(","):
-        server = None
-        try:
-            if kind == "memory":
-                store: Any = MemoryStore()
-            else:
-                modules = [] if kind == "script" else [str(build_module())]
-                server = start_server("redis", modules=modules)
-                http_bench.pin(server.pid, 1)
-                store = RedisStore.from_url(server.url, mode=kind, **serve.redis_kwargs(False))
+        with overhead.store_of(kind) as store:
             for size in (int(s) for s in args.body_bytes.split(",")):
-                shown = f"{len(body_of('evt_1', size))} bytes"
-                print(f"-- {kind}, body {shown}", flush=True)
+                print(f"-- {kind}, body {len(body_of('evt_1', size))} bytes", flush=True)
                 for line in uvloop.run(measure(store, args, size)):
                     print(line, flush=True)
-        finally:
-            if server is not None:
-                server.stop()
 
 
 if __name__ == "__main__":
