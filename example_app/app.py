@@ -7,7 +7,10 @@ The database is SQLite unless a URL is given (`example_app.payments.Database`).
 
 Routes:
 
-- ``POST /payments``: charge an account (201, ``Location``); ``?delay_ms=`` slows it down.
+- ``POST /payments``: charge an account (201, ``Location``) at the fake card processor
+  (`example_app.card`) and in the ledger; ``?delay_ms=`` slows it down, ``?fail_once=true``
+  fails a key's first run (500) after the card was charged.
+- ``GET /card/charges``: what the card processor charged.
 - ``GET /payments/{id}``: one payment, from the database.
 - ``POST /webhooks/{provider}``: a provider's event, a Standard Webhooks delivery: its
   signature verified before anything is claimed, keyed by its ``webhook-id``;
@@ -57,6 +60,7 @@ from goblin_idem import (
 from goblin_idem._keys import DEFAULT_KEY_PATTERN, credentials_scope, key_names, valid_key
 from goblin_idem.webhooks import StandardWebhooks, webhook
 
+from .card import CardProcessor
 from .payments import Database, charge, get_payment, ledger_view, writes
 
 __all__ = [
@@ -217,6 +221,8 @@ def create_app(
     where = f" at {redact(redis_url)}" if redis_url and owns_store else ""
     database = Database(database_url)
     engine = database.engine
+    card = CardProcessor()
+    failed_once: set[str] = set()  # ?fail_once=true: the keys whose first run failed
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -242,8 +248,10 @@ def create_app(
         else:
             logger.info("example_app: payments in %s; records in the store only", database.where)
         try:
-            yield
+            async with serving(card.app):
+                yield
         finally:
+            await card.aclose()
             await database.aclose()
 
     app = FastAPI(title="goblin-idem example", lifespan=lifespan)
@@ -257,6 +265,7 @@ def create_app(
     )
     app.state.store = the_store
     app.state.database = database
+    app.state.card = card
 
     # -- payments --
 
@@ -265,15 +274,29 @@ def create_app(
         body: PaymentIn,
         request: Request,
         delay_ms: Annotated[int, Query(ge=0, le=MAX_DELAY_MS)] = 0,
+        fail_once: bool = False,
     ) -> JSONResponse:
         if delay_ms:
             await asyncio.sleep(delay_ms / 1000)  # the slow part comes before any write
         key = request.headers.get("idempotency-key")
+        # The card processor first: under a key, the transport sends it a key derived from
+        # this run's claim, so a second run of this payment is answered from its record.
+        await card.charge(body.account, body.amount_cents, body.currency)
+        if fail_once and key is not None and key not in failed_once:
+            failed_once.add(key)  # a crash after the card charge, before the payment's write
+            return problem(
+                500, "failed-after-charge", "The payment failed", "Retry with the same key."
+            )
         async with writes(engine) as conn:
             payment = await charge(conn, body.account, body.amount_cents, body.currency, key)
         return JSONResponse(
             payment.as_dict(), status_code=201, headers={"Location": f"/payments/{payment.id}"}
         )
+
+    @app.get("/card/charges")
+    async def card_charges(account: Annotated[str | None, Query(pattern=NAME)] = None) -> Any:
+        """What the fake card processor charged (an account's, or all)."""
+        return {"charges": card.charges_of(account)}
 
     @app.get("/payments/{payment_id}")
     async def read_payment(payment_id: Annotated[str, Path(pattern=NAME)]) -> Response:

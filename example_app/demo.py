@@ -14,7 +14,9 @@ The scenarios: a first call and its duplicate; a duplicate racing a slow first c
 same key with another body; a worker that dies holding a claim; a signed webhook (a
 forged delivery refused before it claims anything, the genuine one, its redelivery); a
 stale If-Match; two starts of one job; a payment whose key the store then loses (flushed),
-replayed from the database; and the ledger, which must show one charge per key.
+replayed from the database; a payment whose first run fails after the card processor
+charged, run again by the transport's retry and charged once at the processor; and the
+ledger, which must show one charge per key.
 
 Each run uses fresh keys and a fresh account, so it can be repeated against one server.
 """
@@ -509,7 +511,40 @@ async def _scenarios(
         "not charged again",
     )
 
-    # 10. The ledger: one payment per key, and the balance is the sum of one charge each.
+    # 10. A payment whose first run fails after the card processor charged (as a crash
+    # would): the transport retries the 500 with the same key, the second run sends the
+    # processor the key derived from its claim, the same as the first run's, and the
+    # processor answers from its record: one card charge.
+    key = f"demo-{run_id}-rerun"
+
+    def failed(response: httpx.Response) -> tuple[bool, str]:
+        ok = _problem_type(response) == "urn:example-app:problem:failed-after-charge"
+        return ok, "the first run failed after the card processor charged 1100"
+
+    rec.retries[key] = ("failed-after-charge", failed)
+    rerun = await rec.send("POST", "/payments?fail_once=true", key=key, body=payment(1100))
+    rec.record(
+        "rerun-after-failure",
+        rerun,
+        key=key,
+        ok=rerun.status_code == 201 and not _replayed(rerun) and _attempts(rerun) == 2,
+        note="the transport retried: the second run charged the card with the first run's key",
+    )
+    result.charges[key] = 1100
+    by_card = {k: v for k, v in result.charges.items() if k != event_id}  # webhooks: no card
+    card = await rec.send("GET", f"/card/charges?account={account}")
+    charges = card.json().get("charges", []) if card.status_code == 200 else []
+    total = sum(c.get("amount_cents", 0) for c in charges)
+    rec.record(
+        "card-charges",
+        card,
+        key=None,
+        ok=len(charges) == len(by_card) and total == sum(by_card.values()),
+        note=f"the card processor: {len(charges)} charges for {len(by_card)} paid keys, "
+        f"{total} charged (expected {sum(by_card.values())})",
+    )
+
+    # 11. The ledger: one payment per key, and the balance is the sum of one charge each.
     ledger = await rec.send("GET", f"/ledger?account={account}")
     doc = ledger.json().get("accounts", {}).get(account, {}) if ledger.status_code == 200 else {}
     result.ledger = doc

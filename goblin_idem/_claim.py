@@ -21,6 +21,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Protocol
 
+from ._derived import call_key, label_key, secret_bytes
 from ._lease import Lease
 from ._loop import loop_thread
 from .exceptions import ClaimLostError
@@ -113,6 +114,19 @@ class Claim:
             "or the key was taken or deleted, so another run may be doing the same work",
             key_hash=lease.label,
         )
+
+    def derive_key(self, label: str, *, secret: bytes | str | None = None) -> str:
+        """A key for a call this run makes to another API, named by `label` ("charge",
+        "fulfil"): the same in every process and on every re-run of this run's key, a
+        different one for another label or another key, and never this run's own key.
+        Pass it to a client that takes an idempotency key (a payment SDK, a producer's
+        dedupe id), so a second run of this work sends the same key and the next service
+        does the work once. `secret`: an app's own HMAC key, mixed in (`_derived`)."""
+        return label_key(self._lease.key, secret_bytes(secret), label)
+
+    def _key_for_call(self, method: str, url: str, label: str | None, secret: bytes) -> str:
+        """The httpx transports' key for an outgoing call of this run (`_derived.call_key`)."""
+        return call_key(self._lease, secret, method, url, label)
 
     def claim(self) -> Claim:
         return self

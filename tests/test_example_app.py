@@ -51,6 +51,9 @@ SCENARIOS = [
     "flush-pay",
     "store-flush",
     "replay-after-flush",
+    "failed-after-charge",
+    "rerun-after-failure",
+    "card-charges",
     "ledger",
 ]
 
@@ -160,12 +163,22 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     assert (again.status, again.headers["idempotent-replayed"]) == (201, "true")
     assert again.body == paid.body and again.headers["location"] == paid.headers["location"]
 
+    # A first run that failed after the card processor charged, retried by the transport:
+    # the processor charged once for it, and once for each other payment (webhooks: none).
+    failure = result.step("failed-after-charge")
+    assert failure.status == 500 and failure.attempts == 1
+    rerun = result.step("rerun-after-failure")
+    assert rerun.status == 201 and "idempotent-replayed" not in rerun.headers
+    assert rerun.attempts == 2 and rerun.json()["amount_cents"] == 1100
+    card = result.step("card-charges").json()["charges"]
+    assert sorted(c["amount_cents"] for c in card) == [700, 900, 1100, 1500, 2500]
+
     # The ledger: each key charged once, by the very payment its response announced.
     ledger = result.step("ledger")
     assert ledger.status == 200
     doc = result.ledger
-    assert doc["balances"] == {"EUR": 1500 + 2500 + 700 + 1200 + 900}
-    assert doc["payments"] == 5
+    assert doc["balances"] == {"EUR": 1500 + 2500 + 700 + 1200 + 900 + 1100}
+    assert doc["payments"] == 6
     by_key = doc["by_key"]
     assert {k: len(v) for k, v in by_key.items()} == dict.fromkeys(result.charges, 1)
     assert by_key[first.key or ""] == [first.json()["id"]]
@@ -173,6 +186,7 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     assert by_key[recovered.key or ""] == [recovered.json()["id"]]
     assert by_key[event.key or ""] == [event.json()["payment"]["id"]]
     assert by_key[paid.key or ""] == [paid.json()["id"]]
+    assert by_key[rerun.key or ""] == [rerun.json()["id"]]
 
 
 @pytest.fixture
@@ -205,8 +219,9 @@ async def test_demo_in_process(app: FastAPI, client: httpx.AsyncClient) -> None:
     stats = (await client.get("/stats")).json()
     assert stats["store"] == {"kind": "memory", "mode": "embedded"}
     counters = stats["middleware"]
-    # first, slow, after the dead lease, webhook, before the flush
-    assert counters["claimed"] == 5
+    # first, slow, after the dead lease, webhook, before the flush, and both runs of the
+    # payment that failed after the card was charged
+    assert counters["claimed"] == 7
     assert counters["replayed"] == 4  # the last one from the database
     assert counters["mismatch"] == 1 and counters["missing_key"] == 0
     assert counters["webhook_refused"] == 1  # the forged delivery, before any claim
@@ -227,13 +242,14 @@ async def test_demo_against_uvicorn_on_redis(redis_server: Server, tmp_path: Pat
             assert stats["config"]["lease_seconds"] == 2
         result = await run_demo(httpx.AsyncHTTPTransport(), f"http://127.0.0.1:{port}")
         check_demo(result)
-        # The payments are in the database; redis was flushed before the last payment's
-        # replay, which published its record back from the database.
+        # The payments are in the database; redis was flushed before the flushed payment's
+        # replay, which published its record back from the database, and the payment that
+        # failed after the card was charged.
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-            assert (await c.get("/ledger")).json()["payments_total"] == 5
+            assert (await c.get("/ledger")).json()["payments_total"] == 6
         with redis_server.sync_client() as r:
             assert r.keys("ledger:*") == []
-            assert len(r.keys("idem:{*}:r")) == 1
+            assert len(r.keys("idem:{*}:r")) == 2
     finally:
         stop(proc)
     lines = [line for line in log.read_text().splitlines() if "example_app: store=" in line]
@@ -260,7 +276,7 @@ def test_app_starts_and_demo_cli_passes(app_process: tuple[str, Path]) -> None:
     steps = lines[1:-1]
     assert len(steps) >= len(SCENARIOS)
     assert all("  ok  " in line for line in steps)
-    assert "one per key (the flushed one too); balance 6800 (expected 6800)" in steps[-1]
+    assert "one per key (the flushed one too); balance 7900 (expected 7900)" in steps[-1]
 
 
 # -- the store flushed: the database replays ---------------------------------------------------

@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from .._claim import current_claim
+from .._derived import secret_bytes
 from .._keys import credentials_scope, key_names
 from ..middleware._problems import (
     BODY_TOO_LARGE,
@@ -69,6 +71,7 @@ NON_RETRYABLE_TYPES = frozenset(
 # LocalProtocolError (this request is malformed), UnsupportedProtocol, ProxyError.
 RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 REPLAYED_HEADER = "idempotent-replayed"
+LABEL_EXTENSION = "idempotency_label"  # names a call among a run's calls to one URL
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field-name
 
 
@@ -119,6 +122,8 @@ class CallOptions:
     policy: RetryPolicy
     bucket: TokenBucket | None
     on_retry: Callable[[RetryEvent], Any] | None
+    derive: bool  # inside a claimed run, keys derived from its claim
+    secret: bytes  # the derived keys' HMAC key
 
 
 def call_options(
@@ -127,6 +132,8 @@ def call_options(
     methods: Iterable[str],
     auto_key: bool,
     on_retry: Callable[[RetryEvent], Any] | None,
+    derived_keys: bool = True,
+    key_secret: bytes | str | None = None,
 ) -> CallOptions:
     """Checked settings; a wrong one says what to pass instead."""
     if not isinstance(policy, RetryPolicy):
@@ -141,7 +148,14 @@ def call_options(
         raise TypeError("on_retry must be a function of one RetryEvent, or None")
     bucket = None if policy.budget is None else TokenBucket(policy.budget)
     return CallOptions(
-        header, frozenset(m.upper() for m in methods), bool(auto_key), policy, bucket, on_retry
+        header,
+        frozenset(m.upper() for m in methods),
+        bool(auto_key),
+        policy,
+        bucket,
+        on_retry,
+        bool(derived_keys),
+        secret_bytes(key_secret),
     )
 
 
@@ -180,12 +194,22 @@ def run_call(
 ) -> Generator[Step, object, httpx.Response]:
     key = request.headers.get(options.header)
     if key is None and options.auto_key:
-        key = str(uuid.uuid4())
+        key = _new_key(request, options)
         request.headers[options.header] = key
     if key is None or not isinstance(request.stream, httpx.ByteStream):
         sent = yield Send(request)  # nothing makes a repeat safe: one attempt, untouched
         return _finish(_response(sent), options, key, 1)
     return (yield from _RetryLoop(request, options, key).run())
+
+
+def _new_key(request: httpx.Request, options: CallOptions) -> str:
+    """Inside a claimed run, the call's key derived from the run's claim, so a second run
+    of the same work sends the next API the same key (`_derived`); else a random one."""
+    claim = current_claim() if options.derive else None
+    if claim is None:
+        return str(uuid.uuid4())
+    label = request.extensions.get(LABEL_EXTENSION)
+    return claim._key_for_call(request.method, str(request.url), label, options.secret)
 
 
 class _RetryLoop:

@@ -35,6 +35,8 @@ class _Wrapper(Generic[T]):
         methods: Sequence[str] = ("POST", "PATCH"),
         auto_key: bool = True,
         on_retry: Callable[[RetryEvent], Any] | None = None,
+        derived_keys: bool = True,
+        key_secret: bytes | str | None = None,
     ) -> None:
         if transport is not None and not isinstance(transport, self._wraps):
             raise TypeError(
@@ -42,7 +44,9 @@ class _Wrapper(Generic[T]):
                 f"{type(transport).__name__} (for the other kind of client, use {self._instead})"
             )
         self._transport: T = transport if transport is not None else type(self)._default()
-        self._options = call_options(policy or RetryPolicy(), header, methods, auto_key, on_retry)
+        self._options = call_options(
+            policy or RetryPolicy(), header, methods, auto_key, on_retry, derived_keys, key_secret
+        )
 
     @property
     def budget(self) -> TokenBucket | None:
@@ -56,6 +60,13 @@ class IdempotentTransport(_Wrapper[httpx.BaseTransport], httpx.BaseTransport):
     It wraps `transport` (default: a new `httpx.HTTPTransport()`; pass your own to set
     ``verify``, ``http2``, ``limits`` and so on, since a client given a transport does not
     build one). Requests of other methods pass through untouched.
+
+    A request without a key gets a random one, or, inside a claimed run (a handler the
+    middleware runs for a keyed request, a `once` function), one derived from the run's
+    claim: the same on a re-run, so the next API does the work once. Two calls to one URL
+    in a run are told apart by their ``idempotency_label`` request extension, else by their
+    order (`goblin_idem._derived.call_key`). ``derived_keys=False`` draws random keys
+    always; ``key_secret`` mixes an app's own secret into derived keys.
     """
 
     _wraps = httpx.BaseTransport
