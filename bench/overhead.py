@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import http_bench
@@ -231,32 +232,38 @@ def main() -> None:
 
     import uvloop
 
+    http_bench.pin(os.getpid(), 0)
+    for kind in args.stores.split(","):
+        with store_of(kind, args.no_hiredis) as store:
+            print(f"-- {kind}", flush=True)
+            for line in uvloop.run(measure(store, args)):
+                print(line, flush=True)
+
+
+@contextlib.contextmanager
+def store_of(kind: str, no_hiredis: bool = False) -> Iterator[Any]:
+    """The store `kind` names: ``memory``, or a RedisStore (``native``, ``script``, either
+    with ``-direct``: no autopipelining) on a throwaway redis-server pinned to core 1 (the
+    native one with the goblin module loaded), stopped by its PID at the end."""
     from goblin_idem import MemoryStore, RedisStore
     from goblin_idem.native import build_module
     from tests.support.servers import start_server
 
-    http_bench.pin(os.getpid(), 0)
-    for kind in args.stores.split(","):
-        server = None
-        try:
-            if kind == "memory":
-                store: Any = MemoryStore()
-            else:
-                modules = [] if kind.startswith("script") else [str(build_module())]
-                server = start_server("redis", modules=modules)
-                http_bench.pin(server.pid, 1)
-                store = RedisStore.from_url(
-                    server.url,
-                    mode=kind.removesuffix("-direct"),
-                    autopipeline=not kind.endswith("-direct"),
-                    **serve.redis_kwargs(args.no_hiredis),
-                )
-            print(f"-- {kind}", flush=True)
-            for line in uvloop.run(measure(store, args)):
-                print(line, flush=True)
-        finally:
-            if server is not None:
-                server.stop()
+    if kind == "memory":
+        yield MemoryStore()
+        return
+    modules = [] if kind.startswith("script") else [str(build_module())]
+    server = start_server("redis", modules=modules)
+    try:
+        http_bench.pin(server.pid, 1)
+        yield RedisStore.from_url(
+            server.url,
+            mode=kind.removesuffix("-direct"),
+            autopipeline=not kind.endswith("-direct"),
+            **serve.redis_kwargs(no_hiredis),
+        )
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

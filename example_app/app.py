@@ -12,8 +12,9 @@ Routes:
   fails a key's first run (500) after the card was charged.
 - ``GET /card/charges``: what the card processor charged.
 - ``GET /payments/{id}``: one payment, from the database.
-- ``POST /webhooks/{provider}``: a provider's event, keyed by its event id
-  (``Idempotency-Key`` required); ``charge`` events charge the ledger once.
+- ``POST /webhooks/{provider}``: a provider's event, a Standard Webhooks delivery: its
+  signature verified before anything is claimed, keyed by its ``webhook-id``;
+  ``charge`` events charge the ledger once.
 - ``POST /orders``, ``GET /orders/{id}``, ``PATCH /orders/{id}`` with ``If-Match``:
   optimistic concurrency with compare-and-set; an order keeps the TTL it was created with.
 - ``POST /jobs/{name}``: a short job run under a `goblin_idem.Lock`; a concurrent start
@@ -35,7 +36,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -57,11 +58,19 @@ from goblin_idem import (
     idempotent,
 )
 from goblin_idem._keys import DEFAULT_KEY_PATTERN, credentials_scope, key_names, valid_key
+from goblin_idem.webhooks import StandardWebhooks, webhook
 
 from .card import CardProcessor
 from .payments import Database, charge, get_payment, ledger_view, writes
 
-__all__ = ["app_from_env", "create_app", "describe_store", "find_middleware", "serving"]
+__all__ = [
+    "TEST_WEBHOOK_SECRET",
+    "app_from_env",
+    "create_app",
+    "describe_store",
+    "find_middleware",
+    "serving",
+]
 
 logger = logging.getLogger("example_app")
 
@@ -69,6 +78,9 @@ PROBLEM_BASE = "urn:example-app:problem:"
 NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_DELAY_MS = 10_000
 MAX_JOB_MS = 5_000
+# The webhook route's signing secret unless GOBLIN_WEBHOOK_SECRET names another: a test
+# value, published in docs/example-app.md so that the demo (and a reader) can sign events.
+TEST_WEBHOOK_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
 
 # -- request bodies ----------------------------------------------------------------------
@@ -189,6 +201,7 @@ def create_app(
     demo_routes: bool = True,
     database_url: str | None = None,
     sql_records: bool = True,
+    webhook_secrets: Sequence[str] = (TEST_WEBHOOK_SECRET,),
 ) -> FastAPI:
     """A fresh app on `store` (default: a MemoryStore, or a RedisStore for `redis_url`),
     with its records and payments in the database at `database_url` (default: a new SQLite
@@ -196,6 +209,7 @@ def create_app(
     checks its records table (it does once the app's own startup is done).
     ``sql_records=False`` leaves the records to the store alone, to show what they prevent:
     the payments stay in the database, but a flushed store lets a key charge again.
+    `webhook_secrets` are the webhook route's Standard Webhooks secrets (``whsec_...``).
 
     A store the app creates itself is checked at startup and closed at shutdown by the
     middleware; one passed in is left open.
@@ -291,21 +305,14 @@ def create_app(
             return problem(404, "not-found", "No such payment", f"{payment_id} does not exist.")
         return JSONResponse(payment)
 
-    # -- webhooks: the provider's event id is the Idempotency-Key --
+    # -- webhooks: Standard Webhooks deliveries, verified, keyed by their webhook-id --
 
     @app.post("/webhooks/{provider}")
-    @idempotent(required=True)
+    @webhook(StandardWebhooks(secrets=list(webhook_secrets)))
     async def receive_webhook(
         provider: Annotated[str, Path(pattern=NAME)], event: WebhookEvent, request: Request
     ) -> Response:
-        key = request.headers.get("idempotency-key")
-        if key != event.id:
-            return problem(
-                400,
-                "event-id-mismatch",
-                "The Idempotency-Key must be the event id",
-                f"Send the event id {event.id!r} as the Idempotency-Key.",
-            )
+        key = request.headers.get("webhook-id") or request.headers.get("svix-id")
         if event.type != "charge":
             return JSONResponse({"event": event.id, "provider": provider, "processed": "ignored"})
         try:
@@ -516,7 +523,8 @@ def app_from_env(environ: Mapping[str, str] = os.environ) -> FastAPI:
     ``GOBLIN_TTL_SECONDS`` (86400), ``GOBLIN_JOB_LEASE_MS`` (1000), ``GOBLIN_DEMO_ROUTES``
     (1; 0 turns the ``/demo/`` routes off), ``GOBLIN_DATABASE_URL`` (unset: a new SQLite
     file in the temporary directory, removed when the app stops), ``GOBLIN_SQL_RECORDS``
-    (1; 0 keeps the records in the store only).
+    (1; 0 keeps the records in the store only), ``GOBLIN_WEBHOOK_SECRET`` (the webhook
+    route's ``whsec_`` secret; unset: TEST_WEBHOOK_SECRET).
     """
     return create_app(
         redis_url=environ.get("REDIS_URL") or None,
@@ -526,4 +534,5 @@ def app_from_env(environ: Mapping[str, str] = os.environ) -> FastAPI:
         demo_routes=environ.get("GOBLIN_DEMO_ROUTES", "1") != "0",
         database_url=environ.get("GOBLIN_DATABASE_URL") or None,
         sql_records=environ.get("GOBLIN_SQL_RECORDS", "1") != "0",
+        webhook_secrets=[environ.get("GOBLIN_WEBHOOK_SECRET") or TEST_WEBHOOK_SECRET],
     )

@@ -11,7 +11,8 @@ itself (``auto_key=False``), so that the timeline can show them and so that its 
 without a key reach the app without one.
 
 The scenarios: a first call and its duplicate; a duplicate racing a slow first call; the
-same key with another body; a worker that dies holding a claim; webhook redelivery; a
+same key with another body; a worker that dies holding a claim; a signed webhook (a
+forged delivery refused before it claims anything, the genuine one, its redelivery); a
 stale If-Match; two starts of one job; a payment whose key the store then loses (flushed),
 replayed from the database; a payment whose first run fails after the card processor
 charged, run again by the transport's retry and charged once at the processor; and the
@@ -24,6 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import hashlib
+import hmac
 import json
 import secrets
 import sys
@@ -42,6 +46,8 @@ PROBLEM = "urn:goblin-idem:problem:"
 CURRENCY = "EUR"
 # Enough attempts to wait out the dead worker's lease at Retry-After: 1.
 POLICY = RetryPolicy(max_attempts=10, deadline=30.0)
+# A forger's guess at the webhook route's secret (the app's is app.TEST_WEBHOOK_SECRET).
+FORGER_SECRET = "whsec_" + base64.b64encode(b"a forger's guess at the secret").decode()
 
 
 @dataclass
@@ -128,11 +134,15 @@ class _Recorder:
         key: str | None = None,
         body: Any = None,
         headers: dict[str, str] | None = None,
+        content: bytes | None = None,
     ) -> httpx.Response:
         all_headers = dict(headers or {})
         if key is not None:
             all_headers["Idempotency-Key"] = key
-        response = await self.client.request(method, path, json=body, headers=all_headers)
+        if content is not None:  # bytes as signed
+            response = await self.client.request(method, path, content=content, headers=all_headers)
+        else:
+            response = await self.client.request(method, path, json=body, headers=all_headers)
         self.arrived[id(response)] = time.monotonic() - self.t0
         return response
 
@@ -165,6 +175,19 @@ class _Recorder:
         if self.on_step is not None:
             self.on_step(step)
         return step
+
+
+def standard_webhook_headers(msg_id: str, stamp: int, body: bytes, secret: str) -> dict[str, str]:
+    """A Standard Webhooks sender's headers: the base64 HMAC-SHA256, under the secret after
+    ``whsec_`` (base64), of ``id.timestamp.body``."""
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    mac = hmac.new(key, f"{msg_id}.{stamp}.".encode() + body, hashlib.sha256).digest()
+    return {
+        "content-type": "application/json",
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(stamp),
+        "webhook-signature": "v1," + base64.b64encode(mac).decode(),
+    }
 
 
 def _problem_type(response: httpx.Response) -> str:
@@ -353,27 +376,37 @@ async def _scenarios(
     )
     result.charges[key] = 700
 
-    # 6. Webhooks: the provider's event id is the key, and the key is required.
-    event_id = f"evt_{run_id}"
-    event = {"id": event_id, "type": "charge", "data": payment(1200)}
-    nokey = await rec.send("POST", "/webhooks/acme", body=event)
-    rec.record(
-        "webhook-no-key",
-        nokey,
-        key=None,
-        ok=nokey.status_code == 400 and _problem_type(nokey) == PROBLEM + "missing-key",
-        note="refused: this route requires an Idempotency-Key",
+    # 6. Webhooks: Standard Webhooks deliveries, signed; the webhook-id is the key.
+    from .app import TEST_WEBHOOK_SECRET  # the test secret, published with the app
+
+    event_id = f"msg_{run_id}"
+    event = json.dumps({"id": event_id, "type": "charge", "data": payment(1200)}).encode()
+    now = int(time.time())
+    forged = await rec.send(
+        "POST",
+        "/webhooks/acme",
+        content=event,
+        headers=standard_webhook_headers(event_id, now, event, FORGER_SECRET),
     )
-    delivery = await rec.send("POST", "/webhooks/acme", key=event_id, body=event)
+    rec.record(
+        "webhook-forged",
+        forged,
+        key=None,
+        ok=forged.status_code == 401 and _problem_type(forged) == PROBLEM + "webhook-unverified",
+        note="a forged signature with the event's id: refused, nothing claimed",
+    )
+    signed = standard_webhook_headers(event_id, now, event, TEST_WEBHOOK_SECRET)
+    delivery = await rec.send("POST", "/webhooks/acme", content=event, headers=signed)
     rec.record(
         "webhook-event",
         delivery,
         key=event_id,
         ok=delivery.status_code == 200 and not _replayed(delivery),
-        note="processed: charged 1200",
+        note="verified and processed: charged 1200",
     )
     result.charges[event_id] = 1200
-    redelivery = await rec.send("POST", "/webhooks/acme", key=event_id, body=event)
+    resigned = standard_webhook_headers(event_id, now + 1, event, TEST_WEBHOOK_SECRET)
+    redelivery = await rec.send("POST", "/webhooks/acme", content=event, headers=resigned)
     rec.record(
         "webhook-redelivery",
         redelivery,
@@ -381,7 +414,7 @@ async def _scenarios(
         ok=redelivery.status_code == 200
         and _replayed(redelivery)
         and redelivery.content == delivery.content,
-        note="the provider redelivers: replayed, not processed again",
+        note="the provider redelivers, signed afresh: replayed, not processed again",
     )
 
     # 7. Orders: If-Match with compare-and-set; the TTL set at creation is kept.

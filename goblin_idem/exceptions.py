@@ -8,6 +8,7 @@
     ├── ClaimLostError             the running work no longer holds its claim
     ├── RecordError (ValueError)   stored bytes this reader cannot read or open
     ├── SealError (ValueError)     a sealed value that does not open
+    ├── WebhookRefusedError        a webhook delivery that is not verified or is malformed
     ├── SqlRecordsError            SQL records that cannot be used (table, URL, driver)
     │   ├── NotInRunError          connection()/session() outside a claimed run
     │   └── CommitRefusedError     a commit of the run's transaction by the work itself
@@ -41,6 +42,7 @@ __all__ = [
     "SealError",
     "SqlRecordsError",
     "StorePermissionError",
+    "WebhookRefusedError",
 ]
 
 
@@ -144,3 +146,16 @@ class NotInRunError(SqlRecordsError):
 class CommitRefusedError(SqlRecordsError):
     """The work committed the run's transaction itself: refused, since its effects must
     commit with the run's record, which the run commits when it ends."""
+
+
+class WebhookRefusedError(GoblinError):
+    """A webhook provider's refusal of a delivery (goblin_idem.webhooks): answered 401 (its
+    signature is missing or wrong, or its timestamp outside the tolerance) or, with
+    `malformed`, 400 (a verified delivery that names no id), before anything is claimed.
+
+    The message is logged and sent as the problem's detail: a custom provider words it
+    without the secret, the signature or the body."""
+
+    def __init__(self, message: str, *, malformed: bool = False) -> None:
+        super().__init__(message)
+        self.malformed = malformed

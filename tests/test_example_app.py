@@ -5,10 +5,12 @@ SQLite, so a flushed store still replays from the database."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,8 +19,8 @@ import pytest
 from fastapi import FastAPI
 
 from example_app import create_app
-from example_app.app import redact, serving
-from example_app.demo import DemoResult, run_demo
+from example_app.app import TEST_WEBHOOK_SECRET, redact, serving
+from example_app.demo import FORGER_SECRET, DemoResult, run_demo, standard_webhook_headers
 from goblin_idem import MemoryStore
 from tests.support.procs import start_example_app, stop
 from tests.support.servers import Server, free_port
@@ -38,7 +40,7 @@ SCENARIOS = [
     "dead-worker",
     "retry-while-claimed",
     "retry-after-lease",
-    "webhook-no-key",
+    "webhook-forged",
     "webhook-event",
     "webhook-redelivery",
     "order-create",
@@ -133,8 +135,8 @@ def check_demo(result: DemoResult, *, dead_lease_seconds: int = 2) -> None:
     assert recovered.json()["amount_cents"] == 700
     assert recovered.at - dead.at >= dead_lease_seconds - 0.1
 
-    assert result.step("webhook-no-key").status == 400
-    assert result.step("webhook-no-key").json()["type"] == PROBLEM + "missing-key"
+    assert result.step("webhook-forged").status == 401
+    assert result.step("webhook-forged").json()["type"] == PROBLEM + "webhook-unverified"
     event = result.step("webhook-event")
     assert event.status == 200 and event.json()["processed"] == "charged"
     redelivery = result.step("webhook-redelivery")
@@ -221,7 +223,8 @@ async def test_demo_in_process(app: FastAPI, client: httpx.AsyncClient) -> None:
     # payment that failed after the card was charged
     assert counters["claimed"] == 7
     assert counters["replayed"] == 4  # the last one from the database
-    assert counters["mismatch"] == 1 and counters["missing_key"] == 1
+    assert counters["mismatch"] == 1 and counters["missing_key"] == 0
+    assert counters["webhook_refused"] == 1  # the forged delivery, before any claim
     in_flight = result.all("racing-duplicate") + result.all("retry-while-claimed")
     assert counters["in_flight"] == len(in_flight)
 
@@ -443,21 +446,31 @@ async def test_invalid_payment_is_refused_and_not_charged(client: httpx.AsyncCli
 
 
 async def test_webhook_rules(client: httpx.AsyncClient) -> None:
-    charge = {"id": "evt_1", "type": "charge", "data": payment("acct_w", 300)}
-    r = await client.post("/webhooks/acme", json=charge)
-    assert r.status_code == 400
+    """The webhook route is a Standard Webhooks receiver: unsigned or forged deliveries are
+    refused before anything runs; a verified one runs once per webhook-id."""
+    charge = json.dumps({"id": "evt_1", "type": "charge", "data": payment("acct_w", 300)})
+    body = charge.encode()
+    now = int(time.time())
+    r = await client.post("/webhooks/acme", content=body, headers={"webhook-id": "msg_1"})
+    assert r.status_code == 401
     assert r.headers["content-type"] == "application/problem+json"
-    assert r.json()["type"] == PROBLEM + "missing-key"
-    r = await client.post("/webhooks/acme", json=charge, headers={"Idempotency-Key": "evt_2"})
-    assert r.status_code == 400 and r.json()["type"].endswith("event-id-mismatch")
-    other = {"id": "evt_3", "type": "refund", "data": {}}
-    r = await client.post("/webhooks/acme", json=other, headers={"Idempotency-Key": "evt_3"})
+    assert r.json()["type"] == PROBLEM + "webhook-unverified"
+    forged = standard_webhook_headers("msg_1", now, body, FORGER_SECRET)
+    assert (await client.post("/webhooks/acme", content=body, headers=forged)).status_code == 401
+    no_id = standard_webhook_headers("", now, body, TEST_WEBHOOK_SECRET)
+    r = await client.post("/webhooks/acme", content=body, headers=no_id)
+    assert r.status_code == 400 and r.json()["type"] == PROBLEM + "webhook-malformed"
+    other = json.dumps({"id": "evt_3", "type": "refund", "data": {}}).encode()
+    signed = standard_webhook_headers("msg_3", now, other, TEST_WEBHOOK_SECRET)
+    r = await client.post("/webhooks/acme", content=other, headers=signed)
     assert r.status_code == 200 and r.json()["processed"] == "ignored"
-    for _ in range(3):
-        r = await client.post("/webhooks/acme", json=charge, headers={"Idempotency-Key": "evt_1"})
+    for n in range(3):  # redeliveries, each signed afresh
+        signed = standard_webhook_headers("msg_1", now + n, body, TEST_WEBHOOK_SECRET)
+        r = await client.post("/webhooks/acme", content=body, headers=signed)
         assert r.status_code == 200
+        assert (r.headers.get("idempotent-replayed") == "true") == (n > 0)
     doc = (await client.get("/ledger?account=acct_w")).json()["accounts"]["acct_w"]
-    assert doc["balances"] == {"EUR": 300} and doc["by_key"] == {"evt_1": ["pay_000001"]}
+    assert doc["balances"] == {"EUR": 300} and doc["by_key"] == {"msg_1": ["pay_000001"]}
 
 
 async def test_order_if_match_and_ttl(client: httpx.AsyncClient) -> None:

@@ -117,7 +117,7 @@ class IdempotencyMiddleware:
             scope[RESOLVED_POLICY] = _policy(request)
         if key is None:
             settings = self.core.routes.settings(scope)
-            if settings is None or not settings.required:
+            if settings is None or not (settings.required or settings.webhook):
                 return None
         return scope
 

@@ -33,6 +33,7 @@ Event = Literal[
     "unprotected",
     "unreadable",
     "superseded",
+    "webhook_refused",
 ]
 
 
@@ -55,6 +56,7 @@ class Counters:
     unprotected: int = 0
     unreadable: int = 0
     superseded: int = 0  # a late run's response not stored: another run's stood first
+    webhook_refused: int = 0  # a webhook delivery not verified or malformed: nothing claimed
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

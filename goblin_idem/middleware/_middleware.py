@@ -25,7 +25,7 @@ import sys
 import weakref
 from collections.abc import Callable, Collection, Iterable, Sequence
 from types import FrameType
-from typing import Any, Concatenate, ParamSpec
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec
 
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -41,6 +41,7 @@ from .._keys import (
 )
 from .._lease import Watchdog
 from .._recording import Records
+from ..exceptions import WebhookRefusedError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Store
 from . import _routes
@@ -53,6 +54,9 @@ from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
 from ._responses import Answers
 from ._routes import RoutePolicy, Routes, Settings, idempotent
 from ._run import Run, RunConfig, log_store_error
+
+if TYPE_CHECKING:
+    from ..webhooks import Provider
 
 __all__ = ["Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
 
@@ -118,6 +122,9 @@ class IdempotencyMiddleware:
       is stored.
     - the store is unreachable: 503 and the app is not run (``fail_open=True`` runs it
       unprotected instead).
+    - a webhook route (``@webhook(provider)``, or ``webhooks={path: provider}``): the
+      provider verifies the delivery first (401 or 400, nothing claimed) and its delivery
+      id is the key, in a scope of the provider and the route; the body is the fingerprint.
     """
 
     @_refused_at_startup
@@ -158,6 +165,7 @@ class IdempotencyMiddleware:
         records: Records | None = None,
         wait_ms: int | None = None,
         poll_interval_ms: int | None = None,
+        webhooks: dict[str, Provider] | None = None,
     ) -> None:
         if not callable(app):
             raise TypeError(f"app must be an ASGI application, not a {type(app).__name__}")
@@ -178,6 +186,7 @@ class IdempotencyMiddleware:
             include=include,
             exclude=exclude,
             required_paths=required_paths,
+            webhooks=webhooks,
             outcome=outcome,
             store_server_errors=store_server_errors,
         )
@@ -325,6 +334,8 @@ class IdempotencyMiddleware:
         settings = self.routes.settings(scope)
         if settings is None:
             await self._unkeyed(scope, receive, send)
+        elif settings.webhook is not None:
+            await self._delivery(scope, receive, send, settings, settings.webhook, content_length)
         elif key is not None:
             await self._with_key(scope, receive, send, settings, key, keys, content_length)
         elif settings.required:
@@ -348,14 +359,59 @@ class IdempotencyMiddleware:
         if keys > 1 or checked is None or not valid_key(checked, self.key_pattern):
             await self.answers.invalid_key(send, malformed=keys == 1 and checked is None)
             return
-        try:
-            body = await read_body(receive, content_length, self.max_body_bytes)
-        except BodyTooLarge:
-            await self.answers.body_too_large(send)
-            return
+        body = await self._body(receive, send, content_length)
         if body is None:
             return
         names, fp = self.identity.identify(scope, checked, body)
+        await self._claimed(scope, receive, send, settings, names, fp, body)
+
+    async def _delivery(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        settings: Settings,
+        provider: Provider,
+        content_length: bytes | None,
+    ) -> None:
+        """A webhook delivery: the body read (within the size limit), the provider's
+        verification of it, then the claim of its delivery id. Nothing unverified reaches
+        the store, so a forged request naming a genuine id cannot hold, delay or answer
+        the genuine delivery of that id."""
+        body = await self._body(receive, send, content_length)
+        if body is None:
+            return
+        try:
+            delivery = provider.verify(self.identity.header_map(scope), body)
+        except WebhookRefusedError as exc:
+            await self.answers.webhook_refused(send, provider.name, scope["path"], exc)
+            return
+        names, fp = self.identity.delivery(scope, provider.name, delivery, body)
+        await self._claimed(scope, receive, send, settings, names, fp, body)
+
+    async def _body(
+        self, receive: Receive, send: Send, content_length: bytes | None
+    ) -> bytes | None:
+        """The whole body; None if the client left, or after answering 413 past the limit
+        (before anything else reads it: a webhook's signature is checked after)."""
+        try:
+            return await read_body(receive, content_length, self.max_body_bytes)
+        except BodyTooLarge:
+            await self.answers.body_too_large(send)
+            return None
+
+    async def _claimed(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        settings: Settings,
+        names: KeyNames,
+        fp: bytes,
+        body: bytes,
+    ) -> None:
+        """The claim step for a request whose key and body are settled; then the one run,
+        or an answer from the claim step's reply."""
         token = new_token()
         try:
             reply = await self.claim_step(names, token, settings.claim_seconds)

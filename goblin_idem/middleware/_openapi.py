@@ -8,7 +8,8 @@ this method on this path covered, and is the key required there? `routes.setting
 the way it does for a real request (options, path patterns, and the ``@idempotent`` mark of
 the endpoint the router would pick), so the document cannot say anything else than what a
 request meets. A covered operation gets the key header, the ``Idempotent-Replayed`` header
-on the app's own responses, and the problem responses the middleware can give.
+on the app's own responses, and the problem responses the middleware can give; a webhook
+route gets its provider's headers instead of the key header.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _problems as problems
 from ._routes import Routes
+
+if TYPE_CHECKING:
+    from ..webhooks import Provider
 
 __all__ = ["PROBLEM_SCHEMA", "Coverage", "document_openapi", "idempotency_openapi"]
 
@@ -78,7 +82,7 @@ def idempotency_openapi(schema: dict[str, Any], app: Any, mw: Coverage) -> None:
             if settings is None:
                 continue
             covered = True
-            _document(operation, mw, settings.required)
+            _document(operation, mw, settings.required, settings.webhook)
     if covered:
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
         schemas[PROBLEM_SCHEMA] = _PROBLEM
@@ -107,36 +111,27 @@ def _request(
     }
 
 
-def _document(operation: dict[str, Any], mw: Coverage, required: bool) -> None:
+def _document(
+    operation: dict[str, Any], mw: Coverage, required: bool, webhook: Provider | None = None
+) -> None:
     name = mw.header_name
-    key_schema: dict[str, Any] = {"type": "string"}
-    if mw.any_key:
-        key_schema.update(minLength=1, maxLength=255)
-    header = {
-        "name": name,
-        "in": "header",
-        "required": required,
-        "description": (
-            "A key of the client's choosing, new for each new request and the same for "
-            "each retry of it: the first request with a key runs, and every retry gets its "
-            "response again, byte for byte, marked `Idempotent-Replayed: true`"
-            + (". Required on this operation." if required else ".")
-        ),
-        "schema": key_schema,
-    }
+    headers = [_key_header(mw, required)] if webhook is None else _webhook_headers(webhook)
+    names = {str(h["name"]).lower() for h in headers}
     parameters = operation.setdefault("parameters", [])
     parameters[:] = [
         p
         for p in parameters
-        if not (p.get("in") == "header" and str(p.get("name", "")).lower() == name.lower())
+        if not (p.get("in") == "header" and str(p.get("name", "")).lower() in names)
     ]
-    parameters.append(header)
+    parameters.extend(headers)
+    if webhook is not None:
+        name = f"{webhook.name} webhook"
 
     responses = operation.setdefault("responses", {})
     for response in responses.values():
         if isinstance(response, dict) and not _ours(response):
             response.setdefault("headers", {})["Idempotent-Replayed"] = _REPLAYED
-    for status, cases in _cases(mw, required).items():
+    for status, cases in _cases(mw, required, webhook is not None).items():
         response = responses.setdefault(str(status), {"description": ""})
         content = response.setdefault("content", {})
         content["application/problem+json"] = {
@@ -158,10 +153,47 @@ def _document(operation: dict[str, Any], mw: Coverage, required: bool) -> None:
             response.setdefault("headers", {})["Retry-After"] = _RETRY_AFTER
 
 
-def _cases(mw: Coverage, required: bool) -> dict[int, list[problems.Problem]]:
+def _key_header(mw: Coverage, required: bool) -> dict[str, Any]:
+    key_schema: dict[str, Any] = {"type": "string"}
+    if mw.any_key:
+        key_schema.update(minLength=1, maxLength=255)
+    return {
+        "name": mw.header_name,
+        "in": "header",
+        "required": required,
+        "description": (
+            "A key of the client's choosing, new for each new request and the same for "
+            "each retry of it: the first request with a key runs, and every retry gets its "
+            "response again, byte for byte, marked `Idempotent-Replayed: true`"
+            + (". Required on this operation." if required else ".")
+        ),
+        "schema": key_schema,
+    }
+
+
+def _webhook_headers(provider: Provider) -> list[dict[str, Any]]:
+    """The headers the provider sends and signs: the delivery is verified with them before
+    anything runs, and runs once per delivery id."""
+    return [
+        {
+            "name": header,
+            "in": "header",
+            "required": False,
+            "description": f"Sent by {provider.name}: each delivery is verified by its "
+            "signature before it runs, and runs once per delivery id.",
+            "schema": {"type": "string"},
+        }
+        for header in provider.headers
+    ]
+
+
+def _cases(mw: Coverage, required: bool, webhook: bool) -> dict[int, list[problems.Problem]]:
     """The problems the middleware can answer on an operation, by status."""
-    cases = [problems.INVALID_KEY]
-    if required:
+    if webhook:
+        cases = [problems.WEBHOOK_MALFORMED, problems.WEBHOOK_UNVERIFIED]
+    else:
+        cases = [problems.INVALID_KEY]
+    if required and not webhook:
         cases.insert(0, problems.MISSING_KEY)
     cases += [
         problems.IN_FLIGHT,

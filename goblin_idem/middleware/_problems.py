@@ -18,6 +18,8 @@ __all__ = [
     "RECORD_UNREADABLE",
     "STORE_UNAVAILABLE",
     "TYPE_BASE",
+    "WEBHOOK_MALFORMED",
+    "WEBHOOK_UNVERIFIED",
     "Problem",
     "send_problem",
 ]
@@ -61,6 +63,11 @@ NOT_COMMITTED = Problem(
 STORE_UNAVAILABLE = Problem(
     "store-unavailable", 503, "The idempotency store is unavailable; the request was not run"
 )
+
+WEBHOOK_UNVERIFIED = Problem(
+    "webhook-unverified", 401, "The webhook delivery's signature could not be verified"
+)
+WEBHOOK_MALFORMED = Problem("webhook-malformed", 400, "The webhook delivery is malformed")
 
 
 async def send_problem(

@@ -11,11 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope
 
 from .._keys import KeyNames, credential_header, credentials_scope, key_names
 from ..records._format import fingerprint
+
+if TYPE_CHECKING:
+    from ..webhooks import Delivery
 
 __all__ = ["BodyTooLarge", "Identity", "ReplayReceive", "read_body"]
 
@@ -52,6 +56,32 @@ class Identity:
             self._header_values(scope) if self.fingerprint_headers else (),
         )
         return key_names(self.namespace, caller, key), fp
+
+    def delivery(
+        self, scope: Scope, provider: str, delivery: Delivery, body: bytes
+    ) -> tuple[KeyNames, bytes]:
+        """A verified webhook delivery's store names and fingerprint. The scope is the
+        provider, the route's path and the provider's own scope (GitHub's hook id), NUL
+        separated (no header value holds a NUL, so it never meets a caller's scope): two
+        providers or two endpoints never share a key space. The fingerprint is the body
+        alone: a redelivery is signed afresh (new timestamp, new signature) and is still
+        the same delivery."""
+        caller = b"\0".join(
+            (
+                b"webhook",
+                provider.encode(),
+                scope["path"].encode("utf-8", "surrogateescape"),
+                delivery.scope.encode("utf-8", "surrogateescape"),
+            )
+        )
+        key = delivery.id.encode("utf-8", "surrogateescape")
+        return key_names(self.namespace, caller, key), fingerprint("", "", b"", body)
+
+    @staticmethod
+    def header_map(scope: Scope) -> dict[str, str]:
+        """The request's headers as a provider reads them: lowercase names, values decoded
+        as latin-1 (the bytes as sent); a repeated header's last value."""
+        return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
 
     def _warn_shared_scope(self, name: bytes) -> None:
         """Once per middleware: a keyed request with no Authorization header but a header

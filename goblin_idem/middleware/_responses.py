@@ -14,7 +14,7 @@ from starlette.types import Send
 
 from .._keys import KeyNames, hop_key
 from .._log import describe
-from ..exceptions import RecordError
+from ..exceptions import RecordError, WebhookRefusedError
 from ..records._format import Record, decode
 from ..records._sealing import Sealer
 from ..store import Store
@@ -72,6 +72,16 @@ class Answers:
             problems.BODY_TOO_LARGE,
             f"An idempotent request body may be at most {self.max_body_bytes} bytes.",
         )
+
+    async def webhook_refused(
+        self, send: Send, provider: str, path: str, refusal: WebhookRefusedError
+    ) -> None:
+        """401 (not verified) or 400 (malformed), logged with the provider's reason: a
+        fixed text that names no secret, signature or body."""
+        self.report("webhook_refused")
+        logger.warning("webhook delivery to %s (%s) refused: %s", path, provider, refusal)
+        problem = problems.WEBHOOK_MALFORMED if refusal.malformed else problems.WEBHOOK_UNVERIFIED
+        await problems.send_problem(send, problem, str(refusal))
 
     async def store_unavailable(self, send: Send) -> None:
         """503, not counted here: the store error that caused it is (`store_errors`)."""

@@ -17,7 +17,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from starlette.routing import Match
 from starlette.types import Scope
@@ -26,12 +26,16 @@ from .. import _options as options
 from . import _outcome
 from ._outcome import Outcome, OutcomeOption
 
+if TYPE_CHECKING:
+    from ..webhooks import Provider
+
 __all__ = [
     "RESOLVED_POLICY",
     "RoutePolicy",
     "Routes",
     "Settings",
     "idempotent",
+    "mark_endpoint",
     "marked_endpoints",
     "policy_of",
 ]
@@ -62,11 +66,16 @@ class RoutePolicy:
     lease_seconds: float | None = None
     outcome: OutcomeOption = None
     statuses: Outcome | None = field(default=None, init=False, repr=False, compare=False)
+    # A webhook route (goblin_idem.webhooks.webhook): the provider that verifies each
+    # delivery and names its key, before the claim step.
+    webhook: Provider | None = None
 
     def __post_init__(self) -> None:
         if self.outcome is not None:  # the table, computed once (_outcome)
             table = _outcome.table("@idempotent(outcome=...)", self.outcome)
             object.__setattr__(self, "statuses", table)
+        if self.webhook is not None:
+            check_provider("webhook(provider)", self.webhook)
         options.flag("@idempotent(enabled=...)", self.enabled)
         if self.required is not None:
             options.flag("@idempotent(required=...)", self.required)
@@ -116,10 +125,7 @@ def idempotent(
     policy = RoutePolicy(enabled, required, ttl_seconds, lease_seconds, outcome)
 
     def mark(f: F) -> F:
-        global marked_endpoints
-        setattr(f, _POLICY_ATTR, policy)
-        marked_endpoints += 1
-        return f
+        return mark_endpoint(f, policy)
 
     return mark(func) if func is not None else mark
 
@@ -136,6 +142,7 @@ class Settings:
     lease_ms: int
     claim_seconds: int
     outcome: Outcome
+    webhook: Provider | None = None  # verified and keyed by the provider, not a key header
 
     @classmethod
     def of(
@@ -159,14 +166,16 @@ class Routes:
         include: tuple[str, ...] | None,
         exclude: tuple[str, ...],
         required_paths: tuple[str, ...],
+        webhooks: dict[str, Provider] | None = None,
     ) -> None:
         self.defaults = defaults
+        self.webhooks = webhooks or {}
         self.include = include
         self.exclude = exclude
         self.required_paths = required_paths
         # Can a request without a key be refused (400) by the options? Route marks are
         # looked up for each request while any endpoint is marked (marked_endpoints).
-        self.may_require = defaults.required or bool(required_paths)
+        self.may_require = defaults.required or bool(required_paths) or bool(self.webhooks)
         self._for_path = functools.lru_cache(maxsize=4096)(self._settings_for_path)
         self._hidden_warned = False  # logged that a route hides its endpoint
 
@@ -182,6 +191,7 @@ class Routes:
         required_paths: Sequence[str],
         outcome: OutcomeOption = None,
         store_server_errors: bool = False,
+        webhooks: dict[str, Provider] | None = None,
     ) -> Routes:
         """The middleware's options, checked (a wrong one raises, naming it)."""
         lease = options.seconds("lease_seconds", lease_seconds, minimum=1)
@@ -193,6 +203,7 @@ class Routes:
             options.patterns("include", include) if include is not None else None,
             options.patterns("exclude", exclude),
             options.patterns("required_paths", required_paths),
+            webhook_paths(webhooks),
         )
 
     def settings(self, scope: Scope) -> Settings | None:
@@ -210,6 +221,7 @@ class Routes:
             base.lease_ms if lease is None else round(lease * 1000),
             base.claim_seconds if lease is None else math.ceil(lease),
             base.outcome if policy.statuses is None else policy.statuses,
+            base.webhook if policy.webhook is None else policy.webhook,
         )
 
     def _policy(self, scope: Scope) -> RoutePolicy | None:
@@ -227,6 +239,10 @@ class Routes:
             return None
 
     def _settings_for_path(self, path: str) -> Settings | None:
+        provider = self.webhooks.get(path)
+        if provider is not None:  # named by its exact path: include and exclude do not apply
+            return replace(self.defaults, webhook=provider)
+
         def any_match(patterns: Sequence[str]) -> bool:
             return any(fnmatch.fnmatchcase(path, p) for p in patterns)
 
@@ -259,6 +275,43 @@ def policy_of(*candidates: object) -> RoutePolicy | None:
         if isinstance(policy, RoutePolicy):
             return policy
     return None
+
+
+def mark_endpoint(func: F, policy: RoutePolicy) -> F:
+    """`func` marked with `policy`, and counted (marked_endpoints)."""
+    global marked_endpoints
+    setattr(func, _POLICY_ATTR, policy)
+    marked_endpoints += 1
+    return func
+
+
+def check_provider(name: str, provider: object) -> None:
+    """A webhook provider: a `name`, the `headers` it reads and a `verify` method."""
+    from ..webhooks import Provider  # here: the webhooks package imports the marks
+
+    if not isinstance(provider, Provider) or not callable(provider.verify):
+        raise TypeError(
+            f"{name} takes a webhook provider (goblin_idem.webhooks: StandardWebhooks, "
+            f"Stripe, GitHub, Shopify, or a Provider of your own), not a {type(provider).__name__}"
+        )
+
+
+def webhook_paths(webhooks: object) -> dict[str, Provider]:
+    """The middleware's `webhooks` option: exact request paths, each with its provider."""
+    if webhooks is None:
+        return {}
+    if not isinstance(webhooks, dict):
+        raise TypeError(
+            "webhooks must be a dict of request paths to providers, as in "
+            f"webhooks={{'/hooks/github': GitHub(secrets=[...])}}, not {type(webhooks).__name__}"
+        )
+    for path, provider in webhooks.items():
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ValueError(
+                f"webhooks: a path is an exact request path starting with '/', not {path!r}"
+            )
+        check_provider(f"webhooks[{path!r}]", provider)
+    return dict(webhooks)
 
 
 class _EndpointHidden(Exception):

@@ -71,7 +71,7 @@ class IdempotencyMiddleware:
             scope[RESOLVED_POLICY] = policy_of(environ)
         if key is None:
             settings = self.core.routes.settings(scope)
-            if settings is None or not settings.required:
+            if settings is None or not (settings.required or settings.webhook):
                 return self.app(environ, start_response)
         return self._bridged(environ, start_response, scope, key is not None)
 

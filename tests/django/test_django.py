@@ -243,3 +243,37 @@ async def test_async_views_under_asgi_commit_with_sql_records(tmp_path: Path) ->
             assert (await conn.execute(text("SELECT count(*) FROM paid"))).scalar_one() == 1
     finally:
         await records.aclose()
+
+
+@pytest.mark.parametrize("provider", ["standard", "github"])  # a function view; a view's method
+@pytest.mark.parametrize("path", ["sync", "async"])
+async def test_a_webhook_view_runs_a_genuine_delivery_once_after_a_forged_one(
+    provider: str, path: str
+) -> None:
+    """``@webhook(provider)`` on a Django view, under WSGI (sync) and ASGI (async): the
+    forged delivery (first, with the genuine one's id) is refused before the claim; the
+    genuine one runs once and is replayed."""
+    from tests.support.apps import counting
+    from tests.support.webhooks import delivery, event_body, forged
+
+    event_id, ref = f"evt_{uuid.uuid4().hex}", uuid.uuid4().hex
+    genuine = delivery(provider, event_id, event_body(event_id, ref))
+    bad = forged(genuine)
+
+    async def send(d: Any) -> Any:
+        if path == "async":
+            client = AsyncClient()
+            return await client.post(d.path, data=d.body, content_type=JSON, headers=d.headers)
+        sync = Client()
+        send_sync = sync.post
+        return await asyncio.to_thread(
+            send_sync, d.path, data=d.body, content_type=JSON, headers=d.headers
+        )
+
+    refused = await send(bad)
+    assert refused.status_code == 401 and b"webhook-unverified" in refused.content
+    first = await send(genuine)
+    assert first.status_code == 200 and first.json() == {"run": 1, "size": len(genuine.body)}
+    again = await send(genuine)
+    assert again.content == first.content and again["Idempotent-Replayed"] == "true"
+    assert counting.count(f"hook:{ref}") == 2  # one run, and this count

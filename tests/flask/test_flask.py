@@ -4,15 +4,18 @@ their methods, blueprints). Under gunicorn: tests/wsgi/test_servers.py."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
 from flask import Flask
 
-from goblin_idem import MemoryStore
+from goblin_idem import MemoryStore, RedisStore
 from goblin_idem.flask import Idempotency
 from tests.support.apps import counting
 from tests.support.apps.flask_app import create_app
+from tests.support.servers import Server
+from tests.support.webhooks import delivery, event_body, forged
 from tests.support.wsgi import call
 
 BODY = b'{"amount": 5}'
@@ -73,3 +76,25 @@ def test_init_app_and_refused_options() -> None:
     assert call(app.wsgi_app, "POST", "/pay", key="k").header("Idempotent-Replayed") == "true"
     with pytest.raises(ValueError, match="ttl_seconds must be >= 1"):
         Idempotency(Flask(__name__), ttl_seconds=0)
+
+
+@pytest.mark.parametrize("provider", ["standard", "github"])
+def test_a_webhook_view_runs_a_genuine_delivery_once_after_a_forged_one(
+    redis_server: Server, provider: str
+) -> None:
+    """``@webhook(provider)`` on a Flask view: the forged delivery (first, with the genuine
+    one's id) is refused before the claim; the genuine one runs once and is replayed."""
+    app = create_app(RedisStore.from_url(redis_server.url))
+    event_id = f"evt_{uuid.uuid4().hex}"
+    ref = uuid.uuid4().hex
+    genuine = delivery(provider, event_id, event_body(event_id, ref))
+    bad = forged(genuine)
+    refused = call(app.wsgi_app, "POST", bad.path, bad.body, list(bad.headers.items()))
+    assert refused.code == 401 and refused.json()["type"].endswith("webhook-unverified")
+    middleware = Idempotency.middleware(app)
+    assert middleware.counters.claimed == 0 and middleware.counters.webhook_refused == 1
+    first = call(app.wsgi_app, "POST", genuine.path, genuine.body, list(genuine.headers.items()))
+    assert first.code == 200 and first.json() == {"run": 1, "size": len(genuine.body)}
+    again = call(app.wsgi_app, "POST", genuine.path, genuine.body, list(genuine.headers.items()))
+    assert again.body == first.body and again.header("Idempotent-Replayed") == "true"
+    assert counting.count(f"hook:{ref}") == 2  # one run, and this count

@@ -63,7 +63,7 @@ def test_the_example_apps_openapi_json(tmp_path: Path) -> None:
     proc = start_example_app(port, tmp_path / "app.log")
     try:
         doc = httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=10).json()
-        no_key = httpx.post(
+        unsigned = httpx.post(
             f"http://127.0.0.1:{port}/webhooks/acme", json={"id": "e", "type": "x"}, timeout=10
         )
     finally:
@@ -75,9 +75,12 @@ def test_the_example_apps_openapi_json(tmp_path: Path) -> None:
     assert "Idempotent-Replayed" in payments["responses"]["201"]["headers"]
     # FastAPI's own 422 stays, the key's misuse is added beside it
     assert set(payments["responses"]["422"]["content"]) == {"application/json", PROBLEM}
-    webhook = paths["/webhooks/{provider}"]["post"]
-    assert_documented(webhook, required=True)
-    assert no_key.status_code == 400 and no_key.json()["type"].endswith("missing-key")
+    webhook = paths["/webhooks/{provider}"]["post"]  # a Standard Webhooks receiver
+    assert key_header(webhook) is None
+    headers = [p["name"] for p in webhook["parameters"] if p["in"] == "header"]
+    assert headers == ["webhook-id", "webhook-timestamp", "webhook-signature"]
+    assert problem_slugs(webhook["responses"]["401"]) == {"webhook-unverified"}
+    assert unsigned.status_code == 401 and unsigned.json()["type"].endswith("webhook-unverified")
     assert_documented(paths["/orders/{order_id}"]["patch"], required=False)
     assert_untouched(paths["/demo/dead-worker"]["post"])  # @idempotent(enabled=False)
     for method in ("get",):  # methods the middleware does not cover

@@ -411,3 +411,29 @@ def test_a_store_and_the_loop_thread_used_before_a_fork_work_in_the_child(
     assert call(mw, key="parent-2").code == 201
     assert call(mw, key="child-0").header("Idempotent-Replayed") == "true"
     loop_thread().run(store.aclose())
+
+
+def test_a_webhook_path_verifies_before_the_claim_and_runs_once(redis_server: Server) -> None:
+    """``webhooks={path: provider}`` on the WSGI middleware: a forged delivery first (with
+    the genuine one's id) is refused and claims nothing; the genuine one runs once, with its
+    whole body, and its redelivery is replayed."""
+    from goblin_idem.webhooks import GitHub
+    from tests.support.apps.webhook_app import GITHUB_SECRETS
+    from tests.support.webhooks import delivery, event_body, forged
+
+    app = App(status="200 OK")
+    store = fresh_store(redis_server)
+    mw = IdempotencyMiddleware(app, store=store, webhooks={"/hooks": GitHub(GITHUB_SECRETS)})
+    genuine = delivery("github", "d-1", event_body("d-1", "r-1"), path="/hooks")
+    bad = forged(genuine)
+    refused = call(mw, "POST", "/hooks", bad.body, list(bad.headers.items()))
+    assert refused.code == 401 and refused.header("Content-Type") == PROBLEM
+    with redis_server.sync_client() as client:
+        assert client.keys("idem:*") == []
+    assert app.runs == 0
+    first = call(mw, "POST", "/hooks", genuine.body, list(genuine.headers.items()))
+    again = call(mw, "POST", "/hooks", genuine.body, list(genuine.headers.items()))
+    assert first.code == 200 and first.json() == {"run": 1, "body": genuine.body.decode()}
+    assert again.body == first.body and again.header("Idempotent-Replayed") == "true"
+    assert app.runs == 1
+    assert mw.counters.webhook_refused == 1

@@ -13,7 +13,9 @@ from flask.views import MethodView
 
 from goblin_idem import MemoryStore, RedisStore, Store, current_claim
 from goblin_idem.flask import Idempotency, idempotent
+from goblin_idem.webhooks import GitHub, StandardWebhooks, webhook
 from tests.support.apps import counting
+from tests.support.apps.webhook_app import GITHUB_SECRETS, STANDARD_SECRETS
 
 
 def key() -> str:
@@ -78,6 +80,19 @@ def create_app(store: Store | None = None, **options: Any) -> Flask:
         return jsonify(run=counting.count(key()), order=order), 201
 
     app.register_blueprint(shop)
+
+    @app.post("/hooks/standard")
+    @webhook(StandardWebhooks(secrets=STANDARD_SECRETS))
+    def standard_hook() -> Any:
+        event = request.get_json(force=True)
+        return jsonify(run=counting.count(f"hook:{event['ref']}"), size=len(request.data))
+
+    @app.post("/hooks/github")
+    @webhook(GitHub(secrets=GITHUB_SECRETS))
+    def github_hook() -> Any:
+        event = request.get_json(force=True)
+        return jsonify(run=counting.count(f"hook:{event['ref']}"), size=len(request.data))
+
     Idempotency(app, store=store, **options)
     return app
 

@@ -19,4 +19,6 @@ urlpatterns = [
     path("marked", views.MarkedView.as_view()),
     path("api/payments", views.PaymentsAPI.as_view()),
     path("api/", include(router.urls)),
+    path("hooks/standard", views.standard_hook),
+    path("hooks/github", views.GitHubHookView.as_view()),
 ]

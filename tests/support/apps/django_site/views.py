@@ -18,7 +18,9 @@ from rest_framework.views import APIView
 
 from goblin_idem import current_claim
 from goblin_idem.django import idempotent
+from goblin_idem.webhooks import GitHub, StandardWebhooks, webhook
 from tests.support.apps import counting
+from tests.support.apps.webhook_app import GITHUB_SECRETS, STANDARD_SECRETS
 
 
 def health(request: HttpRequest) -> HttpResponse:
@@ -112,3 +114,18 @@ def store() -> object:
     from goblin_idem import MemoryStore
 
     return MemoryStore()
+
+
+def _hook(request: HttpRequest) -> HttpResponse:
+    event = json.loads(request.body)
+    run = counting.count(f"hook:{event['ref']}")
+    return JsonResponse({"run": run, "size": len(request.body)})
+
+
+standard_hook = webhook(StandardWebhooks(secrets=STANDARD_SECRETS))(_hook)
+
+
+class GitHubHookView(View):
+    @webhook(GitHub(secrets=GITHUB_SECRETS))
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return _hook(request)

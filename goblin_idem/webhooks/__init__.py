@@ -1,0 +1,25 @@
+"""Webhook receivers: each delivery verified by its provider's signature before the claim,
+keyed by the provider's own delivery id, run once.
+
+``@webhook(Stripe(secrets=[...]))`` under a route decorator, or the middleware's
+``webhooks={"/hooks/github": GitHub(secrets=[...])}`` for a path; docs/webhooks.md.
+"""
+
+from ..exceptions import WebhookRefusedError
+from ._github import GitHub
+from ._mark import webhook
+from ._provider import Delivery, Provider
+from ._shopify import Shopify
+from ._standard import StandardWebhooks
+from ._stripe import Stripe
+
+__all__ = [
+    "Delivery",
+    "GitHub",
+    "Provider",
+    "Shopify",
+    "StandardWebhooks",
+    "Stripe",
+    "WebhookRefusedError",
+    "webhook",
+]
