@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, override_settings
+from sqlalchemy.ext.asyncio import create_async_engine
 
+from goblin_idem._loop import loop_thread
 from goblin_idem.django import IdempotencyMiddleware
+from goblin_idem.sql import SqlRecords
 from tests.support.servers import Server
 from tests.support.wsgi import run_until_exit
 
@@ -190,3 +194,29 @@ async def test_the_async_path_frees_the_key_of_a_stream_closed_unread() -> None:
         if again.status_code != 409:
             break
     assert again.status_code == 201 and "Idempotent-Replayed" not in again
+
+
+def test_records_that_cannot_be_used_are_refused_at_startup(tmp_path: Path) -> None:
+    """Django has no lifespan: the SQL records are checked when Django loads the
+    middleware (here under ASGI, with async views), as the store is, so a missing table
+    stops the startup."""
+
+    async def async_view(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(status=201)
+
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    records = SqlRecords(engine, table="never_created")
+    try:
+        with (
+            override_settings(GOBLIN_IDEM={"RECORDS": records}),
+            pytest.raises(
+                ImproperlyConfigured,
+                match=r"\['RECORDS'\]: goblin-idem records: the table 'never_created' does not",
+            ),
+        ):
+            IdempotencyMiddleware(async_view)
+        loop_thread().run(records.create_table())
+        with override_settings(GOBLIN_IDEM={"RECORDS": records}):
+            IdempotencyMiddleware(async_view)  # starts
+    finally:
+        loop_thread().run(engine.dispose())
