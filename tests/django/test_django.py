@@ -7,6 +7,7 @@ and uvicorn: tests/wsgi/test_servers.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, override_settings
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from goblin_idem._keys import key_names
 from goblin_idem._loop import loop_thread
 from goblin_idem.django import IdempotencyMiddleware
+from goblin_idem.records._format import decode, encode
 from goblin_idem.sql import SqlRecords
 from tests.support.servers import Server
 from tests.support.wsgi import run_until_exit
@@ -220,3 +223,30 @@ def test_records_that_cannot_be_used_are_refused_at_startup(tmp_path: Path) -> N
             IdempotencyMiddleware(async_view)  # starts
     finally:
         loop_thread().run(engine.dispose())
+
+
+def test_a_replay_keeps_every_value_of_a_repeated_header(redis_server: Server) -> None:
+    """A record with a header given more than once (an ASGI service on the same store
+    answered it: a Django response holds one value per name) is replayed with every value,
+    in order, joined as HTTP joins them; Set-Cookie stays one cookie per header."""
+    k = key()
+    with override_settings(GOBLIN_IDEM={"STORE": redis_server.url}):
+        first = post(Client(), "/cookie", k)
+        assert first.status_code == 201
+        result = key_names(b"idem", b"", k.encode()).result
+        with redis_server.sync_client() as r:
+            record = decode(r.get(result))
+            headers = [
+                *record.headers,
+                (b"link", b"</a>; rel=preload"),
+                (b"x-trace", b"t1"),
+                (b"link", b"</b>; rel=preload"),
+                (b"link", b"</c>; rel=preload"),
+            ]
+            shared = encode(dataclasses.replace(record, headers=headers))
+            assert r.set(result, shared, keepttl=True, xx=True)
+        again = post(Client(), "/cookie", k)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again["Link"] == "</a>; rel=preload, </b>; rel=preload, </c>; rel=preload"
+    assert again["X-Trace"] == "t1"
+    assert {n: c.value for n, c in again.cookies.items()} == {"session": "s1", "theme": "dark"}
