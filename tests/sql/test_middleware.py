@@ -336,3 +336,39 @@ async def test_replays_ask_the_database_nothing_once_duplicates_are_most_of_the_
     again = await pay(app, "k1", "p1")
     assert replayed(again) and again.body == first.body
     assert await setup.payment_count("p1") == 1
+
+
+async def test_a_lookup_a_duplicate_no_longer_needs_is_left_to_finish(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A duplicate answered by the store before its database lookup ended: the lookup is
+    left to run to its end, not cancelled (a query cut off midway can leave its connection
+    in a transaction), and the database then takes another writer."""
+    app = build(setup.store, setup.records, setup.payments)
+    first = await pay(app, "k1", "p1")
+    lookup = setup.records.lookup
+    asked, gate = asyncio.Event(), asyncio.Event()
+    ended: list[tuple[bytes, int] | None] = []
+
+    async def slow(key: bytes) -> tuple[bytes, int] | None:
+        asked.set()
+        await gate.wait()  # still going when the store answers the duplicate
+        found = await lookup(key)
+        ended.append(found)
+        return found
+
+    monkeypatch.setattr(setup.records, "lookup", slow)
+    again = await pay(app, "k1", "p1")
+    assert replayed(again) and again.body == first.body
+    assert asked.is_set() and _recording._forgotten, "no lookup alongside the claim step"
+    pending = list(_recording._forgotten)
+    gate.set()
+    await asyncio.wait(pending, timeout=10)
+    assert not any(task.cancelled() for task in pending)
+    assert len(ended) == 1 and ended[0] is not None and decode(ended[0][0]).body == first.body
+    other = create_async_engine(setup.url)
+    try:
+        async with other.begin() as conn:
+            await conn.execute(update(setup.payments).values(amount=11))
+    finally:
+        await other.dispose()
