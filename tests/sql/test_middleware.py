@@ -372,3 +372,40 @@ async def test_a_lookup_a_duplicate_no_longer_needs_is_left_to_finish(
             await conn.execute(update(setup.payments).values(amount=11))
     finally:
         await other.dispose()
+
+
+async def test_a_response_too_large_to_hold_streams_on_after_its_early_commit(
+    setup: Setup,
+) -> None:
+    """Past `max_response_bytes` the run commits (its record: completed, not replayable)
+    and the rest of the body streams through as the app sends it, not held back whole:
+    the app here sends its next chunk only once the client got the first one."""
+    reached = asyncio.Event()
+    rows_at_first_bytes: list[int] = []
+
+    async def streaming(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"a" * 2048, "more_body": True})
+        await asyncio.wait_for(reached.wait(), 5)  # held back: never reached
+        await send({"type": "http.response.body", "body": b"b" * 2048, "more_body": True})
+        await send({"type": "http.response.body", "body": b"c" * 2048})
+
+    mw = IdempotencyMiddleware(
+        streaming, store=setup.store, records=setup.records, max_response_bytes=1024
+    )
+
+    async def client(scope: Any, receive: Any, send: Any) -> None:
+        async def arriving(message: Any) -> None:
+            if message["type"] == "http.response.body" and not reached.is_set():
+                rows_at_first_bytes.append(len(await setup.rows()))
+                reached.set()
+            await send(message)
+
+        await mw(scope, receive, arriving)
+
+    reply = await request(client, "POST", "/stream", key="s1", body=b"{}")
+    assert reply.status == 200 and reply.body == b"a" * 2048 + b"b" * 2048 + b"c" * 2048
+    assert rows_at_first_bytes == [1]  # committed before any byte went out
+    again = await request(mw, "POST", "/stream", key="s1", body=b"{}")
+    assert again.status == 409 and problem(again)["type"].endswith("not-replayable")
