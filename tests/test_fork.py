@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import threading
 
 import httpx
 import pytest
 
-from goblin_idem import CLAIMED, RedisStore
+from goblin_idem import CLAIMED, RedisStore, _loop
 from goblin_idem.store import Published
 from tests.support.procs import APPS, in_child, spawn, stop, wait_http
 from tests.support.servers import Server, free_port, start_cluster
@@ -146,3 +147,39 @@ def test_gunicorn_preload_workers_answer_their_first_keyed_requests(
         assert len(pids) == 2  # both workers answered, every first keyed request ran
     finally:
         stop(proc)
+
+
+def test_a_fork_while_the_loop_thread_is_starting_leaves_the_child_a_loop_thread(
+    redis_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread of the parent is starting the loop thread (holding the lock that
+    makes it one per process) when the process forks: the child, which has no such
+    thread to release that lock, starts a loop thread of its own and calls the store."""
+    parent = os.getpid()
+    starting, go_on = threading.Event(), threading.Event()
+
+    class SlowToStart(_loop.LoopThread):
+        def __init__(self) -> None:
+            if os.getpid() == parent:  # the parent's: caught halfway, at the fork
+                starting.set()
+                go_on.wait(10)
+            super().__init__()
+
+    monkeypatch.setattr(_loop, "LoopThread", SlowToStart)
+    monkeypatch.setattr(_loop, "_current", None)
+    started: list[_loop.LoopThread] = []
+    starter = threading.Thread(target=lambda: started.append(_loop.loop_thread()))
+    starter.start()
+    try:
+        assert starting.wait(10)
+
+        def in_the_child() -> list[str]:
+            store = RedisStore.from_url(redis_server.url)
+            return _loop.loop_thread().run(exercise(store, "starting"), 5)
+
+        assert in_child(in_the_child, timeout=5) == EXPECTED
+    finally:
+        go_on.set()
+        starter.join(10)
+        for thread in started:
+            thread.loop.call_soon_threadsafe(thread.loop.stop)

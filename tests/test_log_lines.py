@@ -88,3 +88,70 @@ def test_without_a_server_or_logging_the_lines_have_time_level_and_logger() -> N
     assert re.fullmatch(rf"{when} WARNING goblin_idem\.middleware: {SHARED}.*", shared), err
     (failed,) = lines_with(err, OUTAGE)
     assert re.fullmatch(rf"{when} ERROR goblin_idem\.middleware: {OUTAGE.pattern}.*", failed), err
+
+
+AWAY = """
+import asyncio, logging, sys
+from goblin_idem import IdempotencyMiddleware, MemoryStore
+from tests.support.asgi import request
+
+def handler(label):
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter(label + " %(name)s: %(message)s"))
+    return h
+
+server = logging.getLogger("uvicorn.error")  # a server's error log, as uvicorn sets it up
+server.addHandler(handler("SERVER"))
+server.setLevel(logging.INFO)
+server.propagate = False
+logging.getLogger().addHandler(handler("ROOT"))
+own = logging.getLogger(sys.argv[1])
+own.propagate = False
+if sys.argv[2] == "own":
+    own.addHandler(handler("APP"))
+    own.setLevel(logging.INFO)
+
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+async def main():
+    mw = IdempotencyMiddleware(app, store=MemoryStore())
+    messages = [{"type": "lifespan.startup"}]
+    async def receive():
+        return messages.pop() if messages else {"type": "lifespan.shutdown"}
+    async def send(message):
+        pass
+    await mw({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    await request(mw, "POST", "/x", headers=[("Idempotency-Key", "k"), ("Cookie", "s=1")])
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "handled"),
+    [("goblin_idem", "own"), ("goblin_idem.middleware", "own"), ("goblin_idem", "none")],
+)
+def test_a_logger_that_does_not_propagate_gets_the_lines(name: str, handled: str) -> None:
+    """A goblin-idem logger with ``propagate=False``: with a handler of its own, that
+    handler gets every line of the loggers under it, once, and the server's log none of
+    them; ``goblin_idem`` with none: the root logger's handler is out of their way, and
+    the lines go to the server's log as if logging had not been configured."""
+    done = subprocess.run(
+        [sys.executable, "-c", AWAY, name, handled],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    out = done.stdout.decode()
+    label = "APP" if handled == "own" else "SERVER"
+    shared = lines_with(out, SHARED)
+    assert [line.split(" ", 1)[0] for line in shared] == [label], out
+    assert "ROOT" not in out and done.stderr == b"", out + done.stderr.decode()
+    if name == "goblin_idem":  # the startup line too (goblin_idem.lifespan)
+        startup = lines_with(out, "goblin-idem store: memory")
+        assert [line.split(" ", 1)[0] for line in startup] == [label], out

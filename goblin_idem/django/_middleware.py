@@ -29,10 +29,10 @@ from starlette.types import Scope
 
 from .._exchange import Exchange
 from .._loop import loop_thread
+from ..exceptions import SqlRecordsError
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware import _routes
 from ..middleware._routes import RESOLVED_POLICY, RoutePolicy, policy_of
-from ..store import Store
 from ..wsgi._app import scope_of
 from ..wsgi._bridge import HANDOFF, Handoff, Outer, thread_app
 from ..wsgi._middleware import check_store
@@ -41,7 +41,7 @@ from ._responses import DJANGO_REQUEST, AsyncCall, DjangoResponder, django_app, 
 
 __all__ = ["IdempotencyMiddleware"]
 
-_checked: weakref.WeakSet[Store] = weakref.WeakSet()  # stores checked at startup
+_checked: weakref.WeakSet[object] = weakref.WeakSet()  # stores and records checked at startup
 
 
 class IdempotencyMiddleware:
@@ -81,14 +81,18 @@ class IdempotencyMiddleware:
 
     @staticmethod
     def _check(core: ASGIIdempotencyMiddleware) -> None:
-        """The store, checked once per process (as an ASGI lifespan's startup would)."""
-        if core.store in _checked:
+        """The store and the SQL records, checked once per process (as an ASGI lifespan's
+        startup would)."""
+        given = [core.store] if core.records is None else [core.store, core.records]
+        if all(part in _checked for part in given):
             return
         try:
             check_store(core)
         except RuntimeError as exc:
             raise ImproperlyConfigured(f"settings.{_settings.SETTING}['STORE']: {exc}") from exc
-        _checked.add(core.store)
+        except SqlRecordsError as exc:
+            raise ImproperlyConfigured(f"settings.{_settings.SETTING}['RECORDS']: {exc}") from exc
+        _checked.update(given)
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.is_async:

@@ -109,7 +109,8 @@ class IdempotencyMiddleware:
 
 
 def check_store(core: ASGIIdempotencyMiddleware) -> None:
-    """The store checked as an ASGI lifespan's startup checks it (a sync app has none),
-    through the loop thread: RuntimeError, saying what to change, if it cannot be used."""
-    lifespan = Lifespan(core.app, core.store, core.check_store, close_store=False)
+    """The store, then the SQL records, checked as an ASGI lifespan's startup checks them
+    (a sync app has none), through the loop thread: RuntimeError for a store that cannot be
+    used, SqlRecordsError for records, each saying what to change."""
+    lifespan = Lifespan(core.app, core.store, core.check_store, False, core.records)
     loop_thread().run(lifespan.startup())

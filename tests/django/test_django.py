@@ -7,6 +7,7 @@ and uvicorn: tests/wsgi/test_servers.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,13 @@ from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, override_settings
 from django.urls import path
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from goblin_idem import MemoryStore
+from goblin_idem._keys import key_names
+from goblin_idem._loop import loop_thread
 from goblin_idem.django import IdempotencyMiddleware
+from goblin_idem.records._format import decode, encode
 from goblin_idem.sql import SqlRecords, connection
 from tests.support.servers import Server
 from tests.support.wsgi import run_until_exit
@@ -277,3 +282,56 @@ async def test_a_webhook_view_runs_a_genuine_delivery_once_after_a_forged_one(
     again = await send(genuine)
     assert again.content == first.content and again["Idempotent-Replayed"] == "true"
     assert counting.count(f"hook:{ref}") == 2  # one run, and this count
+
+
+def test_records_that_cannot_be_used_are_refused_at_startup(tmp_path: Path) -> None:
+    """Django has no lifespan: the SQL records are checked when Django loads the
+    middleware (here under ASGI, with async views), as the store is, so a missing table
+    stops the startup."""
+
+    async def async_view(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(status=201)
+
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    records = SqlRecords(engine, table="never_created")
+    try:
+        with (
+            override_settings(GOBLIN_IDEM={"RECORDS": records}),
+            pytest.raises(
+                ImproperlyConfigured,
+                match=r"\['RECORDS'\]: goblin-idem records: the table 'never_created' does not",
+            ),
+        ):
+            IdempotencyMiddleware(async_view)
+        loop_thread().run(records.create_table())
+        with override_settings(GOBLIN_IDEM={"RECORDS": records}):
+            IdempotencyMiddleware(async_view)  # starts
+    finally:
+        loop_thread().run(engine.dispose())
+
+
+def test_a_replay_keeps_every_value_of_a_repeated_header(redis_server: Server) -> None:
+    """A record with a header given more than once (an ASGI service on the same store
+    answered it: a Django response holds one value per name) is replayed with every value,
+    in order, joined as HTTP joins them; Set-Cookie stays one cookie per header."""
+    k = key()
+    with override_settings(GOBLIN_IDEM={"STORE": redis_server.url}):
+        first = post(Client(), "/cookie", k)
+        assert first.status_code == 201
+        result = key_names(b"idem", b"", k.encode()).result
+        with redis_server.sync_client() as r:
+            record = decode(r.get(result))
+            headers = [
+                *record.headers,
+                (b"link", b"</a>; rel=preload"),
+                (b"x-trace", b"t1"),
+                (b"link", b"</b>; rel=preload"),
+                (b"link", b"</c>; rel=preload"),
+            ]
+            shared = encode(dataclasses.replace(record, headers=headers))
+            assert r.set(result, shared, keepttl=True, xx=True)
+        again = post(Client(), "/cookie", k)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again["Link"] == "</a>; rel=preload, </b>; rel=preload, </c>; rel=preload"
+    assert again["X-Trace"] == "t1"
+    assert {n: c.value for n, c in again.cookies.items()} == {"session": "s1", "theme": "dark"}

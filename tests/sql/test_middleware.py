@@ -339,3 +339,76 @@ async def test_replays_ask_the_database_nothing_once_duplicates_are_most_of_the_
     again = await pay(app, "k1", "p1")
     assert replayed(again) and again.body == first.body
     assert await setup.payment_count("p1") == 1
+
+
+async def test_a_lookup_a_duplicate_no_longer_needs_is_left_to_finish(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A duplicate answered by the store before its database lookup ended: the lookup is
+    left to run to its end, not cancelled (a query cut off midway can leave its connection
+    in a transaction), and the database then takes another writer."""
+    app = build(setup.store, setup.records, setup.payments)
+    first = await pay(app, "k1", "p1")
+    lookup = setup.records.lookup
+    asked, gate = asyncio.Event(), asyncio.Event()
+    ended: list[tuple[bytes, int] | None] = []
+
+    async def slow(key: bytes) -> tuple[bytes, int] | None:
+        asked.set()
+        await gate.wait()  # still going when the store answers the duplicate
+        found = await lookup(key)
+        ended.append(found)
+        return found
+
+    monkeypatch.setattr(setup.records, "lookup", slow)
+    again = await pay(app, "k1", "p1")
+    assert replayed(again) and again.body == first.body
+    assert asked.is_set() and _recording._forgotten, "no lookup alongside the claim step"
+    pending = list(_recording._forgotten)
+    gate.set()
+    await asyncio.wait(pending, timeout=10)
+    assert not any(task.cancelled() for task in pending)
+    assert len(ended) == 1 and ended[0] is not None and decode(ended[0][0]).body == first.body
+    other = create_async_engine(setup.url)
+    try:
+        async with other.begin() as conn:
+            await conn.execute(update(setup.payments).values(amount=11))
+    finally:
+        await other.dispose()
+
+
+async def test_a_response_too_large_to_hold_streams_on_after_its_early_commit(
+    setup: Setup,
+) -> None:
+    """Past `max_response_bytes` the run commits (its record: completed, not replayable)
+    and the rest of the body streams through as the app sends it, not held back whole:
+    the app here sends its next chunk only once the client got the first one."""
+    reached = asyncio.Event()
+    rows_at_first_bytes: list[int] = []
+
+    async def streaming(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"a" * 2048, "more_body": True})
+        await asyncio.wait_for(reached.wait(), 5)  # held back: never reached
+        await send({"type": "http.response.body", "body": b"b" * 2048, "more_body": True})
+        await send({"type": "http.response.body", "body": b"c" * 2048})
+
+    mw = IdempotencyMiddleware(
+        streaming, store=setup.store, records=setup.records, max_response_bytes=1024
+    )
+
+    async def client(scope: Any, receive: Any, send: Any) -> None:
+        async def arriving(message: Any) -> None:
+            if message["type"] == "http.response.body" and not reached.is_set():
+                rows_at_first_bytes.append(len(await setup.rows()))
+                reached.set()
+            await send(message)
+
+        await mw(scope, receive, arriving)
+
+    reply = await request(client, "POST", "/stream", key="s1", body=b"{}")
+    assert reply.status == 200 and reply.body == b"a" * 2048 + b"b" * 2048 + b"c" * 2048
+    assert rows_at_first_bytes == [1]  # committed before any byte went out
+    again = await request(mw, "POST", "/stream", key="s1", body=b"{}")
+    assert again.status == 409 and problem(again)["type"].endswith("not-replayable")

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +16,10 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.types import Message
 
-from goblin_idem import IdempotencyMiddleware, MemoryStore
+from goblin_idem import IdempotencyMiddleware, MemoryStore, SqlRecordsError
+from goblin_idem._loop import loop_thread
 from goblin_idem.sql import SqlRecords
+from goblin_idem.wsgi import IdempotencyMiddleware as WSGIIdempotencyMiddleware
 from tests.sql.conftest import Setup
 from tests.support.postgres import Postgres
 from tests.support.procs import output_of, spawn, uvicorn_args
@@ -126,3 +129,63 @@ def test_uvicorn_exits_when_the_table_is_missing(postgres: Postgres, redis_serve
     assert proc.wait(timeout=30) != 0
     said = output_of(proc)
     assert "'never_created' does not exist" in said, said
+
+
+async def _ignores_the_lifespan(scope: Any, receive: Any, send: Any) -> None:
+    """An app that takes no part in the lifespan: it returns without a word."""
+
+
+async def _refuses_the_lifespan(scope: Any, receive: Any, send: Any) -> None:
+    """An app that raises for the lifespan, as Django's ASGI handler does."""
+    if scope["type"] == "lifespan":
+        raise ValueError("Django can only handle ASGI/HTTP connections, not lifespan.")
+
+
+@pytest.mark.parametrize("app", [_ignores_the_lifespan, _refuses_the_lifespan])
+async def test_an_app_that_ignores_the_lifespan_still_has_its_records_checked(
+    tmp_path: Path, app: Any
+) -> None:
+    """The middleware completes the lifespan alone for an app that ignores it, and checks
+    the records there too: a missing table fails the startup, before any keyed request."""
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    mw = IdempotencyMiddleware(
+        app, store=MemoryStore(), records=SqlRecords(engine, table="never_created")
+    )
+    incoming: list[Message] = [{"type": "lifespan.startup"}]
+    answered: asyncio.Queue[Message] = asyncio.Queue()
+
+    async def receive() -> Message:
+        if incoming:
+            return incoming.pop()
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    scope: dict[str, Any] = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    task = asyncio.ensure_future(mw(scope, receive, answered.put))
+    try:
+        failed = await asyncio.wait_for(answered.get(), 30)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.dispose()
+    assert failed["type"] == "lifespan.startup.failed", failed
+    assert "'never_created' does not exist" in failed["message"]
+
+
+def test_the_wsgi_adapter_checks_the_records_when_it_is_built(tmp_path: Path) -> None:
+    """A WSGI app has no lifespan: the adapter checks the store and the records when it is
+    built, so a missing table stops the worker's startup, not its first keyed request."""
+
+    def app(environ: Any, start_response: Any) -> list[bytes]:
+        start_response("201 Created", [])
+        return [b"done"]
+
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    records = SqlRecords(engine, table="never_created")
+    try:
+        with pytest.raises(SqlRecordsError, match="'never_created' does not exist"):
+            WSGIIdempotencyMiddleware(app, store=MemoryStore(), records=records)
+        loop_thread().run(records.create_table())
+        WSGIIdempotencyMiddleware(app, store=MemoryStore(), records=records)  # starts
+    finally:
+        loop_thread().run(engine.dispose())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -403,3 +404,37 @@ async def test_a_failover_moves_the_calls_and_closes_the_old_primarys_pipeline()
             ] * len(tags)
         finally:
             await store.aclose()
+
+
+async def test_tryagain_on_the_first_send_of_the_shared_path_is_sent_again() -> None:
+    """TRYAGAIN on the shared connection's own send (a claim of two keys: the claim still
+    on the migrating node, the result on neither) is sent again, not the first refusal
+    handed back each time: once the claim has moved and the migration ended, the claim
+    finds its key held (in flight)."""
+    cluster = start_cluster("redis", masters=3)
+    store = RedisStore.from_url(cluster.servers[0].url, cluster=True, mode="script")
+    try:
+        await store.detect()
+        fast(store)
+        c, r = keys_of(f"first-refusal-{secrets.token_hex(3)}")
+        assert await store.claim(c, r, b"t", 30) is CLAIMED
+        src = server_at(cluster, primary_of(store, c))
+        dst = next(s for s in cluster.servers[: cluster.masters] if s.port != src.port)
+        begin_migration(src, dst, key_slot(c), [])  # the claim stays on src for now
+        before = tryagain_errors(cluster)
+
+        def move_then_end() -> None:
+            time.sleep(0.3)
+            with src.sync_client() as s:
+                s.execute_command("MIGRATE", dst.host, dst.port, c, 0, 5000)
+            end_migration(cluster, dst, key_slot(c))
+
+        ending = asyncio.create_task(asyncio.to_thread(move_then_end))
+        assert await store.claim(c, r, b"u", 30) is None  # held by "t": in flight
+        await ending
+        assert tryagain_errors(cluster) > before + 1  # refused more than once: sent again
+        with dst.sync_client() as d:
+            assert d.get(c) == b"t"
+    finally:
+        await store.aclose()
+        cluster.stop()

@@ -24,6 +24,7 @@ import pytest
 import uvloop
 
 from goblin_idem import CLAIMED, Lock, MemoryStore, RedisStore, Store, once
+from goblin_idem._lease import Lease, Watchdog
 from tests.support.servers import Cluster, Server, start_cluster
 
 T = TypeVar("T")
@@ -312,3 +313,53 @@ def test_a_memory_store_shared_by_threads_has_one_winner_per_key() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert sorted(itertools.chain(*winners)) == list(range(keys))
+
+
+def test_a_lease_in_one_loop_leaves_the_other_loops_renewals_to_them(redis_server: Server) -> None:
+    """A second loop's first lease keeps the first loop's renewals where they are: the
+    first loop's leases are renewed until that loop releases them, and not after (a
+    released lease renewed on, by renewals the watchdog forgot, would keep its key)."""
+    store = RedisStore.from_url(redis_server.url)
+    dog = Watchdog.for_store(store)
+    tag = secrets.token_hex(4)
+    keys = [f"{tag}-a1".encode(), f"{tag}-a2".encode(), f"{tag}-b".encode()]
+    a_held, b_held, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def pttls(names: list[bytes]) -> list[int]:
+        with redis_server.sync_client() as r:
+            return [int(r.pttl(key)) for key in names]
+
+    def hold(key: bytes) -> Lease:
+        with redis_server.sync_client() as r:
+            r.set(key, b"t", px=600)
+        return dog.hold(key, b"t", 600)
+
+    async def first_loop() -> list[int]:
+        one = hold(keys[0])
+        a_held.set()
+        await asyncio.to_thread(b_held.wait, 10)
+        two = hold(keys[1])  # after the other loop's first lease
+        await asyncio.sleep(1.0)  # over a lease: only renewals keep them
+        alive = pttls(keys[:2])
+        await dog.release(one)
+        await dog.release(two)
+        await asyncio.sleep(1.0)  # released: their keys expire
+        alive += pttls(keys[:2])
+        a_done.set()
+        return alive
+
+    async def second_loop() -> list[int]:
+        await asyncio.to_thread(a_held.wait, 10)
+        lease = hold(keys[2])
+        b_held.set()
+        await asyncio.to_thread(a_done.wait, 10)
+        alive = pttls(keys[2:])
+        await dog.release(lease)
+        return alive
+
+    first, second = in_threads(2, lambda i: second_loop() if i else first_loop())
+    assert first[0] > 0 and first[1] > 0, first  # renewed while held
+    assert first[2:] == [-2, -2], first  # not renewed once released
+    assert second[0] > 0
+    assert dog.lost == 0 and len(dog) == 0
+    asyncio.run(store.aclose())

@@ -19,7 +19,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
 
-from goblin_idem import CLAIMED, Lock, MemoryStore, RedisStore, Store
+from goblin_idem import CLAIMED, Lock, MemoryStore, NotReplicatedError, RedisStore, Store
 from goblin_idem.store import Published
 from goblin_idem.store._scripts import ALL as ALL_SCRIPTS
 from goblin_idem.store._server_errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
@@ -562,3 +562,47 @@ async def test_native_and_script_reply_alike_side_by_side(
     finally:
         for store in stores:
             await store.aclose()
+
+
+# -- wait_replicas -----------------------------------------------------------------------------
+
+
+def _replica_linked(primary: Server) -> None:
+    """Until the replica acknowledges writes (its first sync loaded)."""
+    deadline = time.monotonic() + 20
+    with primary.sync_client() as r:
+        while int(r.execute_command("WAIT", 1, 200)) < 1:
+            assert time.monotonic() < deadline, "the replica never acknowledged"
+            r.set("replica-ready", 1)
+
+
+@pytest.mark.parametrize("replicas", [0, 1], ids=["no-replica", "one-replica"])
+async def test_a_publish_fewer_replicas_acknowledge_than_asked_raises(replicas: int) -> None:
+    """``wait_replicas``: a publish is WAITed for like a won claim, and fewer replicas than
+    asked acknowledging it raises NotReplicatedError (the write stays on the primary), with
+    no replica attached (WAIT times out with 0) as with one that is short of the count."""
+    primary = start_server("redis", args=["--repl-diskless-sync-delay", "0"])
+    replica = (
+        start_server("redis", args=["--replicaof", "127.0.0.1", str(primary.port)])
+        if replicas
+        else None
+    )
+    plain = RedisStore.from_url(primary.url)
+    waiting = RedisStore.from_url(primary.url, wait_replicas=replicas + 1, wait_timeout_seconds=0.1)
+    try:
+        if replica is not None:
+            _replica_linked(primary)
+        assert await plain.claim(b"{w}:c", b"{w}:r", b"t", 30) is CLAIMED
+        with pytest.raises(NotReplicatedError, match=rf"^WAIT: {replicas} of {replicas + 1} "):
+            await waiting.publish(b"{w}:r", b"v", 60_000, b"{w}:c", b"t")
+        with primary.sync_client() as r:
+            assert r.get(b"{w}:r") == b"v" and r.pttl(b"{w}:c") > 30_000
+        # A repeat over its own landed result is checked the same way.
+        with pytest.raises(NotReplicatedError):
+            await waiting.publish(b"{w}:r", b"v", 60_000, b"{w}:c", b"t")
+    finally:
+        await plain.aclose()
+        await waiting.aclose()
+        if replica is not None:
+            replica.stop()
+        primary.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import Coroutine, Generator
 from typing import Any
 
@@ -20,13 +21,15 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
+from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, _closing
+from goblin_idem._closing import publish_retried
 from goblin_idem._keys import key_names
+from goblin_idem._lease import Lease
 from goblin_idem.records._format import decode
 from goblin_idem.store import Published
 from tests.support.asgi import request
 from tests.support.proxy import Proxy
-from tests.support.servers import Server
+from tests.support.servers import Server, free_port
 
 
 async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -215,3 +218,41 @@ async def test_a_publish_whose_reply_was_lost_meets_its_own_result(
             assert replay.header("idempotent-replayed") == b"true" and replay.body == b"done"
         finally:
             await store.aclose()
+
+
+async def test_a_failing_publish_is_retried_until_a_third_of_the_lease_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A publish that keeps failing (its server gone) is sent again after pauses doubling
+    from 50 ms and capped at 200 ms, until a third of the lease before the claim would
+    lapse: no attempt starts after that, and one starts within a pause of it (a blip near
+    the deadline still gets its retries)."""
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", mode="script")
+    lease = Lease(b"{d}:c", b"t", 3000)
+    lease.renewed_at = time.monotonic()
+    deadline = lease.renewed_at + 2.0
+    attempts: list[float] = []
+    pauses: list[float] = []
+    publish = store.publish
+
+    async def timed(*args: Any) -> Published:
+        attempts.append(time.monotonic())
+        return await publish(*args)
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        await real_sleep(seconds)
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(store, "publish", timed)
+    monkeypatch.setattr(_closing.asyncio, "sleep", pause)
+    names = key_names(b"idem", b"", b"deadline")
+    try:
+        with pytest.raises(RedisConnectionError):
+            await publish_retried(store, names, b"v", 60_000, lease)
+    finally:
+        monkeypatch.undo()
+        await store.aclose()
+    assert pauses[:4] == [0.05, 0.1, 0.2, 0.2] and max(pauses) == 0.2, pauses
+    assert all(at < deadline for at in attempts), [at - lease.renewed_at for at in attempts]
+    assert attempts[-1] > deadline - 0.3, [at - lease.renewed_at for at in attempts]

@@ -6,6 +6,7 @@ the loop thread across a fork. Served in process by tests/support/wsgi.py; the s
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import threading
@@ -26,6 +27,7 @@ from goblin_idem import (
 from goblin_idem import (
     IdempotencyMiddleware as ASGIMiddleware,
 )
+from goblin_idem._keys import key_names
 from goblin_idem._loop import loop_thread
 from goblin_idem.wsgi import IdempotencyMiddleware
 from tests.support.asgi import request as asgi_request
@@ -35,6 +37,7 @@ from tests.support.backends import (
 from tests.support.procs import in_child
 from tests.support.servers import Server
 from tests.support.wsgi import Reply, StartResponse, call
+from tests.support.wsgi import environ as wsgi_environ
 
 PROBLEM = "application/problem+json"
 
@@ -437,3 +440,93 @@ def test_a_webhook_path_verifies_before_the_claim_and_runs_once(redis_server: Se
     assert again.body == first.body and again.header("Idempotent-Replayed") == "true"
     assert app.runs == 1
     assert mw.counters.webhook_refused == 1
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "streamed"])
+def test_the_last_byte_reaches_the_client_only_after_the_publish(
+    redis_server: Server, declared: bool
+) -> None:
+    """The chunk that completes the response's Content-Length (or, for a streamed one, the
+    iterable's end) is handed to the server only once the result is in the store: a client
+    that has the whole body and retries at once gets the replay, never 409."""
+    store = fresh_store(redis_server)
+    parts = [b"a" * 100, b"b" * 100, b"c" * 100]
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterator[bytes]:
+        environ["wsgi.input"].read()
+        length = [("Content-Length", str(sum(map(len, parts))))] if declared else []
+        start_response("201 Created", length)
+        yield from parts
+
+    mw = IdempotencyMiddleware(app, store=store)
+    result = key_names(b"idem", b"", b"last-byte").result
+    seen: list[tuple[bytes, bool]] = []  # (chunk, the result stored when it arrived)
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        return None
+
+    env = wsgi_environ("POST", "/", b"{}", [("Idempotency-Key", "last-byte")])
+    iterable = mw(env, start_response)
+    try:
+        with redis_server.sync_client() as r:
+            for chunk in iterable:
+                seen.append((chunk, r.exists(result) == 1))
+            ended = r.exists(result) == 1
+    finally:
+        getattr(iterable, "close", lambda: None)()
+    assert b"".join(chunk for chunk, _ in seen) == b"".join(parts)
+    if declared:  # the chunk that completes the Content-Length: after the publish
+        assert seen[-1][1], seen
+    else:  # the end of a streamed body (the iterable's end): after the publish
+        assert ended
+    assert call(mw, "POST", "/", b"{}", key="last-byte").header("Idempotent-Replayed") == "true"
+    loop_thread().run(store.aclose())
+
+
+class Socket(io.RawIOBase):
+    """A request's body on a kept-alive connection: the next request's bytes follow it, and
+    a read with no size (to EOF) would wait for the client to close."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.at = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            raise AssertionError("the body was read to EOF, not to its Content-Length")
+        chunk = self.data[self.at : self.at + size]
+        self.at += len(chunk)
+        return chunk
+
+
+def test_the_body_is_read_as_content_length_bytes_never_to_eof(redis_server: Server) -> None:
+    """A keyed body is read as its Content-Length's bytes: the bytes after it belong to the
+    connection's next request, and a read to EOF would wait for the client to hang up."""
+    store = fresh_store(redis_server)
+    bodies: list[bytes] = []
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> list[bytes]:
+        bodies.append(environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"])))
+        start_response("201 Created", [("Content-Length", "2")])
+        return [b"ok"]
+
+    mw = IdempotencyMiddleware(app, store=store)
+    next_request = b"POST / HTTP/1.1\r\nHost: x\r\n\r\n"
+    replies: list[str] = []
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        replies.append(status)
+
+    for size in (10, 100_000):  # read up front, whole: the middleware fingerprints it
+        body = b"x" * size
+        env = wsgi_environ("POST", "/", body, [("Idempotency-Key", f"eof-{size}")])
+        env["wsgi.input"] = Socket(body + next_request)
+        iterable = mw(env, start_response)
+        try:
+            assert b"".join(iterable) == b"ok" and replies[-1] == "201 Created"
+        finally:
+            getattr(iterable, "close", lambda: None)()
+        assert bodies[-1] == body and env["wsgi.input"].at == size  # the next request's left
+    loop_thread().run(store.aclose())
