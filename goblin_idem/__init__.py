@@ -10,6 +10,7 @@ from ._lock import Lock
 from .exceptions import (
     ClaimLostError,
     CommitRefusedError,
+    DatabaseUnavailableError,
     GoblinError,
     InFlightError,
     LockError,
@@ -33,6 +34,7 @@ __all__ = [
     "Codec",
     "CommitRefusedError",
     "Counters",
+    "DatabaseUnavailableError",
     "GoblinError",
     "IdempotencyMiddleware",
     "InFlightError",

@@ -33,6 +33,7 @@ Event = Literal[
     "unprotected",
     "unreadable",
     "superseded",
+    "database_errors",
 ]
 
 
@@ -55,6 +56,7 @@ class Counters:
     unprotected: int = 0
     unreadable: int = 0
     superseded: int = 0  # a late run's response not stored: another run's stood first
+    database_errors: int = 0  # the records' database unavailable: 503, nothing run
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

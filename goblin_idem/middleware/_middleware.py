@@ -41,6 +41,7 @@ from .._keys import (
 )
 from .._lease import Watchdog
 from .._recording import Records
+from ..exceptions import DatabaseUnavailableError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Store
 from . import _routes
@@ -350,6 +351,11 @@ class IdempotencyMiddleware:
         token = new_token()
         try:
             reply = await self.claim_step(names, token, settings.claim_seconds)
+        except DatabaseUnavailableError as exc:
+            # The records' database could not be asked (the claim, if won, was freed): it
+            # may hold a committed record, so nothing runs, whatever fail_open says.
+            await self.answers.database_unavailable(send, names, exc)
+            return
         except Exception as exc:
             # Anything out of the store step, even a client library's own bug, means the
             # claim is in doubt: answer as for a store that is down, never run unprotected

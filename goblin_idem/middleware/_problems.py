@@ -9,6 +9,7 @@ from starlette.types import Send
 
 __all__ = [
     "BODY_TOO_LARGE",
+    "DATABASE_UNAVAILABLE",
     "INVALID_KEY",
     "IN_FLIGHT",
     "KEY_REUSED",
@@ -60,6 +61,10 @@ NOT_COMMITTED = Problem(
 )
 STORE_UNAVAILABLE = Problem(
     "store-unavailable", 503, "The idempotency store is unavailable; the request was not run"
+)
+
+DATABASE_UNAVAILABLE = Problem(
+    "database-unavailable", 503, "The records' database is unavailable; the request was not run"
 )
 
 

@@ -78,6 +78,19 @@ class Answers:
             [(b"retry-after", self.retry_after)],
         )
 
+    async def database_unavailable(self, send: Send, names: KeyNames, exc: BaseException) -> None:
+        """503: the records' database could not serve this run (counted and logged here,
+        once per request, as a database error: the store is not at fault)."""
+        self.report("database_errors", names.hash)
+        logger.error("key %s: %s; answering 503, nothing ran", names.hash, exc)
+        await problems.send_problem(
+            send,
+            problems.DATABASE_UNAVAILABLE,
+            "The request was not run: the database its effects commit in is unavailable. "
+            "Retry it with the same key.",
+            [(b"retry-after", self.retry_after)],
+        )
+
     # -- a duplicate: answered from the claim step's reply --
 
     async def in_flight(self, send: Send, names: KeyNames) -> None:

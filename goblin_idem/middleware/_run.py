@@ -32,6 +32,7 @@ from .._closing import ClosingStep, free_claim, publish_retried, run_to_end
 from .._keys import KeyNames
 from .._lease import Lease, Watchdog
 from .._log import describe
+from ..exceptions import DatabaseUnavailableError
 from ..records._compression import Compressor
 from ..records._format import Record, encode
 from ..records._sealing import Sealer
@@ -173,8 +174,13 @@ class Run:
             on_lost=config.lease_lost,
         )
         held = current.set(self)  # current_claim() in the handler: self.claim()
+        unavailable: DatabaseUnavailableError | None = None
         try:
             await config.app(scope, receive, self.send)
+        except DatabaseUnavailableError as exc:
+            if self.recorded is None or self.recorded.sent:
+                raise
+            unavailable = exc  # at connection(): 503 once the key is released, below
         finally:
             current.reset(held)
             if self.recorded is not None:
@@ -184,6 +190,10 @@ class Run:
                 # may not have happened, so free the key for the client's retry.
                 self.keep = False
                 await self._finish()
+        if unavailable is not None:
+            assert self.recorded is not None
+            if not await self.recorded.answer_unavailable(unavailable):
+                raise unavailable
 
     def claim(self) -> Claim:
         """This run's claim, for current_claim() in the handler: built when asked."""

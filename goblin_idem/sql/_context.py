@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, A
 from .._log import describe
 from .._recording import Committed
 from ..exceptions import CommitRefusedError, NotInRunError
+from ._failures import connecting, unavailable_as
 
 if TYPE_CHECKING:
     from ._records import SqlRecords
@@ -78,6 +79,8 @@ class RunTransaction:
         _current.reset(token)
 
     async def connection(self) -> RunConnection:
+        """The run's connection, taken and begun on first use; DatabaseUnavailableError if
+        none could be had (the pool exhausted, the database unreachable)."""
         if self.ended:
             raise NotInRunError(
                 "this run's transaction has ended (it committed with the run's record, or "
@@ -87,13 +90,14 @@ class RunTransaction:
         if self.conn is None:
             async with self.opening:
                 if self.conn is None:
-                    conn = RunConnection(self.engine)
-                    await conn.start()
-                    try:
-                        self.tx = await AsyncConnection.begin(conn)  # the one begin allowed
-                    except BaseException:
-                        await conn.close()
-                        raise
+                    with connecting("for the run's connection()"):
+                        conn = RunConnection(self.engine)
+                        await conn.start()
+                        try:
+                            self.tx = await AsyncConnection.begin(conn)  # the one begin allowed
+                        except BaseException:
+                            await conn.close()
+                            raise
                     self.conn = conn
         return self.conn
 
@@ -108,11 +112,17 @@ class RunTransaction:
         A run that wrote nothing commits the row alone, one statement in autocommit (as
         atomic, and a round trip instead of a transaction's two or three)."""
         try:
-            if self.conn is None and not self.ended:
-                self.ended = True  # connection() refuses from here on
-                committed = await self.records.insert_alone(key, key_hash, fp, data, ttl_ms)
-            else:
-                committed = await self._commit_with_writes(key, key_hash, fp, data, ttl_ms)
+            try:
+                if self.conn is None and not self.ended:
+                    self.ended = True  # connection() refuses from here on
+                    committed = await self.records.insert_alone(key, key_hash, fp, data, ttl_ms)
+                else:
+                    committed = await self._commit_with_writes(key, key_hash, fp, data, ttl_ms)
+            except Exception as exc:
+                failure = unavailable_as(exc, "at the run's commit")
+                if failure is None:
+                    raise
+                raise failure from exc
             if not committed:
                 await self.rollback()
                 found = await self.records.lookup(key)
