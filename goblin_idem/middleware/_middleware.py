@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import re
@@ -55,7 +56,7 @@ from ._responses import Answers
 from ._routes import RoutePolicy, Routes, Settings, idempotent
 from ._run import Run, RunConfig, log_store_error
 
-__all__ = ["Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
+__all__ = ["OPTIONS", "Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -393,3 +394,14 @@ class IdempotencyMiddleware:
             self.store, logging.ERROR, exc, "store error for key %s, answering 503", names.hash
         )
         await self.answers.store_unavailable(send)
+
+
+# Every option of the middleware, by name, but its app and the millisecond names it keeps
+# for one release: what a framework's settings (Django's GOBLIN_IDEM, Flask's
+# GOBLIN_IDEM_* config keys) may name.
+OPTIONS = frozenset(inspect.signature(IdempotencyMiddleware.__init__).parameters) - {
+    "self",
+    "app",
+    "wait_ms",
+    "poll_interval_ms",
+}

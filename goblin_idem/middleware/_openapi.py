@@ -173,7 +173,7 @@ def _cases(mw: Coverage, required: bool) -> dict[int, list[problems.Problem]]:
         cases.append(problems.STORE_UNAVAILABLE)
     by_status: dict[int, list[problems.Problem]] = defaultdict(list)
     for problem in cases:
-        by_status[problem.status].append(problem)
+        by_status[problem.status].append(problem.for_header(mw.header_name))
     return dict(sorted(by_status.items()))
 
 

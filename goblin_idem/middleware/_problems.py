@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ __all__ = [
 ]
 
 TYPE_BASE = "urn:goblin-idem:problem:"
+DEFAULT_HEADER = "Idempotency-Key"  # the header the titles name
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,13 @@ class Problem:
     @property
     def type(self) -> str:
         return TYPE_BASE + self.slug
+
+    def for_header(self, header_name: str) -> Problem:
+        """This problem with its title naming the key header the middleware is configured
+        with (the titles name the default, Idempotency-Key)."""
+        if header_name == DEFAULT_HEADER or DEFAULT_HEADER not in self.title:
+            return self
+        return dataclasses.replace(self, title=self.title.replace(DEFAULT_HEADER, header_name))
 
 
 MISSING_KEY = Problem("missing-key", 400, "An Idempotency-Key header is required")

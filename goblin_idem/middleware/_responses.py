@@ -43,7 +43,9 @@ class Answers:
     async def missing_key(self, send: Send, method: str, path: str) -> None:
         self.report("missing_key")
         await problems.send_problem(
-            send, problems.MISSING_KEY, f"{self.header_name} is required for {method} {path}."
+            send,
+            problems.MISSING_KEY.for_header(self.header_name),
+            f"{self.header_name} is required for {method} {path}.",
         )
 
     async def invalid_key(self, send: Send, *, malformed: bool) -> None:
@@ -59,7 +61,7 @@ class Answers:
                 if self.any_key
                 else "in the form this service accepts."
             )
-        await problems.send_problem(send, problems.INVALID_KEY, detail)
+        await problems.send_problem(send, problems.INVALID_KEY.for_header(self.header_name), detail)
 
     async def body_too_large(self, send: Send) -> None:
         self.report("too_large")
@@ -97,7 +99,7 @@ class Answers:
         self.report("in_flight", names.hash)
         await problems.send_problem(
             send,
-            problems.IN_FLIGHT,
+            problems.IN_FLIGHT.for_header(self.header_name),
             "A request with this key is in progress; retry after the Retry-After delay.",
             [(b"retry-after", self.retry_after)],
         )
@@ -117,7 +119,7 @@ class Answers:
             self.report("mismatch", names.hash)
             await problems.send_problem(
                 send,
-                problems.KEY_REUSED,
+                problems.KEY_REUSED.for_header(self.header_name),
                 "The key was first used with another method, path, query or body. "
                 "Use a new key for a new request.",
             )
@@ -126,7 +128,7 @@ class Answers:
             self.report("not_replayable", names.hash)
             await problems.send_problem(
                 send,
-                problems.NOT_REPLAYABLE,
+                problems.NOT_REPLAYABLE.for_header(self.header_name),
                 f"The first request completed with status {record.status}. "
                 "Do not retry it with this key.",
             )
@@ -147,7 +149,7 @@ class Answers:
         )
         await problems.send_problem(
             send,
-            problems.RECORD_UNREADABLE,
+            problems.RECORD_UNREADABLE.for_header(self.header_name),
             "The request with this key was run, but its stored response cannot be read here. "
             "It is not run again; retry later with the same key.",
             [(b"retry-after", self.retry_after)],

@@ -161,6 +161,26 @@ def test_a_body_cut_short_runs_nothing_and_the_retry_runs(
     assert "idempotent-replayed" not in full.headers and served.runs(key) == 1
 
 
+def test_a_flask_app_configured_by_its_config_and_init_app(redis_server: Server) -> None:
+    """Options from app.config (GOBLIN_IDEM_STORE, _HEADER, _REQUIRED) and from init_app's
+    arguments; the 400 names the configured header, not the default one."""
+    env = {"REDIS_URL": redis_server.url}
+    app = "tests.support.apps.flask_app:configured"
+    server = Gunicorn(app, free_port(), env, workers=1).wait_ready()
+    try:
+        refused = httpx.post(server.url + "/work", json={}, timeout=30)
+        key = {"X-Request-Key": uuid.uuid4().hex}
+        first = httpx.post(server.url + "/work", json={}, headers=key, timeout=30)
+        again = httpx.post(server.url + "/work", json={}, headers=key, timeout=30)
+    finally:
+        server.stop()
+    assert refused.status_code == 400
+    assert refused.json()["title"] == "An X-Request-Key header is required"
+    assert refused.json()["detail"] == "X-Request-Key is required for POST /work."
+    assert first.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json() == {"run": 1}
+
+
 def test_a_handler_three_leases_long_runs_once(flask_sync: Served) -> None:
     """The lease renewed on the loop thread while the request's thread runs the handler."""
     served, key = flask_sync, uuid.uuid4().hex
