@@ -483,18 +483,35 @@ def log_store_error(store: Store, level: int, exc: BaseException, message: str, 
     logger.log(level, "%s: %s", message % key, describe(exc))
 
 
+# The Vary fields that a middleware adapting each response to its client adds (GZip or
+# Brotli: Accept-Encoding; CORS: Origin and the preflight's; Django's LocaleMiddleware:
+# Accept-Language). Placed inside the idempotency middleware, it makes the stored
+# response one client's variant; placed outside, each duplicate gets its own: a fix the
+# user can make. A Vary the app's own views set (Django REST framework adds Accept to
+# every response) is the app's, and no order of middleware changes it: not warned about.
+REORDERABLE_VARY = frozenset(
+    {
+        "accept-encoding",
+        "origin",
+        "access-control-request-method",
+        "access-control-request-headers",
+        "accept-language",
+    }
+)
+
+
 def _warn_vary(headers: list[tuple[bytes, bytes]], names: KeyNames, config: RunConfig) -> None:
     """Once per middleware: the stored response varies by request headers that the key
-    does not cover, so every duplicate gets this variant (a middleware that adapts the
-    response to each client, such as GZip or CORS, wraps this one)."""
+    does not cover and that a middleware adapting each response (GZip, CORS) adds, so
+    every duplicate gets this variant: that middleware is inside this one."""
     varies = [value for name, value in headers if name == b"vary"]
     if not varies:
         return
     fields = {
         field.strip().lower().decode("latin-1") for value in varies for field in value.split(b",")
     }
+    fields &= REORDERABLE_VARY
     fields -= config.fingerprint_headers
-    fields.discard("")
     if not fields:
         return
     config.warned.add("vary")
