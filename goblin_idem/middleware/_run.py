@@ -177,10 +177,15 @@ class Run:
         unavailable: DatabaseUnavailableError | None = None
         try:
             await config.app(scope, receive, self.send)
-        except DatabaseUnavailableError as exc:
+        except Exception as exc:
+            # The database unavailable to the work (at connection(), or its own writes:
+            # SQLite busy past its timeout) is answered 503, once the key is released,
+            # below; any other error of the app is the app's.
             if self.recorded is None or self.recorded.sent:
                 raise
-            unavailable = exc  # at connection(): 503 once the key is released, below
+            unavailable = self.recorded.tx.unavailable(exc)
+            if unavailable is None:
+                raise
         finally:
             current.reset(held)
             if self.recorded is not None:
@@ -193,7 +198,7 @@ class Run:
         if unavailable is not None:
             assert self.recorded is not None
             if not await self.recorded.answer_unavailable(unavailable):
-                raise unavailable
+                raise unavailable.__cause__ or unavailable
 
     def claim(self) -> Claim:
         """This run's claim, for current_claim() in the handler: built when asked."""

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, A
 
 from .._log import describe
 from .._recording import Committed
-from ..exceptions import CommitRefusedError, NotInRunError
+from ..exceptions import CommitRefusedError, DatabaseUnavailableError, NotInRunError
 from ._failures import connecting, unavailable_as
 
 if TYPE_CHECKING:
@@ -144,6 +144,14 @@ class RunTransaction:
                 "so its record is not committed either"
             )
         return await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
+
+    def unavailable(self, exc: Exception) -> DatabaseUnavailableError | None:
+        """`exc`, raised by the work (a DatabaseUnavailableError of connection(), or its
+        own statement's error), as the database unavailable (`_failures`), or None."""
+        failure = unavailable_as(exc, "for the run's writes")
+        if failure is not None and failure is not exc:
+            failure.__cause__ = exc
+        return failure
 
     async def rollback(self) -> None:
         self.ended = True

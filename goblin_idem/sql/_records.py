@@ -40,6 +40,7 @@ from .._log import describe
 from ..exceptions import DatabaseUnavailableError, SqlRecordsError
 from ._context import RunTransaction
 from ._failures import connecting, unavailable, unavailable_as
+from ._sqlite import sqlite_engine
 
 __all__ = ["DEFAULT_TABLE", "SqlRecords"]
 
@@ -115,9 +116,13 @@ class SqlRecords:
 
     @property
     def engine(self) -> AsyncEngine:
-        """The engine, made from the URL on first use (which imports its driver)."""
+        """The engine, made from the URL on first use (which imports its driver); for
+        SQLite, set up for several writing processes (`sqlite_engine`)."""
         if self._engine is None:
-            self._engine = create_async_engine(self._url)
+            if make_url(self._url).get_backend_name() == "sqlite":
+                self._engine = sqlite_engine(self._url)
+            else:
+                self._engine = create_async_engine(self._url)
         return self._engine
 
     def __repr__(self) -> str:

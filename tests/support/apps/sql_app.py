@@ -17,7 +17,8 @@ A request's JSON body: ``ref`` and ``amount`` (one payment row), and optionally 
 itself), ``rollback`` (it rolls back, then writes again), ``session`` (the write goes
 through ``session()``), ``gate`` (waits on the test's `Gate` after its write), or
 ``gate-after-read`` (counts the payments first), ``id`` (answers the payment's row id), or
-``hold`` (keeps its connection for ``hold_ms`` after its write).
+``hold`` (keeps its connection for ``hold_ms`` after its write); ``work_ms`` is time the
+handler works before its write.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def build(
         body = await request.json()
         mode = body.get("mode")
         values = {"ref": body["ref"], "amount": body["amount"]}
+        await asyncio.sleep(body.get("work_ms", 0) / 1000)  # work before the write
         if (
             mode == "gate-after-read"
         ):  # read what another run writes (write skew under SERIALIZABLE)
