@@ -11,6 +11,7 @@ from ._lock import Lock
 from .exceptions import (
     ClaimLostError,
     CommitRefusedError,
+    DatabaseUnavailableError,
     GoblinError,
     InFlightError,
     KeyReusedError,
@@ -35,6 +36,7 @@ __all__ = [
     "Codec",
     "CommitRefusedError",
     "Counters",
+    "DatabaseUnavailableError",
     "GoblinError",
     "IdempotencyMiddleware",
     "InFlightError",

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from ._closing import free_claim
 from ._keys import KeyNames
 from ._log import describe
+from .exceptions import DatabaseUnavailableError
 from .store import CLAIMED, ClaimReply, Store
 
 logger = logging.getLogger("goblin_idem.claim")
@@ -56,6 +57,11 @@ class RunTransaction(Protocol):
 
     async def rollback(self) -> None:
         """Undo the work's writes and give the connection back; safe to repeat."""
+        ...
+
+    def unavailable(self, exc: Exception) -> DatabaseUnavailableError | None:
+        """`exc`, raised by the work, as the database unavailable to it (the middleware
+        answers 503 database-unavailable), or None for an error of another kind."""
         ...
 
 

@@ -11,7 +11,9 @@
     ├── WebhookRefusedError        a webhook delivery that is not verified or is malformed
     ├── SqlRecordsError            SQL records that cannot be used (table, URL, driver)
     │   ├── NotInRunError          connection()/session() outside a claimed run
-    │   └── CommitRefusedError     a commit of the run's transaction by the work itself
+    │   ├── CommitRefusedError     a commit of the run's transaction by the work itself
+    │   └── DatabaseUnavailableError
+    │                              the records' database unreachable, its pool exhausted
     ├── NotReplicatedError (redis.exceptions.RedisError)
     │                              fewer replicas than asked acknowledged a write
     └── StorePermissionError (redis.exceptions.NoPermissionError)
@@ -31,6 +33,7 @@ from redis.exceptions import NoPermissionError, RedisError
 __all__ = [
     "ClaimLostError",
     "CommitRefusedError",
+    "DatabaseUnavailableError",
     "GoblinError",
     "InFlightError",
     "KeyReusedError",
@@ -159,3 +162,12 @@ class WebhookRefusedError(GoblinError):
     def __init__(self, message: str, *, malformed: bool = False) -> None:
         super().__init__(message)
         self.malformed = malformed
+
+
+class DatabaseUnavailableError(SqlRecordsError):
+    """The records' database could not serve a run (unreachable, its pool exhausted, a
+    connection lost, SQLite busy past its timeout) at the claim step's lookup, at
+    ``connection()`` or at the commit; the error it met is its ``__cause__``. Nothing of the
+    run committed: the middleware answers 503 ``database-unavailable`` with Retry-After
+    and counts it as ``database_errors`` (never as the store's, and never a reason for
+    ``fail_open`` to run the request unprotected)."""

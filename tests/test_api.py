@@ -26,6 +26,7 @@ EXPORTED = [
     "Codec",
     "CommitRefusedError",
     "Counters",
+    "DatabaseUnavailableError",
     "GoblinError",
     "IdempotencyMiddleware",
     "InFlightError",

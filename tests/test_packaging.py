@@ -13,6 +13,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+from tests.support.procs import stop
 from tests.support.servers import start_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +95,61 @@ def test_the_built_wheel_installs_and_builds_the_module_in_a_clean_venv(tmp_path
             assert r.execute_command("GOBLIN.CLAIM", "c", "r", "tok", "10") == b"CLAIMED"
     finally:
         server.stop()
+
+
+TASKS = textwrap.dedent(
+    """
+    import os
+
+    from celery import Celery
+
+    from goblin_idem import MemoryStore, once
+
+    app = Celery("tasks", broker=os.environ["REDIS_URL"], backend=os.environ["REDIS_URL"])
+    store = MemoryStore()
+
+
+    @app.task
+    @once(store, key=lambda order: f"order-{order}")
+    def ship(order):
+        return f"shipped {order}"
+    """
+)
+
+
+def test_the_celery_extra_runs_a_worker_on_a_redis_broker(tmp_path: Path) -> None:
+    """``goblin-idem[celery]`` in a clean venv is enough for a Celery worker whose broker is
+    Redis (kombu's Redis transport imports more than Celery requires)."""
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=NOT_SOURCE)
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", venv)
+    python = venv / "bin" / "python"
+    run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check", f"{source}[celery]")
+    (tmp_path / "tasks.py").write_text(TASKS)
+    server = start_server("redis")
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "REDIS_URL": server.url}
+    worker = subprocess.Popen(
+        [python, "-m", "celery", "-A", "tasks", "worker", "--pool", "solo", "--loglevel", "error"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        sent = subprocess.run(
+            [python, "-c", "import tasks; print(tasks.ship.delay(7).get(timeout=60))"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+    finally:
+        stop(worker)
+        server.stop()
+    assert sent.returncode == 0, sent.stderr
+    assert sent.stdout.strip() == "shipped 7"
 
 
 def test_a_failed_compile_names_the_cc_flag(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-untyped]
-from django.http import HttpRequest  # type: ignore[import-untyped]
+from django.http import HttpRequest, HttpResponse  # type: ignore[import-untyped]
 from django.http.response import HttpResponseBase  # type: ignore[import-untyped]
 from django.urls import Resolver404, get_resolver, resolve  # type: ignore[import-untyped]
 from starlette.types import Scope
@@ -33,11 +33,18 @@ from ..exceptions import SqlRecordsError
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware import _routes
 from ..middleware._routes import RESOLVED_POLICY, RoutePolicy, policy_of
-from ..wsgi._app import scope_of
-from ..wsgi._bridge import HANDOFF, Handoff, Outer, thread_app
+from ..wsgi._app import body_cut, body_reader, scope_of
+from ..wsgi._bridge import HANDOFF, ClientGone, Handoff, Outer, thread_app
 from ..wsgi._middleware import check_store
 from . import _settings
-from ._responses import DJANGO_REQUEST, AsyncCall, DjangoResponder, django_app, response_of
+from ._responses import (
+    DJANGO_REQUEST,
+    AsyncCall,
+    DjangoResponder,
+    chunked,
+    django_app,
+    response_of,
+)
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -126,19 +133,29 @@ class IdempotencyMiddleware:
         return scope
 
     def _body(self, request: HttpRequest) -> bytes | None:
-        """The body read up front (Django's own read) when it is within max_body_bytes."""
+        """The body read up front (Django's own read) when it is within max_body_bytes;
+        ClientGone if fewer bytes came than its Content-Length said (Django's read, as
+        gunicorn's wsgi.input, ends where the client disconnected)."""
         length = request.META.get("CONTENT_LENGTH", "")
         if not length.isdigit() or int(length) > self.max_body_bytes:
             return None
-        body: bytes = request.body
+        try:
+            body: bytes = request.body
+        except OSError as exc:  # Django's UnreadablePostError: the read failed
+            raise ClientGone(f"the client left while sending the body ({exc})") from exc
+        if len(body) < int(length):
+            raise body_cut(len(body), int(length))
         return body
 
     # -- under WSGI: the request's thread --
 
     def _bridged(self, request: HttpRequest, scope: Scope) -> HttpResponseBase:
+        try:
+            body = self._body(request)
+        except ClientGone:
+            return HttpResponse(status=400)  # nobody reads it: nothing run, nothing claimed
         exchange = Exchange(loop_thread())
         responder = DjangoResponder(self.get_response, request)
-        body = self._body(request)
         handoff = Handoff(exchange, responder, body, None if body is not None else _reader(request))
         scope[HANDOFF] = handoff
         exchange.start(self.core(scope, handoff.receive, handoff.send))
@@ -226,7 +243,12 @@ def _scope(request: HttpRequest) -> Scope:
 
 def _reader(request: HttpRequest) -> Any:
     """The body as Django reads it, whole (for a body with no Content-Length, or one
-    over max_body_bytes, which the middleware refuses by its length before reading)."""
+    over max_body_bytes, which the middleware refuses by its length before reading). A
+    chunked body, which Django under WSGI does not read (it reads Content-Length bytes),
+    is read from wsgi.input as the WSGI middleware reads it, and handed to Django's
+    request as its body (`DjangoResponder.begin`), as Django's ASGI handler would."""
+    if chunked(request):
+        return body_reader(request.META)
 
     def read() -> tuple[bytes, bool]:
         return request.body, False

@@ -11,6 +11,7 @@ other repeated headers joined with commas (a Django response holds one value per
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Coroutine, Iterable
 from contextlib import aclosing
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "DJANGO_REQUEST",
     "AsyncCall",
     "DjangoResponder",
+    "chunked",
     "django_app",
     "response_of",
     "start_message",
@@ -72,6 +74,13 @@ def _blocks(response: HttpResponseBase) -> HttpResponseBase:
     return response
 
 
+def chunked(request: HttpRequest) -> bool:
+    """A request under WSGI whose body has no Content-Length but ends where the server
+    says (wsgi.input_terminated: a chunked body)."""
+    meta = request.META
+    return not meta.get("CONTENT_LENGTH") and bool(meta.get("wsgi.input_terminated"))
+
+
 class DjangoResponder(Responder):
     """The rest of the middleware chain and the view, run in the request's thread; the
     response is closed by whoever ends up with it (Django, if it is passed through)."""
@@ -83,7 +92,11 @@ class DjangoResponder(Responder):
         self.response: HttpResponseBase | None = None
 
     def begin(self, body: bytes | None) -> Iterable[bytes]:
-        # The body: Django's request holds it, read (request.body) as the middleware did.
+        # The body: Django's request holds it, read (request.body) as the middleware did;
+        # a chunked one, which Django under WSGI leaves unread, the middleware read.
+        if body is not None and chunked(self.request):
+            self.request._body = body  # what Django's own read of request.body sets
+            self.request._stream = io.BytesIO(body)
         response = self.response = _blocks(self.get_response(self.request))
         if response.streaming:
             chunks: Iterable[bytes] = iter(response)

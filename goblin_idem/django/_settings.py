@@ -16,7 +16,6 @@ settings (the test client builds one per client) shares one store and its watchd
 
 from __future__ import annotations
 
-import inspect
 import re
 import threading
 from typing import Any
@@ -25,7 +24,7 @@ from django.conf import settings  # type: ignore[import-untyped]
 from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-untyped]
 from django.utils.module_loading import import_string  # type: ignore[import-untyped]
 
-from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
+from ..middleware._middleware import OPTIONS
 from ..store import MemoryStore, RedisStore, Store
 
 __all__ = ["SETTING", "read", "refused"]
@@ -33,14 +32,6 @@ __all__ = ["SETTING", "read", "refused"]
 SETTING = "GOBLIN_IDEM"
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
 _FUNCTIONS = ("scope", "on_event", "outcome")
-# Every option of the ASGI middleware, by name, but its app and the millisecond names it
-# keeps for one release (the settings are new: seconds only).
-OPTIONS = frozenset(inspect.signature(ASGIIdempotencyMiddleware.__init__).parameters) - {
-    "self",
-    "app",
-    "wait_ms",
-    "poll_interval_ms",
-}
 _stores: dict[str, Store] = {}
 _making = threading.Lock()
 

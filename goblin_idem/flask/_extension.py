@@ -4,23 +4,34 @@ for route marks."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import RequestRedirect
 
+from ..middleware._middleware import OPTIONS
 from ..middleware._routes import RoutePolicy, policy_of
-from ..store import Store
+from ..store import MemoryStore, RedisStore, Store
 from ..wsgi import IdempotencyMiddleware
 
-__all__ = ["Idempotency"]
+__all__ = ["CONFIG_PREFIX", "Idempotency"]
+
+CONFIG_PREFIX = "GOBLIN_IDEM_"  # app.config["GOBLIN_IDEM_LEASE_SECONDS"] is lease_seconds
+URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 class Idempotency:
     """Makes a Flask app's POST/PATCH views safe to retry with an ``Idempotency-Key``
     header; `options` are goblin_idem.IdempotencyMiddleware's, checked (with the store)
-    when the app is given, so a wrong one stops the app's startup."""
+    when the app is given, so a wrong one stops the app's startup.
+
+    As other Flask extensions do, the options may come from the constructor, from
+    ``init_app(app, ...)`` (an app factory's), and from the app's config as
+    ``GOBLIN_IDEM_<OPTION>`` keys (``GOBLIN_IDEM_STORE`` a store, or a ``redis://``,
+    ``rediss://`` or ``unix://`` URL, or ``"memory"``). For each option, ``init_app``'s
+    argument wins over the constructor's, which wins over the config."""
 
     def __init__(
         self, app: Flask | None = None, *, store: Store | None = None, **options: Any
@@ -30,8 +41,13 @@ class Idempotency:
         if app is not None:
             self.init_app(app)
 
-    def init_app(self, app: Flask) -> None:
-        middleware = IdempotencyMiddleware(app.wsgi_app, store=self.store, **self.options)
+    def init_app(self, app: Flask, *, store: Store | None = None, **options: Any) -> None:
+        given = {**config_options(app.config), **self.options, **options}
+        chosen = store if store is not None else self.store
+        if chosen is None:
+            chosen = given.get("store")
+        given["store"] = _store(chosen)
+        middleware = IdempotencyMiddleware(app.wsgi_app, **given)
         middleware.policy_of = functools.partial(_policy, app)
         app.wsgi_app = middleware  # type: ignore[method-assign]
         app.extensions["goblin_idem"] = middleware
@@ -41,6 +57,38 @@ class Idempotency:
         """The middleware serving `app` (its counters, its store)."""
         middleware: IdempotencyMiddleware = app.extensions["goblin_idem"]
         return middleware
+
+
+def config_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The middleware's options the app's config gives as ``GOBLIN_IDEM_*`` keys; ValueError
+    naming the key for one that names no option."""
+    found: dict[str, Any] = {}
+    for key, value in config.items():
+        if not isinstance(key, str) or not key.startswith(CONFIG_PREFIX):
+            continue
+        name = key[len(CONFIG_PREFIX) :].lower()
+        if name not in OPTIONS:
+            raise ValueError(
+                f"app.config[{key!r}] names no goblin-idem option; the options are "
+                f"{', '.join(sorted(CONFIG_PREFIX + o.upper() for o in OPTIONS))}"
+            )
+        found[name] = value
+    return found
+
+
+def _store(setting: object) -> Any:
+    """A store given as a URL (or ``"memory"``) made; anything else is checked by the
+    middleware (None, for one, is refused with what to pass)."""
+    if isinstance(setting, str):
+        if setting == "memory":
+            return MemoryStore()
+        if setting.startswith(URL_SCHEMES):
+            return RedisStore.from_url(setting)
+        raise ValueError(
+            "app.config['GOBLIN_IDEM_STORE'] must be a store, a redis://, rediss:// or "
+            f"unix:// URL, or 'memory', not {setting[:20]!r}"
+        )
+    return setting
 
 
 def _policy(app: Flask, environ: dict[str, Any]) -> RoutePolicy | None:

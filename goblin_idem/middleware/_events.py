@@ -34,6 +34,7 @@ Event = Literal[
     "unreadable",
     "superseded",
     "webhook_refused",
+    "database_errors",
 ]
 
 
@@ -57,6 +58,7 @@ class Counters:
     unreadable: int = 0
     superseded: int = 0  # a late run's response not stored: another run's stood first
     webhook_refused: int = 0  # a webhook delivery not verified or malformed: nothing claimed
+    database_errors: int = 0  # the records' database unavailable: 503, nothing run
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import re
@@ -41,7 +42,7 @@ from .._keys import (
 )
 from .._lease import Watchdog
 from .._recording import Records
-from ..exceptions import WebhookRefusedError
+from ..exceptions import DatabaseUnavailableError, WebhookRefusedError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Store
 from . import _routes
@@ -58,7 +59,7 @@ from ._run import Run, RunConfig, log_store_error
 if TYPE_CHECKING:
     from ..webhooks import Provider
 
-__all__ = ["Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
+__all__ = ["OPTIONS", "Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -415,6 +416,11 @@ class IdempotencyMiddleware:
         token = new_token()
         try:
             reply = await self.claim_step(names, token, settings.claim_seconds)
+        except DatabaseUnavailableError as exc:
+            # The records' database could not be asked (the claim, if won, was freed): it
+            # may hold a committed record, so nothing runs, whatever fail_open says.
+            await self.answers.database_unavailable(send, names, exc)
+            return
         except Exception as exc:
             # Anything out of the store step, even a client library's own bug, means the
             # claim is in doubt: answer as for a store that is down, never run unprotected
@@ -452,3 +458,14 @@ class IdempotencyMiddleware:
             self.store, logging.ERROR, exc, "store error for key %s, answering 503", names.hash
         )
         await self.answers.store_unavailable(send)
+
+
+# Every option of the middleware, by name, but its app and the millisecond names it keeps
+# for one release: what a framework's settings (Django's GOBLIN_IDEM, Flask's
+# GOBLIN_IDEM_* config keys) may name.
+OPTIONS = frozenset(inspect.signature(IdempotencyMiddleware.__init__).parameters) - {
+    "self",
+    "app",
+    "wait_ms",
+    "poll_interval_ms",
+}

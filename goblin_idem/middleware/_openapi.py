@@ -205,7 +205,7 @@ def _cases(mw: Coverage, required: bool, webhook: bool) -> dict[int, list[proble
         cases.append(problems.STORE_UNAVAILABLE)
     by_status: dict[int, list[problems.Problem]] = defaultdict(list)
     for problem in cases:
-        by_status[problem.status].append(problem)
+        by_status[problem.status].append(problem.for_header(mw.header_name))
     return dict(sorted(by_status.items()))
 
 

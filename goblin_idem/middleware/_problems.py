@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ from starlette.types import Send
 
 __all__ = [
     "BODY_TOO_LARGE",
+    "DATABASE_UNAVAILABLE",
     "INVALID_KEY",
     "IN_FLIGHT",
     "KEY_REUSED",
@@ -25,6 +27,7 @@ __all__ = [
 ]
 
 TYPE_BASE = "urn:goblin-idem:problem:"
+DEFAULT_HEADER = "Idempotency-Key"  # the header the titles name
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,13 @@ class Problem:
     @property
     def type(self) -> str:
         return TYPE_BASE + self.slug
+
+    def for_header(self, header_name: str) -> Problem:
+        """This problem with its title naming the key header the middleware is configured
+        with (the titles name the default, Idempotency-Key)."""
+        if header_name == DEFAULT_HEADER or DEFAULT_HEADER not in self.title:
+            return self
+        return dataclasses.replace(self, title=self.title.replace(DEFAULT_HEADER, header_name))
 
 
 MISSING_KEY = Problem("missing-key", 400, "An Idempotency-Key header is required")
@@ -68,6 +78,9 @@ WEBHOOK_UNVERIFIED = Problem(
     "webhook-unverified", 401, "The webhook delivery's signature could not be verified"
 )
 WEBHOOK_MALFORMED = Problem("webhook-malformed", 400, "The webhook delivery is malformed")
+DATABASE_UNAVAILABLE = Problem(
+    "database-unavailable", 503, "The records' database is unavailable; the request was not run"
+)
 
 
 async def send_problem(

@@ -9,7 +9,8 @@ Two steps, each with its guarantee:
 - `Recorded` (the run): the response start and body are held back while the app runs, its
   record inserted in the run's transaction and committed, then the held messages sent. So a
   client never sees a response whose effects did not commit; a commit that fails answers
-  503 (the effects did not happen), and a commit refused by the key's row (another run got
+  503 (the effects did not happen: ``database-unavailable`` if the database could not be
+  reached, else ``not-committed``), and a commit refused by the key's row (another run got
   there first) answers that run's record.
 
 A request that runs without a claimed key (none sent, a route not covered, a store down
@@ -30,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._keys import KeyNames
 from .._log import describe
 from .._recording import Committed, Records, RunTransaction
+from ..exceptions import DatabaseUnavailableError
 from . import _problems as problems
 from ._responses import Answers
 
@@ -75,6 +77,8 @@ class Recorded:
     state: str = HOLDING
     answered: bool = False  # FAILED or ELSEWHERE answered; the app's messages are dropped
     data: bytes = b""  # the record committed (this run's, or another run's)
+    sent: bool = False  # some of the app's response went out
+    unavailable: DatabaseUnavailableError | None = None  # why FAILED, if the database was
     _commit: asyncio.Future[None] | None = None
 
     async def commit(self, data: bytes, ttl_ms: int) -> bytes | None:
@@ -92,6 +96,9 @@ class Recorded:
         except Committed as exc:
             self.state, self.data = ELSEWHERE, exc.data
             return self.data
+        except DatabaseUnavailableError as exc:
+            self.state, self.unavailable = FAILED, exc  # answered (and logged) by pass_on
+            return None
         except Exception as exc:
             if self.state != FAILED:
                 logger.error(
@@ -128,12 +135,16 @@ class Recorded:
             return
         if self.state == PASSING:
             await self.flush()
+            self.sent = True
             await self.send(message)
             return
         self.held.clear()
         self.answered = True
         if self.state == ELSEWHERE:
             await self.answers.stored(self.data, self.fp, self.send, self.names)
+            return
+        if self.unavailable is not None:
+            await self.answers.database_unavailable(self.send, self.names, self.unavailable)
             return
         await problems.send_problem(
             self.send,
@@ -142,8 +153,19 @@ class Recorded:
             [(b"retry-after", self.answers.retry_after)],
         )
 
+    async def answer_unavailable(self, exc: DatabaseUnavailableError) -> bool:
+        """The app met the database unavailable (at ``connection()``) and raised: answered
+        503 here, if none of its response went out; else False (the app's error stands)."""
+        if self.sent or self.answered:
+            return False
+        self.held.clear()
+        self.answered = True
+        await self.answers.database_unavailable(self.send, self.names, exc)
+        return True
+
     async def flush(self) -> None:
         held, self.held = self.held, []
+        self.sent = self.sent or bool(held)
         for message in held:
             await self.send(message)
 

@@ -47,7 +47,9 @@ class Answers:
     async def missing_key(self, send: Send, method: str, path: str) -> None:
         self.report("missing_key")
         await problems.send_problem(
-            send, problems.MISSING_KEY, f"{self.header_name} is required for {method} {path}."
+            send,
+            problems.MISSING_KEY.for_header(self.header_name),
+            f"{self.header_name} is required for {method} {path}.",
         )
 
     async def invalid_key(self, send: Send, *, malformed: bool) -> None:
@@ -63,7 +65,7 @@ class Answers:
                 if self.any_key
                 else "in the form this service accepts."
             )
-        await problems.send_problem(send, problems.INVALID_KEY, detail)
+        await problems.send_problem(send, problems.INVALID_KEY.for_header(self.header_name), detail)
 
     async def body_too_large(self, send: Send) -> None:
         self.report("too_large")
@@ -92,13 +94,26 @@ class Answers:
             [(b"retry-after", self.retry_after)],
         )
 
+    async def database_unavailable(self, send: Send, names: KeyNames, exc: BaseException) -> None:
+        """503: the records' database could not serve this run (counted and logged here,
+        once per request, as a database error: the store is not at fault)."""
+        self.report("database_errors", names.hash)
+        logger.error("key %s: %s; answering 503, nothing ran", names.hash, exc)
+        await problems.send_problem(
+            send,
+            problems.DATABASE_UNAVAILABLE,
+            "The request was not run: the database its effects commit in is unavailable. "
+            "Retry it with the same key.",
+            [(b"retry-after", self.retry_after)],
+        )
+
     # -- a duplicate: answered from the claim step's reply --
 
     async def in_flight(self, send: Send, names: KeyNames) -> None:
         self.report("in_flight", names.hash)
         await problems.send_problem(
             send,
-            problems.IN_FLIGHT,
+            problems.IN_FLIGHT.for_header(self.header_name),
             "A request with this key is in progress; retry after the Retry-After delay.",
             [(b"retry-after", self.retry_after)],
         )
@@ -121,7 +136,7 @@ class Answers:
             self.report("mismatch", names.hash)
             await problems.send_problem(
                 send,
-                problems.KEY_REUSED,
+                problems.KEY_REUSED.for_header(self.header_name),
                 "The key was first used with another method, path, query or body. "
                 "Use a new key for a new request.",
             )
@@ -130,7 +145,7 @@ class Answers:
             self.report("not_replayable", names.hash)
             await problems.send_problem(
                 send,
-                problems.NOT_REPLAYABLE,
+                problems.NOT_REPLAYABLE.for_header(self.header_name),
                 f"The first request completed with status {record.status}. "
                 "Do not retry it with this key.",
             )
@@ -174,7 +189,7 @@ class Answers:
         )
         await problems.send_problem(
             send,
-            problems.RECORD_UNREADABLE,
+            problems.RECORD_UNREADABLE.for_header(self.header_name),
             "The request with this key was run, but its stored response cannot be read here. "
             "It is not run again; retry later with the same key.",
             [(b"retry-after", self.retry_after)],

@@ -33,6 +33,7 @@ from .._closing import ClosingStep, free_claim, publish_retried, run_to_end
 from .._keys import KeyNames, hop_key
 from .._lease import Lease, Watchdog
 from .._log import describe
+from ..exceptions import DatabaseUnavailableError
 from ..records._compression import Compressor
 from ..records._format import Record, encode
 from ..records._sealing import Sealer
@@ -174,8 +175,18 @@ class Run:
             on_lost=config.lease_lost,
         )
         held = current.set(self)  # current_claim() in the handler: self.claim()
+        unavailable: DatabaseUnavailableError | None = None
         try:
             await config.app(scope, receive, self.send)
+        except Exception as exc:
+            # The database unavailable to the work (at connection(), or its own writes:
+            # SQLite busy past its timeout) is answered 503, once the key is released,
+            # below; any other error of the app is the app's.
+            if self.recorded is None or self.recorded.sent:
+                raise
+            unavailable = self.recorded.tx.unavailable(exc)
+            if unavailable is None:
+                raise
         finally:
             current.reset(held)
             if self.recorded is not None:
@@ -185,6 +196,10 @@ class Run:
                 # may not have happened, so free the key for the client's retry.
                 self.keep = self.hop = False
                 await self._finish()
+        if unavailable is not None:
+            assert self.recorded is not None
+            if not await self.recorded.answer_unavailable(unavailable):
+                raise unavailable.__cause__ or unavailable
 
     def claim(self) -> Claim:
         """This run's claim, for current_claim() in the handler: built when asked."""
@@ -478,18 +493,35 @@ def log_store_error(store: Store, level: int, exc: BaseException, message: str, 
     logger.log(level, "%s: %s", message % key, describe(exc))
 
 
+# The Vary fields that a middleware adapting each response to its client adds (GZip or
+# Brotli: Accept-Encoding; CORS: Origin and the preflight's; Django's LocaleMiddleware:
+# Accept-Language). Placed inside the idempotency middleware, it makes the stored
+# response one client's variant; placed outside, each duplicate gets its own: a fix the
+# user can make. A Vary the app's own views set (Django REST framework adds Accept to
+# every response) is the app's, and no order of middleware changes it: not warned about.
+REORDERABLE_VARY = frozenset(
+    {
+        "accept-encoding",
+        "origin",
+        "access-control-request-method",
+        "access-control-request-headers",
+        "accept-language",
+    }
+)
+
+
 def _warn_vary(headers: list[tuple[bytes, bytes]], names: KeyNames, config: RunConfig) -> None:
     """Once per middleware: the stored response varies by request headers that the key
-    does not cover, so every duplicate gets this variant (a middleware that adapts the
-    response to each client, such as GZip or CORS, wraps this one)."""
+    does not cover and that a middleware adapting each response (GZip, CORS) adds, so
+    every duplicate gets this variant: that middleware is inside this one."""
     varies = [value for name, value in headers if name == b"vary"]
     if not varies:
         return
     fields = {
         field.strip().lower().decode("latin-1") for value in varies for field in value.split(b",")
     }
+    fields &= REORDERABLE_VARY
     fields -= config.fingerprint_headers
-    fields.discard("")
     if not fields:
         return
     config.warned.add("vary")

@@ -9,5 +9,6 @@ and the app's own driver (asyncpg, psycopg or aiosqlite).
 
 from ._context import connection, session
 from ._records import SqlRecords
+from ._sqlite import configure_sqlite, sqlite_engine
 
-__all__ = ["SqlRecords", "connection", "session"]
+__all__ = ["SqlRecords", "configure_sqlite", "connection", "session", "sqlite_engine"]

@@ -36,7 +36,8 @@ from sqlalchemy.orm import Session
 
 from .._log import describe
 from .._recording import Committed
-from ..exceptions import CommitRefusedError, NotInRunError
+from ..exceptions import CommitRefusedError, DatabaseUnavailableError, NotInRunError
+from ._failures import connecting, unavailable_as
 
 if TYPE_CHECKING:
     from ._records import SqlRecords
@@ -101,6 +102,8 @@ class RunTransaction:
         _current.reset(token)
 
     async def connection(self) -> RunConnection:
+        """The run's connection, taken and begun on first use; DatabaseUnavailableError if
+        none could be had (the pool exhausted, the database unreachable)."""
         if self.ended:
             raise NotInRunError(
                 "this run's transaction has ended (it committed, with the run's record if it "
@@ -112,13 +115,14 @@ class RunTransaction:
                 self.opening = asyncio.Lock()
             async with self.opening:
                 if self.conn is None:
-                    conn = RunConnection(self.engine)
-                    await conn.start()
-                    try:
-                        self.tx = await AsyncConnection.begin(conn)  # the one begin allowed
-                    except BaseException:
-                        await conn.close()
-                        raise
+                    with connecting("for the run's connection()"):
+                        conn = RunConnection(self.engine)
+                        await conn.start()
+                        try:
+                            self.tx = await AsyncConnection.begin(conn)  # the one begin allowed
+                        except BaseException:
+                            await conn.close()
+                            raise
                     self.conn = conn
         return self.conn
 
@@ -133,11 +137,17 @@ class RunTransaction:
         A run that wrote nothing commits the row alone, one statement in autocommit (as
         atomic, and a round trip instead of a transaction's two or three)."""
         try:
-            if self.conn is None and not self.ended:
-                self.ended = True  # connection() refuses from here on
-                committed = await self.records.insert_alone(key, key_hash, fp, data, ttl_ms)
-            else:
-                committed = await self._commit_with_writes(key, key_hash, fp, data, ttl_ms)
+            try:
+                if self.conn is None and not self.ended:
+                    self.ended = True  # connection() refuses from here on
+                    committed = await self.records.insert_alone(key, key_hash, fp, data, ttl_ms)
+                else:
+                    committed = await self._commit_with_writes(key, key_hash, fp, data, ttl_ms)
+            except Exception as exc:
+                failure = unavailable_as(exc, "at the run's commit")
+                if failure is None:
+                    raise
+                raise failure from exc
             if not committed:
                 await self.rollback()
                 found = await self.records.lookup(key)
@@ -188,6 +198,14 @@ class RunTransaction:
         """`own`, a session the app made on this run's connection, is flushed with it."""
         if own not in self.adopted and all(s.sync_session is not own for s in self.sessions):
             self.adopted.append(own)
+
+    def unavailable(self, exc: Exception) -> DatabaseUnavailableError | None:
+        """`exc`, raised by the work (a DatabaseUnavailableError of connection(), or its
+        own statement's error), as the database unavailable (`_failures`), or None."""
+        failure = unavailable_as(exc, "for the run's writes")
+        if failure is not None and failure is not exc:
+            failure.__cause__ = exc
+        return failure
 
     async def rollback(self) -> None:
         self.ended = True

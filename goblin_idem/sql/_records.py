@@ -11,6 +11,7 @@ PostgreSQL and SQLite (their ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Callable
 from typing import Any
@@ -37,8 +38,10 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from .._log import describe
-from ..exceptions import SqlRecordsError
+from ..exceptions import DatabaseUnavailableError, SqlRecordsError
 from ._context import RunTransaction
+from ._failures import connecting, unavailable, unavailable_as
+from ._sqlite import sqlite_engine
 
 __all__ = ["DEFAULT_TABLE", "SqlRecords"]
 
@@ -114,9 +117,13 @@ class SqlRecords:
 
     @property
     def engine(self) -> AsyncEngine:
-        """The engine, made from the URL on first use (which imports its driver)."""
+        """The engine, made from the URL on first use (which imports its driver); for
+        SQLite, set up for several writing processes (`sqlite_engine`)."""
         if self._engine is None:
-            self._engine = create_async_engine(self._url)
+            if make_url(self._url).get_backend_name() == "sqlite":
+                self._engine = sqlite_engine(self._url)
+            else:
+                self._engine = create_async_engine(self._url)
         return self._engine
 
     def __repr__(self) -> str:
@@ -128,8 +135,23 @@ class SqlRecords:
         return RunTransaction(self, self.engine, where)
 
     async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
+        """The key's unexpired record; DatabaseUnavailableError if the database could not
+        be asked (`_failures`)."""
+        try:
+            return await self._lookup_row(key)
+        except Exception as exc:
+            failure = unavailable_as(exc, "for the record's lookup")
+            if failure is None:
+                raise
+            raise failure from exc
+
+    async def _lookup_row(self, key: bytes) -> tuple[bytes, int] | None:
         now = _utcnow()
-        async with self.engine.connect() as conn:
+        started = self.engine.connect()
+        with connecting("for the record's lookup"):
+            await started.start()
+        try:
+            conn = started
             if conn.dialect.driver == "asyncpg":
                 # The driver's own call: SQLAlchemy's layer cost more CPU than the round
                 # trip. No BEGIN before it (the adapter begins on its own first use only),
@@ -140,6 +162,11 @@ class SqlRecords:
                 # Autocommit: the SELECT alone, one round trip.
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
                 row = (await conn.execute(self._lookup, {"wanted": key, "now": now})).first()
+        except Exception as exc:
+            await _drop_if_broken(started, exc)
+            raise
+        finally:
+            await started.close()
         if row is None:
             return None
         expires = row[1] if row[1].tzinfo else row[1].replace(tzinfo=datetime.timezone.utc)
@@ -205,7 +232,32 @@ class SqlRecords:
     ) -> bool:
         """Insert the record in the run's transaction and commit it, with the work's writes;
         False (nothing committed) if the key's unexpired row exists. On psycopg, the insert
-        and the COMMIT go in one round trip (`_pipelined`); elsewhere one each."""
+        and the COMMIT go in one round trip (`_pipelined`); elsewhere one each.
+        DatabaseUnavailableError if the connection was lost on the way (`_failures`)."""
+        try:
+            return await self._commit(conn, tx, key, key_hash, fp, data, ttl_ms)
+        except Exception as exc:
+            lost = await _drop_if_broken(conn, exc)
+            failure = unavailable_as(exc, "at the run's commit")
+            if failure is None and lost:
+                failure = DatabaseUnavailableError(
+                    f"the database is unavailable at the run's commit (its connection was "
+                    f"lost: {describe(exc)})"
+                )
+            if failure is None:
+                raise
+            raise failure from exc
+
+    async def _commit(
+        self,
+        conn: AsyncConnection,
+        tx: AsyncTransaction,
+        key: bytes,
+        key_hash: str,
+        fp: bytes,
+        data: bytes,
+        ttl_ms: int,
+    ) -> bool:
         if conn.dialect.driver == "psycopg":
             return await self._pipelined(conn, tx, key, key_hash, fp, data, ttl_ms)
         if conn.dialect.driver == "asyncpg":
@@ -342,6 +394,25 @@ class SqlRecords:
         """Dispose of the engine's pool (the engine stays usable: it reconnects)."""
         if self._engine is not None:
             await self._engine.dispose()
+
+
+async def _drop_if_broken(conn: AsyncConnection, exc: Exception) -> bool:
+    """Whether `conn` was lost (`exc` says the database is unavailable, or the driver's
+    connection is closed): then it is invalidated, since after a driver's own call
+    (asyncpg's, psycopg's pipeline), which SQLAlchemy did not make, SQLAlchemy would give it
+    back to the pool and every later call would meet the same closed connection."""
+    lost = unavailable(exc)
+    if not lost and not conn.invalidated:
+        try:
+            raw: Any = (await conn.get_raw_connection()).driver_connection
+        except Exception:
+            return False
+        is_closed = getattr(raw, "is_closed", None)  # asyncpg's
+        lost = bool(is_closed()) if callable(is_closed) else bool(getattr(raw, "closed", False))
+    if lost and not conn.invalidated:
+        with contextlib.suppress(Exception):
+            await conn.invalidate(exc)
+    return lost
 
 
 def _shape(conn: Connection, name: str) -> tuple[set[str], list[str]] | None:

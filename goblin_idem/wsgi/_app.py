@@ -17,9 +17,9 @@ from wsgiref.util import FileWrapper
 
 from starlette.types import Scope
 
-from ._bridge import Responder
+from ._bridge import ClientGone, Responder
 
-__all__ = ["WSGIApp", "WSGIResponder", "body_reader", "scope_of"]
+__all__ = ["WSGIApp", "WSGIResponder", "body_cut", "body_reader", "read_whole", "scope_of"]
 
 ExcInfo: TypeAlias = tuple[type[BaseException], BaseException, TracebackType | None]
 StartResponse: TypeAlias = Callable[..., Callable[[bytes], object]]
@@ -76,8 +76,9 @@ def _address(host: str | None, port: str | None) -> tuple[str, int] | None:
 
 
 def body_reader(environ: dict[str, Any]) -> Callable[[], tuple[bytes, bool]]:
-    """The request body's next chunk (and whether more follow), read from wsgi.input: up to
-    the Content-Length, to the end for a chunked request (wsgi.input_terminated), else none."""
+    """The request body's next chunk (and whether more follow), read from wsgi.input: its
+    Content-Length's bytes and no more, to the end for a chunked request
+    (wsgi.input_terminated), else none. ClientGone for a body cut short."""
     stream = environ["wsgi.input"]
     length = environ.get("CONTENT_LENGTH", "")
     remaining = int(length) if length.isdigit() else None
@@ -88,22 +89,51 @@ def body_reader(environ: dict[str, Any]) -> Callable[[], tuple[bytes, bool]]:
         if remaining is None:
             if not terminated:
                 return b"", False
-            chunk = stream.read(READ_BYTES)
+            chunk = _read(stream, READ_BYTES)
             return chunk, bool(chunk)
-        chunk = stream.read(min(remaining, READ_BYTES))
-        remaining = remaining - len(chunk) if chunk else 0  # a short body ends it
+        chunk = _read(stream, min(remaining, READ_BYTES)) if remaining else b""
+        if remaining and not chunk:
+            raise body_cut(int(length) - remaining, int(length))
+        remaining -= len(chunk)
         return chunk, remaining > 0
 
     return read
 
 
 def read_whole(environ: dict[str, Any], limit: int) -> bytes | None:
-    """The body read up front, if its Content-Length says it is within `limit` bytes."""
+    """The body read up front, if its Content-Length says it is within `limit` bytes:
+    that many bytes, never to the end of the stream; ClientGone if fewer came."""
     length = environ.get("CONTENT_LENGTH", "")
     if not length.isdigit() or int(length) > limit:
         return None
     size = int(length)
-    return environ["wsgi.input"].read(size) if size else b""
+    if not size:
+        return b""
+    stream = environ["wsgi.input"]
+    body = _read(stream, size)
+    while len(body) < size:  # a server may hand over less than asked: ask for the rest
+        more = _read(stream, size - len(body))
+        if not more:
+            raise body_cut(len(body), size)
+        body += more
+    return body
+
+
+def _read(stream: Any, size: int) -> bytes:
+    """`size` bytes at most from wsgi.input. A server's error while reading (gunicorn's
+    NoMoreData, an OSError, when a chunked body ends before its last chunk) means the
+    client left."""
+    try:
+        chunk: bytes = stream.read(size)
+    except OSError as exc:
+        raise ClientGone(f"the client left while sending the body ({exc!r})") from exc
+    return chunk
+
+
+def body_cut(got: int, declared: int) -> ClientGone:
+    """A body shorter than its Content-Length: gunicorn ends wsgi.input where the client
+    disconnected, so the short body is a client gone, never a request to run."""
+    return ClientGone(f"the client sent {got} of the {declared} bytes of its Content-Length")
 
 
 def file_wrapper(filelike: Any, blksize: int = 8192) -> FileWrapper:

@@ -12,7 +12,11 @@ middleware's by construction.
 On the way:
 - the request body: read in the request's thread, whole up front when its Content-Length
   is within `max_body_bytes` (the middleware reads it whole anyway), else one chunk per
-  call; the app then reads the body the middleware replays;
+  call; the app then reads the body the middleware replays. Its Content-Length's bytes,
+  never to the end of the stream: a body that ends short (gunicorn ends wsgi.input where
+  the client disconnected) or a chunked body the server could not finish reading is the
+  client gone (`ClientGone`), as an ASGI server's http.disconnect: nothing is claimed or
+  run, and the request is answered as one whose client left;
 - the response: a chunk that completes the Content-Length goes as the response's last
   message, after the app's iterable has been drained and closed, so the claim's publish
   comes before the client has the whole body; `close()` is called on the app's iterable
@@ -33,7 +37,7 @@ from typing import Any
 from starlette.types import Message, Receive, Scope, Send
 
 from .._claim import ClaimHolder, current, for_sync_code
-from .._exchange import DONE, Exchange
+from .._exchange import DONE, Exchange, Raised
 
 __all__ = [
     "HANDOFF",
@@ -206,7 +210,13 @@ class Handoff:
         if self.read is None:  # the body was read whole; nothing else comes
             return _DISCONNECT
         self.consumed = True
-        chunk, more = await self.exchange.call(self.read)
+        try:
+            chunk, more = await self.exchange.call(self.read)
+        except Raised as exc:
+            if not isinstance(exc.error, ClientGone):
+                raise
+            self.read = None
+            return _DISCONNECT  # the body was cut short: the middleware runs nothing
         if not more:
             self.read = None
         return {"type": "http.request", "body": chunk, "more_body": more}

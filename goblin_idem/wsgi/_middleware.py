@@ -23,11 +23,11 @@ from ..middleware._lifespan import Lifespan
 from ..middleware._routes import RESOLVED_POLICY, RoutePolicy
 from ..store import Store
 from ._app import WSGIApp, WSGIResponder, body_reader, read_whole, scope_of
-from ._bridge import HANDOFF, Handoff, Outer, latin1, status_line, thread_app
+from ._bridge import HANDOFF, ClientGone, Handoff, Outer, latin1, status_line, thread_app
 
 PolicyOf: TypeAlias = Callable[[dict[str, Any]], RoutePolicy | None]
 
-__all__ = ["IdempotencyMiddleware", "PolicyOf", "check_store"]
+__all__ = ["IdempotencyMiddleware", "PolicyOf", "check_store", "client_left"]
 
 
 class IdempotencyMiddleware:
@@ -83,17 +83,19 @@ class IdempotencyMiddleware:
         keyed: bool,
     ) -> Iterable[bytes]:
         """The ASGI middleware on the loop thread, the app run back in this thread."""
+        try:
+            body = read_whole(environ, self.max_body_bytes) if keyed else None
+        except ClientGone:
+            return client_left(start_response)
         exchange = Exchange(loop_thread())
         responder = WSGIResponder(self.app, environ)
-        body = read_whole(environ, self.max_body_bytes) if keyed else None
         handoff = Handoff(exchange, responder, body, body_reader(environ) if body is None else None)
         scope[HANDOFF] = handoff
         exchange.start(self.core(scope, handoff.receive, handoff.send))
         outer = Outer(handoff)
         try:
             if not outer.begin():  # the client left before its body was read
-                start_response("400 Bad Request", [("Content-Length", "0")])
-                return []
+                return client_left(start_response)
             start = outer.start
             if outer.passed_through:
                 start_response(responder.status, responder.headers)
@@ -106,6 +108,13 @@ class IdempotencyMiddleware:
                 exchange.abandon()
             responder.close()
             raise
+
+
+def client_left(start_response: Callable[..., Any]) -> Iterable[bytes]:
+    """The answer to a request whose client left before its body was read (nobody reads
+    it; a server must be given one): 400, nothing run, nothing claimed."""
+    start_response("400 Bad Request", [("Content-Length", "0")])
+    return []
 
 
 def check_store(core: ASGIIdempotencyMiddleware) -> None:

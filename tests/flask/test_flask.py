@@ -98,3 +98,25 @@ def test_a_webhook_view_runs_a_genuine_delivery_once_after_a_forged_one(
     again = call(app.wsgi_app, "POST", genuine.path, genuine.body, list(genuine.headers.items()))
     assert again.body == first.body and again.header("Idempotent-Replayed") == "true"
     assert counting.count(f"hook:{ref}") == 2  # one run, and this count
+
+
+def test_a_config_key_that_names_no_option_stops_startup() -> None:
+    app = Flask(__name__)
+    app.config["GOBLIN_IDEM_LEASE"] = 5
+    with pytest.raises(
+        ValueError, match=r"app.config\['GOBLIN_IDEM_LEASE'\] names no .*LEASE_SECONDS"
+    ):
+        Idempotency().init_app(app, store=MemoryStore())
+    app.config["GOBLIN_IDEM_STORE"] = "postgres://db"
+    del app.config["GOBLIN_IDEM_LEASE"]
+    with pytest.raises(ValueError, match="GOBLIN_IDEM_STORE"):
+        Idempotency(app)
+
+
+def test_init_app_arguments_win_over_the_constructor_and_the_config() -> None:
+    app = Flask(__name__)
+    app.config["GOBLIN_IDEM_LEASE_SECONDS"] = 5
+    app.config["GOBLIN_IDEM_TTL_SECONDS"] = 60
+    Idempotency(lease_seconds=7, store=MemoryStore()).init_app(app, ttl_seconds=90)
+    core = Idempotency.middleware(app).core
+    assert core.routes.defaults.lease_ms == 7000 and core.routes.defaults.ttl_ms == 90_000

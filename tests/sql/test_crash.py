@@ -23,13 +23,16 @@ from tests.support.servers import Server, free_port
 APP = "tests.support.apps.sql_app:app"
 
 
-def post(port: int, key: str, ref: str) -> tuple[int, dict[str, str], bytes]:
+def post(
+    port: int, key: str, ref: str, extra: dict[str, object] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """POST /payments of `ref` (amount 7, and `extra`'s fields) with `key`."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request(
             "POST",
             "/payments",
-            body=json.dumps({"ref": ref, "amount": 7}),
+            body=json.dumps({"ref": ref, "amount": 7, **(extra or {})}),
             headers={"Idempotency-Key": key, "Content-Type": "application/json"},
         )
         response = conn.getresponse()

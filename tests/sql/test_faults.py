@@ -53,6 +53,8 @@ async def test_commit_is_refused_on_the_connection_and_the_session(setup: Setup)
 async def test_the_database_gone_at_commit_answers_503_and_nothing_happened(
     setup: Setup,
 ) -> None:
+    """The run's connection cut before its commit: 503 naming the database (the commit
+    cannot have happened), counted as the database's error."""
     gate = Gate()
     app = build(setup.store, setup.records, setup.payments, gate=gate)
     running = asyncio.ensure_future(pay(app, "k1", "gone", "gate"))
@@ -66,7 +68,9 @@ async def test_the_database_gone_at_commit_answers_503_and_nothing_happened(
     go.set()
     reply = await running
     assert reply.status == 503 and reply.header("retry-after") is not None
-    assert problem(reply)["type"].endswith("not-committed")
+    assert problem(reply)["type"].endswith("database-unavailable")
+    counters = IdempotencyMiddleware.of(app).counters
+    assert counters.database_errors == 1 and counters.store_errors == 0
     assert await setup.payment_count("gone") == 0
     assert await setup.rows() == []
     again = await pay(app, "k1", "gone")  # the key was released: the request runs
@@ -144,7 +148,7 @@ async def test_the_database_stopped_at_commit_and_started_again(redis_server: Se
         postgres.stop(fast=True)  # what was committed stays (no crash recovery needed)
         go.set()
         reply = await running
-        assert reply.status == 503 and problem(reply)["type"].endswith("not-committed")
+        assert reply.status == 503 and problem(reply)["type"].endswith("database-unavailable")
         postgres.start()
         again = await pay(app, "stopped", "s")
         assert again.status == 201 and not replayed(again)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from tests.support.servers import Server, free_port
 from tests.support.wsgi import Gunicorn
 
 FLASK = "tests.support.apps.flask_app:app"
+PLAIN_WSGI = "tests.support.apps.wsgi_app:app"
 DJANGO_WSGI = "tests.support.apps.django_site.wsgi:application"
 DJANGO_ASGI = "tests.support.apps.django_site.asgi:application"
 LEASE = {"LEASE_SECONDS": "1"}
@@ -72,6 +74,14 @@ def django_uvicorn(redis_native_server: Server) -> Iterator[Served]:
     stop(proc)
 
 
+@pytest.fixture(scope="module")
+def plain_wsgi(redis_server: Server) -> Iterator[Served]:
+    env = {"REDIS_URL": redis_server.url, **LEASE}
+    server = Gunicorn(PLAIN_WSGI, free_port(), env, worker_class="sync", workers=2).wait_ready()
+    yield Served("wsgi, gunicorn sync", server.url, redis_server)
+    server.stop()
+
+
 @pytest.fixture(params=["flask_sync", "django_gthread", "django_uvicorn"])
 def served(request: pytest.FixtureRequest) -> Served:
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
@@ -100,6 +110,91 @@ def test_concurrent_duplicates_across_workers_run_once(served: Served) -> None:
         assert busy.headers["retry-after"] == "1"
     replayed = post(served.url, "/work", key)
     assert replayed.content == ran[0].content and replayed.headers["idempotent-replayed"] == "true"
+
+
+def send_cut(url: str, path: str, key: str, head: str, body: bytes) -> bytes:
+    """A request whose body stops short (`head` says what it promised), the client's half
+    of the connection then shut: what the server answered before closing its own half."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nIdempotency-Key: {key}\r\n"
+            f"Content-Type: application/x-www-form-urlencoded\r\n{head}\r\n".encode()
+            + body
+        )
+        sock.shutdown(socket.SHUT_WR)  # the client is done; its reply, if any, follows
+        answer = b""
+        while chunk := sock.recv(65536):  # until the server closes: the request has ended
+            answer += chunk
+        return answer
+
+
+FORM = b"name=" + b"x" * 4995  # 5,000 bytes
+
+
+@pytest.mark.parametrize(
+    ("head", "cut"),
+    [
+        ("Content-Length: 5000\r\n", FORM[:1000]),
+        ("Transfer-Encoding: chunked\r\n", b"3e8\r\n" + FORM[:1000] + b"\r\n"),
+    ],
+    ids=["content-length", "chunked"],
+)
+@pytest.mark.parametrize(
+    ("app", "path"),
+    [("plain_wsgi", "/work"), ("flask_sync", "/work"), ("django_gthread", "/form")],
+    ids=["wsgi", "flask", "django"],
+)
+def test_a_body_cut_short_runs_nothing_and_the_retry_runs(
+    request: pytest.FixtureRequest, app: str, path: str, head: str, cut: bytes
+) -> None:
+    """gunicorn hands the app what arrived before the client left (a short wsgi.input, or
+    an error for a chunked body): nothing runs, nothing is stored, the key stays free."""
+    served: Served = request.getfixturevalue(app)
+    key = uuid.uuid4().hex
+    answer = send_cut(served.url, path, key, head, cut)
+    assert not answer.startswith(b"HTTP/1.1 201"), answer[:200]
+    assert served.runs(key) == 0
+    headers = {"Content-Type": "application/x-www-form-urlencoded", "Idempotency-Key": key}
+    full = httpx.post(served.url + path, content=FORM, headers=headers, timeout=30)
+    assert full.status_code == 201, full.text
+    assert "idempotent-replayed" not in full.headers and served.runs(key) == 1
+
+
+def test_a_flask_app_configured_by_its_config_and_init_app(redis_server: Server) -> None:
+    """Options from app.config (GOBLIN_IDEM_STORE, _HEADER, _REQUIRED) and from init_app's
+    arguments; the 400 names the configured header, not the default one."""
+    env = {"REDIS_URL": redis_server.url}
+    app = "tests.support.apps.flask_app:configured"
+    server = Gunicorn(app, free_port(), env, workers=1).wait_ready()
+    try:
+        refused = httpx.post(server.url + "/work", json={}, timeout=30)
+        key = {"X-Request-Key": uuid.uuid4().hex}
+        first = httpx.post(server.url + "/work", json={}, headers=key, timeout=30)
+        again = httpx.post(server.url + "/work", json={}, headers=key, timeout=30)
+    finally:
+        server.stop()
+    assert refused.status_code == 400
+    assert refused.json()["title"] == "An X-Request-Key header is required"
+    assert refused.json()["detail"] == "X-Request-Key is required for POST /work."
+    assert first.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json() == {"run": 1}
+
+
+def test_rest_framework_s_own_vary_is_not_warned_about(redis_server: Server) -> None:
+    """DRF adds ``Vary: Accept`` to its responses: no order of middleware changes that, so
+    the WARNING about reordering GZip or CORS is not logged for it."""
+    env = {"REDIS_URL": redis_server.url}
+    server = Gunicorn(DJANGO_WSGI, free_port(), env, worker_class="gthread", workers=1)
+    try:
+        server.wait_ready()
+        reply = post(server.url, "/api/payments", uuid.uuid4().hex)
+        server.proc.send_signal(signal.SIGINT)  # gunicorn's quick shutdown: then its log
+        log = server.proc.communicate(timeout=30)[1].decode(errors="replace")
+    finally:
+        server.stop()
+    assert reply.status_code == 201 and reply.headers["vary"] == "Accept"
+    assert "(its Vary header)" not in log and "GZipMiddleware" not in log, log
 
 
 def test_a_handler_three_leases_long_runs_once(flask_sync: Served) -> None:

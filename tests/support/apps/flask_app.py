@@ -97,9 +97,31 @@ def create_app(store: Store | None = None, **options: Any) -> Flask:
     return app
 
 
+def create_configured() -> Flask:
+    """An app factory's app: its options in app.config (``GOBLIN_IDEM_*``: the store's URL,
+    another key header, every route requiring a key) and in ``init_app``'s arguments."""
+    app = Flask(__name__)
+    app.config["GOBLIN_IDEM_STORE"] = os.environ.get("REDIS_URL", "memory")
+    app.config["GOBLIN_IDEM_HEADER"] = "X-Request-Key"
+    app.config["GOBLIN_IDEM_REQUIRED"] = True
+
+    @app.get("/health")
+    def health() -> str:
+        return "ok"
+
+    @app.post("/work")
+    def work() -> Any:
+        return jsonify(run=counting.count(request.headers.get("X-Request-Key", "-"))), 201
+
+    extension = Idempotency()
+    extension.init_app(app, lease_seconds=int(os.environ.get("LEASE_SECONDS", "30")))
+    return app
+
+
 def _store() -> Store:
     url = os.environ.get("REDIS_URL")
     return RedisStore.from_url(url) if url else MemoryStore()
 
 
 app = create_app(_store(), lease_seconds=int(os.environ.get("LEASE_SECONDS", "30")))
+configured = create_configured()

@@ -8,12 +8,18 @@ a path, only the first commit after that file appears does (it is removed: one k
 With ``RECORDS=0`` the middleware has no records and ``POST /payments`` commits its row on
 its own (the store alone stands between a duplicate and a second payment).
 
+``POOL_SIZE`` makes the records' engine with that pool (no overflow, ``POOL_TIMEOUT``
+seconds to wait for a connection), ``FAIL_OPEN=1`` sets the middleware's fail_open, and
+``GET /stats`` answers the middleware's counters.
+
 A request's JSON body: ``ref`` and ``amount`` (one payment row), and optionally ``mode``:
 ``raise``, ``500``, ``big`` (a response of 64 KiB), ``commit`` (the handler commits
 itself), ``rollback`` (it rolls back, then writes again), ``session`` (the write goes
 through ``session()``), ``gate`` (waits on the test's `Gate` after its write), or
 ``gate-after-read`` (counts the payments first), ``id`` (answers the payment's row id), or
-``429`` (answers 429 with ``Retry-After: 1`` after its write).
+``429`` (answers 429 with ``Retry-After: 1`` after its write), or
+``hold`` (keeps its connection for ``hold_ms`` after its write); ``work_ms`` is time the
+handler works before its write.
 ``POST /orders?ref=`` writes through ``Depends(session)``; ``POST /own-session?ref=``
 through a session of the app's own that commits (not covered: the WARNING).
 """
@@ -82,11 +88,16 @@ def build(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/stats")
+    async def stats() -> dict[str, int]:
+        return IdempotencyMiddleware.of(app).counters.as_dict()
+
     @app.post("/payments", status_code=201)
     async def pay(request: Request, conn: Annotated[AsyncConnection, Depends(connection)]) -> Any:
         body = await request.json()
         mode = body.get("mode")
         values = {"ref": body["ref"], "amount": body["amount"]}
+        await asyncio.sleep(body.get("work_ms", 0) / 1000)  # work before the write
         if (
             mode == "gate-after-read"
         ):  # read what another run writes (write skew under SERIALIZABLE)
@@ -99,6 +110,8 @@ def build(
             return {"ref": body["ref"], "payment": row.scalar_one(), "run": uuid.uuid4().hex}
         else:
             await conn.execute(insert(payments).values(values))
+        if mode == "hold":
+            await asyncio.sleep(body.get("hold_ms", 0) / 1000)
         if mode in ("gate", "gate-after-read") and gate is not None:
             await gate(body["ref"])
         if mode == "commit":
@@ -198,8 +211,17 @@ def _from_env() -> FastAPI | None:
         return build_store_only(store, engine, payments, lease_seconds=lease)
     killing = os.environ.get("KILL_AFTER_COMMIT") == "1" or "KILL_AFTER_COMMIT_FILE" in os.environ
     kind = KillingRecords if killing else SqlRecords
-    records = kind(os.environ["DATABASE_URL"], table=os.environ["RECORDS_TABLE"])
-    return build(store, records, payments, lease_seconds=lease)
+    url: str | AsyncEngine = os.environ["DATABASE_URL"]
+    if "POOL_SIZE" in os.environ:
+        url = create_async_engine(
+            url,
+            pool_size=int(os.environ["POOL_SIZE"]),
+            max_overflow=0,
+            pool_timeout=float(os.environ.get("POOL_TIMEOUT", "30")),
+        )
+    records = kind(url, table=os.environ["RECORDS_TABLE"])
+    fail_open = os.environ.get("FAIL_OPEN") == "1"
+    return build(store, records, payments, lease_seconds=lease, fail_open=fail_open)
 
 
 app = _from_env()
