@@ -588,7 +588,9 @@ async def test_a_publish_fewer_replicas_acknowledge_than_asked_raises(replicas: 
         else None
     )
     plain = RedisStore.from_url(primary.url)
-    waiting = RedisStore.from_url(primary.url, wait_replicas=replicas + 1, wait_timeout_seconds=0.1)
+    # WAIT always runs to its timeout here (one replica short): long enough for the linked
+    # replica's acknowledgement to arrive on a loaded machine.
+    waiting = RedisStore.from_url(primary.url, wait_replicas=replicas + 1, wait_timeout_seconds=1)
     try:
         if replica is not None:
             _replica_linked(primary)
