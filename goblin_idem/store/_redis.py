@@ -69,7 +69,7 @@ class _StoreConnection:
         wait_timeout_seconds: float = 1.0,
         autopipeline: bool = True,
         wait_timeout_ms: int | None = None,
-        replay_cache_bytes: int = DEFAULT_REPLAY_CACHE_BYTES,
+        replay_cache_bytes: int = 0,
     ) -> None:
         _check_client(client)
         wait_timeout = renamed_ms(
@@ -129,7 +129,7 @@ class _StoreConnection:
         wait_timeout_seconds: float = 1.0,
         autopipeline: bool = True,
         wait_timeout_ms: int | None = None,
-        replay_cache_bytes: int = DEFAULT_REPLAY_CACHE_BYTES,
+        replay_cache_bytes: int = 0,
         **kwargs: Any,
     ) -> _S:
         """A store that owns its client (closed by `aclose`).
@@ -355,6 +355,12 @@ class RedisStore(_StoreConnection):
     connections with the client's settings, and is skipped (everything goes through
     redis-py) for TLS, a credential provider, a custom connection class, or without
     hiredis. Plain commands and mode detection always use the client.
+
+    Replay cache (``replay_cache_bytes``, 0 by default: off): with a budget, each event
+    loop's shared connection keeps the results it published or read in memory and answers
+    their duplicates from there, kept coherent by the server's invalidations (RESP3 client
+    tracking on that connection, `_replay_cache`); `forget_cached` drops a key at once.
+    Single server only (a cluster, or a store that does not auto-pipeline, has none).
 
     Detection (`detect`, or the first command): the mode, the ACL user's permission for
     every command the store sends (`StorePermissionError` names what is refused), the
@@ -671,8 +677,8 @@ def _check_replay_cache(replay_cache_bytes: object) -> None:
         raise TypeError("replay_cache_bytes must be an int (0 turns the replay cache off)")
     if replay_cache_bytes < 0:
         raise ValueError(
-            "replay_cache_bytes must be 0 (off) or a budget in bytes "
-            f"(default {DEFAULT_REPLAY_CACHE_BYTES}), not {replay_cache_bytes}"
+            "replay_cache_bytes must be 0 (off, the default) or a budget in bytes "
+            f"(for example {DEFAULT_REPLAY_CACHE_BYTES}), not {replay_cache_bytes}"
         )
 
 

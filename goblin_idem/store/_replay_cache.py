@@ -36,7 +36,8 @@ from typing import Any, Final
 
 __all__ = ["DEFAULT_REPLAY_CACHE_BYTES", "ENTRY_OVERHEAD", "ReplayCache"]
 
-#: The default budget of each shared connection's cache.
+#: A budget for each shared connection's cache, as the docs suggest (the cache is off
+#: unless `RedisStore` is given one).
 DEFAULT_REPLAY_CACHE_BYTES: Final = 4 * 1024 * 1024
 #: What an entry costs beside its key and value (the dict slot, the tuple, two objects).
 ENTRY_OVERHEAD: Final = 160

@@ -20,6 +20,7 @@ from goblin_idem.store._replay_cache import ENTRY_OVERHEAD, ReplayCache
 from tests.support.procs import in_child
 from tests.support.servers import Server, start_server
 
+BUDGET = 4 << 20
 SERVERS = ["redis_server", "valkey_server", "redis_native_server", "valkey_native_server"]
 
 
@@ -31,7 +32,7 @@ def server(request: pytest.FixtureRequest) -> Server:
 
 @pytest.fixture
 async def store(server: Server) -> AsyncIterator[RedisStore]:
-    s = RedisStore.from_url(server.url)
+    s = RedisStore.from_url(server.url, replay_cache_bytes=BUDGET)
     yield s
     await s.aclose()
 
@@ -100,7 +101,7 @@ async def test_a_published_key_replays_from_memory_with_no_command_sent(
 async def test_a_replay_read_from_the_store_fills_the_cache_of_another_process(
     store: RedisStore, server: Server
 ) -> None:
-    other = RedisStore.from_url(server.url)
+    other = RedisStore.from_url(server.url, replay_cache_bytes=BUDGET)
     try:
         r = await completed(other)
         before = commands_served(server)
@@ -171,7 +172,7 @@ async def test_forget_cached_stops_replays_from_memory_at_once(
 
 async def test_an_evicted_result_is_not_replayed_from_memory() -> None:
     server = start_server("redis", args=["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"])
-    store = RedisStore.from_url(server.url)
+    store = RedisStore.from_url(server.url, replay_cache_bytes=BUDGET)
     try:
         r = await completed(store)
         with server.sync_client() as plain:
@@ -187,7 +188,7 @@ async def test_an_evicted_result_is_not_replayed_from_memory() -> None:
 
 
 async def test_a_restarted_server_is_never_answered_from_memory(own_redis: Server) -> None:
-    store = RedisStore.from_url(own_redis.url)
+    store = RedisStore.from_url(own_redis.url, replay_cache_bytes=BUDGET)
     try:
         r = await completed(store)
         conn = pipeline_of(store)._conn
@@ -199,9 +200,9 @@ async def test_a_restarted_server_is_never_answered_from_memory(own_redis: Serve
         await store.aclose()
 
 
-async def test_the_cache_is_off_when_asked_and_nothing_is_tracked(server: Server) -> None:
+async def test_the_cache_is_off_by_default_and_nothing_is_tracked(server: Server) -> None:
     name = f"off-{secrets.token_hex(4)}"
-    store = RedisStore.from_url(server.url, replay_cache_bytes=0, client_name=name)
+    store = RedisStore.from_url(server.url, client_name=name)  # off by default
     try:
         r = await completed(store)
         assert store._executor.replays is None
@@ -218,7 +219,7 @@ async def test_the_cache_is_off_when_asked_and_nothing_is_tracked(server: Server
 def test_a_bad_budget_says_what_to_pass(redis_server: Server) -> None:
     with pytest.raises(TypeError, match="replay_cache_bytes must be an int"):
         RedisStore.from_url(redis_server.url, replay_cache_bytes=1.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="replay_cache_bytes must be 0 \\(off\\)"):
+    with pytest.raises(ValueError, match="replay_cache_bytes must be 0 \\(off, the default\\)"):
         RedisStore.from_url(redis_server.url, replay_cache_bytes=-1)
 
 
@@ -229,7 +230,9 @@ async def test_a_server_that_refuses_tracking_leaves_the_cache_off(
         plain.acl_setuser(
             "app", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-client"]
         )
-    store = RedisStore.from_url(own_redis.url, username="app", password="pw")
+    store = RedisStore.from_url(
+        own_redis.url, username="app", password="pw", replay_cache_bytes=BUDGET
+    )
     try:
         r = await completed(store)
         assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
@@ -240,7 +243,7 @@ async def test_a_server_that_refuses_tracking_leaves_the_cache_off(
 
 
 def test_a_forks_child_starts_with_nothing_cached(redis_server: Server) -> None:
-    store = RedisStore.from_url(redis_server.url)
+    store = RedisStore.from_url(redis_server.url, replay_cache_bytes=BUDGET)
     loop = asyncio.new_event_loop()
     try:
         r = loop.run_until_complete(completed(store))
@@ -263,7 +266,7 @@ def test_a_forks_child_starts_with_nothing_cached(redis_server: Server) -> None:
 def test_each_event_loop_has_its_own_cache_and_forget_cached_reaches_all(
     redis_server: Server,
 ) -> None:
-    store = RedisStore.from_url(redis_server.url)
+    store = RedisStore.from_url(redis_server.url, replay_cache_bytes=BUDGET)
     r = asyncio.run(completed(store))
 
     async def replay_twice() -> list[object]:
@@ -302,7 +305,7 @@ async def test_a_silent_server_is_not_answered_from_memory(own_redis: Server) ->
     """A server that stopped answering (paused here; a partition looks the same) cannot push
     invalidations: the cache stops serving once the connection has heard nothing for
     `HEARD_SECONDS`, though it still holds the result."""
-    store = RedisStore.from_url(own_redis.url)
+    store = RedisStore.from_url(own_redis.url, replay_cache_bytes=BUDGET)
     try:
         r = await completed(store)
         os.kill(own_redis.pid, signal.SIGSTOP)
@@ -359,7 +362,7 @@ def test_no_push_reaches_a_caller_as_its_reply(redis_server: Server) -> None:
     gets its own reply while another client deletes tracked keys."""
 
     async def main() -> None:
-        store = RedisStore.from_url(redis_server.url)
+        store = RedisStore.from_url(redis_server.url, replay_cache_bytes=BUDGET)
         other = redis_server.client()
         try:
             results = [await completed(store, value=b"%d" % i) for i in range(100)]
