@@ -31,6 +31,7 @@ change takes it, so that `RedisStore.forget_cached` may run in any thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from typing import Any, Final
 
@@ -55,8 +56,12 @@ class ReplayCache:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.size = 0
-        # result key -> (value, loop time at which it expires, claim key)
-        self.entries: dict[bytes, tuple[bytes, float, bytes]] = {}
+        # result key -> (value, loop time at which it expires, claim key), oldest fill first
+        # (an OrderedDict: a dict's first item is found by skipping the slots of the items
+        # removed before it, which the budget's steady evictions would make long)
+        self.entries: collections.OrderedDict[bytes, tuple[bytes, float, bytes]] = (
+            collections.OrderedDict()
+        )
         # result key -> spoiled: a fill sent and not yet answered
         self.pending: dict[bytes, bool] = {}
         # claim key -> result key, for every entry and fill
@@ -98,7 +103,7 @@ class ReplayCache:
                 return
             entries = self.entries
             while self.size + cost > self.budget:
-                self._pop(next(iter(entries)))
+                self._dropped(*entries.popitem(last=False))
             entries[key] = (value, sent + ttl_ms / 1000, claim)
             self.size += cost
 
@@ -148,7 +153,10 @@ class ReplayCache:
     def _pop(self, key: bytes) -> None:
         entry = self.entries.pop(key, None)
         if entry is not None:
-            value, _, claim = entry
-            self.size -= len(key) + len(claim) + len(value) + ENTRY_OVERHEAD
-            if self.claims.get(claim) == key:
-                del self.claims[claim]
+            self._dropped(key, entry)
+
+    def _dropped(self, key: bytes, entry: tuple[bytes, float, bytes]) -> None:
+        value, _, claim = entry
+        self.size -= len(key) + len(claim) + len(value) + ENTRY_OVERHEAD
+        if self.claims.get(claim) == key:
+            del self.claims[claim]
