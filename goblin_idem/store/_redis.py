@@ -538,7 +538,8 @@ class RedisStore(_StoreConnection):
                 ("EXEC",),
             ]
             replies, acked = await executor.send_durably(ck, transaction)
-            return await self._published(replies, acked, rk, v, ck, tok)
+            written, renewed = self._published(replies, acked)
+            return WRITTEN[renewed] if written else await self._stood(rk, v, ck, tok, renewed)
         try:
             return await self._publish_tracked(tracked, executor, rk, v, ttl, ck, tok, renew)
         finally:
@@ -574,26 +575,25 @@ class RedisStore(_StoreConnection):
             tracked.cancel()
             replies = await executor.send(ck, transaction)
         caching, *replies = replies  # refused (an ACL changed): the PTTL was not tracked
-        published = await self._published(replies, NOT_WAITED, rk, v, ck, tok)
+        written, renewed = self._published(replies, NOT_WAITED)
+        if not written:
+            return await self._stood(rk, v, ck, tok, renewed)
         result_left, claim_left = replies[-1][-2:]
-        if published is not Published.SUPERSEDED and not isinstance(caching, Exception):
+        if not isinstance(caching, Exception):
             if type(result_left) is int and type(claim_left) is int:
                 tracked.finish(v, min(result_left, claim_left))
-        return published
+        return WRITTEN[renewed]
 
-    async def _published(
-        self, replies: list[Any], acked: Acked, rk: bytes, v: bytes, ck: bytes, tok: bytes
-    ) -> Published:
-        """What the publish transaction's replies (its EXEC's last) say was done."""
+    def _published(self, replies: list[Any], acked: Acked) -> tuple[bool, int]:
+        """What the publish transaction's replies (its EXEC's last) say was done: whether
+        the result was written, and the claim's CAEXPIRE reply."""
         for reply in replies:  # a refusal at MULTI time aborts the EXEC: raise the refusal
             unwrap(reply, self._acl_user)
         stored, renewed = replies[-1][:2]
         written = unwrap(stored, self._acl_user) is not None
         renewed = int(unwrap(renewed, self._acl_user))
         acked.check("the published response")
-        if written:
-            return WRITTEN[renewed]
-        return await self._stood(rk, v, ck, tok, renewed)
+        return written, renewed
 
     async def _stood(
         self, rk: bytes, value: bytes, ck: bytes, token: bytes, renewed: int
