@@ -61,6 +61,8 @@ async def forget(
             retry_after=max(ms, 0) / 1000,
         )
     removed = records is not None and await records.forget(names.result)
+    # RedisStore.delete also drops this process's replay cache entry at once; other
+    # processes drop theirs on the server's invalidation.
     removed = bool(await store.delete(names.result, hop_key(names))) or removed
     if token is not None:
         removed = bool(await store.cad(names.claim, token)) or removed

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -40,15 +42,28 @@ from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._redis_compat import BaseParser, retries
+from ._replay_cache import ReplayCache
 
 try:
     import hiredis
 except ImportError:  # pragma: no cover - the "fast" extra installs it
     hiredis = None  # type: ignore[assignment]
 
-__all__ = ["HIREDIS", "AutoPipeline", "pack"]
+__all__ = ["HIREDIS", "AutoPipeline", "TrackedSend", "pack"]
+
+logger = logging.getLogger("goblin_idem.store")
 
 HIREDIS = hiredis is not None
+
+
+class _NoPush(list[Any]):
+    """Stands for hiredis's PushNotification where it has none (before 3.0)."""
+
+
+#: The type hiredis gives a RESP3 push; without it a push reads as a reply, so no replay
+#: cache (which needs RESP3) is turned on.
+PushNotification: type[list[Any]] = getattr(hiredis, "PushNotification", _NoPush)
+PUSHES = PushNotification is not _NoPush
 
 #: How long the oldest unanswered command may wait before new calls avoid its connection:
 #: STALL_FACTOR times the moving average of reply times, and at least STALL_SECONDS.
@@ -56,6 +71,21 @@ STALL_SECONDS = 0.25
 STALL_FACTOR = 8
 #: Stuck connections left to drain at most; beyond that, new calls queue on the newest.
 MAX_DRAINING = 3
+#: A replay cache answers only while its connection heard from the server this recently: a
+#: server that stopped answering (a partition, a stuck primary) cannot send invalidations.
+HEARD_SECONDS = 1.0
+#: What turns a connection's replay cache on: RESP3, for invalidations pushed down the same
+#: socket; no echo of the connection's own writes (NOLOOP: a publish changes the claim it
+#: then tracks in the same step, and the store drops what it changes itself); tracking of
+#: only the reads that ask for it (``CLIENT CACHING YES``, tried
+#: here once, so that an ACL refusing it turns the cache off; the PING after it takes the
+#: flag and reads no key, and its reply, allowed or not, does not count).
+_TRACKING: tuple[tuple[Any, ...], ...] = (
+    ("HELLO", 3),
+    ("CLIENT", "TRACKING", "ON", "OPTIN", "NOLOOP"),
+    ("CLIENT", "CACHING", "YES"),
+    ("PING",),
+)
 
 
 def pack(commands: Sequence[Sequence[Any]]) -> bytes:
@@ -122,6 +152,8 @@ class _Connection(asyncio.Protocol):
         self.broken: Exception | None = None
         self.retired = False  # replaced after a stall: close once nobody waits on it
         self.expired = 0  # waiters at the head of the queue already failed by their deadline
+        self.cache: ReplayCache | None = None  # set once the server confirmed tracking
+        self.heard = loop.time()  # when the server last sent anything
 
     # -- asyncio.Protocol --
 
@@ -135,10 +167,13 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
-        now = self.loop.time()
+        now = self.heard = self.loop.time()
         waiting = self.waiting
         try:
             while (reply := self.reader.gets()) is not False:
+                if type(reply) is PushNotification:
+                    self.pushed(reply)
+                    continue
                 head = waiting[0]
                 replies = head.replies
                 if replies is None:
@@ -157,6 +192,34 @@ class _Connection(asyncio.Protocol):
                 self.fail(RedisConnectionError("Connection retired after a stall."))
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
             self.fail(RedisConnectionError(f"Protocol error from the server: {exc!r}"))
+
+    def pushed(self, push: list[Any]) -> None:
+        """A RESP3 push: the server's invalidation of tracked keys (None: all of them, as
+        after FLUSHALL). Nothing else is subscribed, so anything else clears the cache too."""
+        cache = self.cache
+        if cache is None:
+            return
+        if len(push) == 2 and push[0] == b"invalidate" and type(push[1]) is list:
+            for key in push[1]:
+                cache.discard(key)
+        else:
+            cache.clear()
+
+    def drop_cache(self) -> None:
+        """The connection no longer tracks, or no longer serves: forget every result."""
+        cache, self.cache = self.cache, None
+        if cache is not None:
+            cache.clear()
+
+    def serving(self) -> ReplayCache | None:
+        """The cache, while its results may be served: the connection is up, has heard from
+        the server within `HEARD_SECONDS`, and is not stalled."""
+        cache = self.cache
+        if cache is None or self.loop.time() - self.heard > HEARD_SECONDS:
+            return None
+        if self.waiting and self.stalled():
+            return None
+        return cache
 
     # -- sending --
 
@@ -187,6 +250,7 @@ class _Connection(asyncio.Protocol):
 
     def retire(self) -> None:
         self.retired = True
+        self.drop_cache()
         if self.expired == len(self.waiting):
             self.fail(RedisConnectionError("Connection retired after a stall."))
 
@@ -221,6 +285,7 @@ class _Connection(asyncio.Protocol):
         """Fail everything in flight with `exc` and drop the connection for good."""
         if self.broken is None:
             self.broken = exc
+        self.drop_cache()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -255,6 +320,7 @@ class AutoPipeline:
         socket_timeout: float | None = None,
         socket_connect_timeout: float | None = None,
         retry: Retry | None = None,
+        replay_cache_bytes: int = 0,
     ) -> None:
         if not HIREDIS:
             raise RuntimeError("AutoPipeline needs hiredis (pip install 'goblin-idem[fast]')")
@@ -275,9 +341,11 @@ class AutoPipeline:
         self._connecting: asyncio.Task[_Connection] | None = None
         self._draining: list[_Connection] = []
         self.opened = 0  # connections opened so far (one, unless some broke or stalled)
+        # Each connection's replay cache budget; 0: none (no RESP3, no tracking).
+        self.replay_cache_bytes = replay_cache_bytes if PUSHES else 0
 
     @classmethod
-    def for_client(cls, client: object) -> AutoPipeline | None:
+    def for_client(cls, client: object, replay_cache_bytes: int = 0) -> AutoPipeline | None:
         """One with `client`'s connection settings, or None where it could not honour them."""
         if type(client) is not redis.asyncio.Redis:
             return None
@@ -286,6 +354,7 @@ class AutoPipeline:
         common = cls.settings_of(kwargs)
         if common is None:
             return None
+        common["replay_cache_bytes"] = replay_cache_bytes
         if pool.connection_class is redis.asyncio.Connection:
             host = kwargs.get("host") or "localhost"
             return cls(host=host, port=int(kwargs.get("port") or 6379), **common)
@@ -372,12 +441,17 @@ class AutoPipeline:
         except (OSError, asyncio.TimeoutError) as exc:
             detail = str(exc) or type(exc).__name__
             raise RedisConnectionError(f"Error connecting to {self.address}: {detail}") from None
-        if self._handshake:
-            replies = await conn.send(pack(self._handshake), len(self._handshake))
-            errors = [r for r in replies if isinstance(r, Exception)]
+        handshake = self._handshake
+        tracking = self.replay_cache_bytes > 0
+        commands = [*handshake, *_TRACKING] if tracking else handshake
+        if commands:
+            replies = await conn.send(pack(commands), len(commands))
+            errors = [r for r in replies[: len(handshake)] if isinstance(r, Exception)]
             if errors:
                 conn.fail(errors[0])
                 raise errors[0]
+            if tracking:
+                self._start_tracking(conn, replies[len(handshake) :])
         if self._connecting is not asyncio.current_task():  # closed meanwhile
             closed = RedisConnectionError("Connection closed by the client.")
             conn.fail(closed)
@@ -393,9 +467,90 @@ class AutoPipeline:
         """Drop the connections without closing them, for a fork's child (they are the
         parent's sockets) or after their event loop closed; the next call opens a new one.
         The dropped connections are returned, for the caller to keep from the collector."""
-        dropped: list[object] = [c for c in (self._conn, *self._draining) if c is not None]
+        dropped = [c for c in (self._conn, *self._draining) if c is not None]
         self._conn, self._connecting, self._draining = None, None, []
-        return dropped
+        for conn in dropped:
+            conn.drop_cache()  # a child's copy: the parent's own cache is untouched
+        return list(dropped)
+
+    # -- the replay cache (`_replay_cache`) --
+
+    def _start_tracking(self, conn: _Connection, replies: list[Any]) -> None:
+        """The replies of HELLO 3 and CLIENT TRACKING: the connection gets its cache only
+        once the server confirmed both; if it refused, no connection of this pipeline
+        tries again (an old server, or an ACL that refuses HELLO or CLIENT)."""
+        refused = [r for r in replies[:-1] if isinstance(r, Exception)]
+        if not refused:
+            conn.cache = ReplayCache(self.replay_cache_bytes)
+            return
+        self.replay_cache_bytes = 0
+        logger.warning(
+            "goblin-idem store: %s refused client-side tracking (%s): the replay cache is "
+            "off and every replay reads the store; allow +hello +client|tracking "
+            "+client|caching (Redis or Valkey 6 or later), or pass replay_cache_bytes=0",
+            self.address,
+            refused[0],
+        )
+
+    def cached(self, key: bytes) -> bytes | None:
+        """`key`'s result from the current connection's replay cache, while it serves."""
+        conn = self._conn
+        if conn is None or conn.cache is None:
+            return None
+        cache = conn.serving()
+        return None if cache is None else cache.get(key, conn.loop.time())
+
+    def fill(self, key: bytes, claim: bytes) -> None:
+        """Read result `key` into the cache, in the background: its GET and the PTTLs of it
+        and of its `claim` in one MULTI/EXEC that ``CLIENT CACHING YES`` tracks, on the
+        connection whose cache it fills (no task: the reply's callback keeps it). Nothing
+        if already kept or under way, or with no cache."""
+        conn = self._usable()
+        cache = None if conn is None else conn.cache
+        if conn is None or cache is None or not cache.start(key, claim):
+            return
+        sent = conn.loop.time()
+        commands = [
+            ("CLIENT", "CACHING", "YES"),
+            ("MULTI",),
+            ("GET", key),
+            ("PTTL", key),
+            ("PTTL", claim),
+            ("EXEC",),
+        ]
+        future = conn.send(pack(commands), len(commands))
+        future.add_done_callback(functools.partial(cache.filled, key, claim, sent))
+
+    def discard(self, key: bytes) -> None:
+        """Forget `key`'s result in every connection's cache (any thread may call it)."""
+        for conn in (self._conn, *self._draining):
+            if conn is not None and conn.cache is not None:
+                conn.cache.discard(key)
+
+    def _usable(self) -> _Connection | None:
+        """The current connection, if `_send` would use it as it is (a fill must go out on
+        the connection whose cache it fills)."""
+        conn = self._conn
+        if (
+            conn is None
+            or conn.broken is not None
+            or conn.loop is not asyncio.get_running_loop()
+            or (conn.waiting and conn.stalled())
+        ):
+            return None
+        return conn
+
+    def tracked(self, key: bytes, claim: bytes) -> TrackedSend | None:
+        """A send whose commands track `key` and whose reply may fill the cache with it
+        (`TrackedSend`); None with no cache, a fill of `key` under way, or while retries
+        are on (a retried send could land on another connection than the cache's)."""
+        conn = self._usable()
+        if conn is None or self.retry is not None:
+            return None
+        cache = conn.cache
+        if cache is None or not cache.start(key, claim):
+            return None
+        return TrackedSend(conn, cache, key, claim)
 
     async def aclose(self) -> None:
         """Close the connection; calls still in flight fail, a later call opens a new one."""
@@ -405,6 +560,32 @@ class AutoPipeline:
         for c in (conn, *draining):
             if c is not None and c.broken is None:
                 c.fail(RedisConnectionError("Connection closed by the client."))
+
+
+class TrackedSend:
+    """Commands sent on one connection, whose tracked read of `key` lets its cache keep
+    `key`'s result (a publish: its PTTL follows the SET inside one MULTI/EXEC). The caller
+    ends it with `finish` or `cancel`; both may be called again, to no effect."""
+
+    __slots__ = ("cache", "claim", "conn", "key", "sent")
+
+    def __init__(self, conn: _Connection, cache: ReplayCache, key: bytes, claim: bytes) -> None:
+        self.conn = conn
+        self.cache = cache
+        self.key = key
+        self.claim = claim
+        self.sent = conn.loop.time()
+
+    def send(self, commands: Sequence[Sequence[Any]]) -> asyncio.Future[list[Any]]:
+        return self.conn.send(pack(commands), len(commands))
+
+    def finish(self, value: bytes, ttl_ms: int) -> None:
+        """The result stored, `ttl_ms` left (the shorter of its and its claim's) when it
+        was read: keep it."""
+        self.cache.finish(self.key, self.claim, value, ttl_ms, self.sent)
+
+    def cancel(self) -> None:
+        self.cache.cancel(self.key, self.claim)
 
 
 async def _ignore(error: Exception) -> None:

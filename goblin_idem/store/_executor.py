@@ -35,7 +35,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -44,6 +44,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..exceptions import NotReplicatedError
 from . import _scripts as scripts
 from ._redis_compat import drop_pool, shut_down
+
+if TYPE_CHECKING:
+    from ._autopipeline import AutoPipeline
 
 __all__ = [
     "NOT_WAITED",
@@ -122,6 +125,9 @@ class Executor:
     """Sends commands for one store in one event loop; subclasses say over which
     connections. `detecting` is the lock the loop's first calls wait on while detection
     runs (an asyncio lock belongs to one loop too)."""
+
+    #: The shared connection whose replay cache serves this executor's duplicates, if any.
+    replays: AutoPipeline | None = None
 
     def __init__(self, client: Any, wait: Wait | None) -> None:
         self.client = client

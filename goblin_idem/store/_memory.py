@@ -84,6 +84,10 @@ class MemoryStore:
         """Entries held, including expired ones not reclaimed yet."""
         return len(self._data)
 
+    def forget_cached(self, result_key: KeyT) -> None:
+        """Nothing: a MemoryStore keeps no copy of a result beside the result itself
+        (`RedisStore.forget_cached`, for the same call on either store)."""
+
     async def aclose(self) -> None:
         with self._lock:
             self._data.clear()

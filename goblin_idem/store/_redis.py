@@ -34,12 +34,13 @@ from ._arguments import (
     claim_seconds,
     publish_ttl,
 )
-from ._autopipeline import AutoPipeline
+from ._autopipeline import AutoPipeline, TrackedSend
 from ._cluster import Clustered, ClusterPipelined
 from ._detection import Detection, Mode, node_name
-from ._executor import Command, Executor, Wait
+from ._executor import NOT_WAITED, Acked, Command, Executor, Wait, no_script
 from ._protocol import CLAIMED, ClaimReply, KeyT, Published
 from ._redis_compat import copy_client, startup_nodes
+from ._replay_cache import DEFAULT_REPLAY_CACHE_BYTES
 from ._server_errors import normalize, renewal_reply, unwrap
 from ._single import Direct, Pipelined
 
@@ -68,13 +69,16 @@ class _StoreConnection:
         wait_timeout_seconds: float = 1.0,
         autopipeline: bool = True,
         wait_timeout_ms: int | None = None,
+        replay_cache_bytes: int = 0,
     ) -> None:
         _check_client(client)
         wait_timeout = renamed_ms(
             "wait_timeout_ms", wait_timeout_ms, "wait_timeout_seconds", wait_timeout_seconds, 2
         )
         _check_options(client, mode, wait_replicas, wait_timeout)
+        _check_replay_cache(replay_cache_bytes)
         self.client = client
+        self.replay_cache_bytes = replay_cache_bytes
         self.max_value_bytes = (
             DEFAULT_MAX_VALUE_BYTES if max_value_bytes is None else max_value_bytes
         )
@@ -104,7 +108,8 @@ class _StoreConnection:
         if isinstance(client, RedisCluster):
             fast = ClusterPipelined.for_client(client) if self._shared else None
             return fast or Clustered(client, self._wait)
-        pipeline = AutoPipeline.for_client(client) if self._shared else None
+        shared = self._shared
+        pipeline = AutoPipeline.for_client(client, self.replay_cache_bytes) if shared else None
         if pipeline is not None:
             return Pipelined(client, pipeline)
         return Direct(client, self._wait)
@@ -124,6 +129,7 @@ class _StoreConnection:
         wait_timeout_seconds: float = 1.0,
         autopipeline: bool = True,
         wait_timeout_ms: int | None = None,
+        replay_cache_bytes: int = 0,
         **kwargs: Any,
     ) -> _S:
         """A store that owns its client (closed by `aclose`).
@@ -131,7 +137,8 @@ class _StoreConnection:
         The pool waits up to `pool_timeout` for a free connection instead of failing at
         `max_connections`, and a socket timeout bounds how long a request can hang on a
         store that stopped answering; both end in a store error, never a silent wait.
-        `wait_replicas`, `wait_timeout_seconds` and `autopipeline` are the class's options.
+        `wait_replicas`, `wait_timeout_seconds`, `autopipeline` and `replay_cache_bytes`
+        are the class's options.
         """
         client = _client_from_url(
             url, cluster, max_connections, pool_timeout, socket_timeout, **kwargs
@@ -145,6 +152,7 @@ class _StoreConnection:
                 "wait_timeout_ms", wait_timeout_ms, "wait_timeout_seconds", wait_timeout_seconds, 2
             ),
             autopipeline=autopipeline,
+            replay_cache_bytes=replay_cache_bytes,
         )
         store._owns_client = True
         return store
@@ -212,6 +220,25 @@ class _StoreConnection:
         for executor in executors.values():
             executor.disown()
 
+    def forget_cached(self, result_key: KeyT) -> None:
+        """Stop answering `result_key` from this process's replay cache, at once, in every
+        event loop: for a process that deletes a result (the server's invalidation then
+        reaches every other process). Not part of the `Store` protocol (a store of another
+        kind would stop conforming); `MemoryStore` has it too, and does nothing."""
+        self._forget((as_bytes(result_key),))
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        """Drop `keys` from every loop's replay cache: before this store changes them (a
+        fill under way is spoiled) and again once it did (a fill read before the change
+        is not served until the server's invalidation arrives)."""
+        if not self.replay_cache_bytes:
+            return
+        for executor in (self._first, *self._loops.values()):
+            replays = executor.replays
+            if replays is not None:
+                for key in keys:
+                    replays.discard(key)
+
     def _server_limit(self, limit: int) -> None:
         """Detection read the server's proto-max-bulk-len: a larger value would make the
         server drop the connection, failing every call pipelined with it."""
@@ -255,9 +282,13 @@ class _StoreConnection:
         px: int | None = None,
         nx: bool = False,
     ) -> bool:
-        v = check_size(as_bytes(value, "value"), self.max_value_bytes)
+        k, v = as_bytes(key), check_size(as_bytes(value, "value"), self.max_value_bytes)
         client = self._executor.client
-        return bool(await self._plain(client.set(as_bytes(key), v, ex=ex, px=px, nx=nx)))
+        self._forget((k,))
+        try:
+            return bool(await self._plain(client.set(k, v, ex=ex, px=px, nx=nx)))
+        finally:
+            self._forget((k,))
 
     async def pttl(self, key: KeyT) -> int:
         return int(await self._plain(self._executor.client.pttl(as_bytes(key))))
@@ -266,7 +297,12 @@ class _StoreConnection:
         if not keys:
             return 0
         client = self._executor.client
-        return int(await self._plain(client.delete(*(as_bytes(k) for k in keys))))
+        names = [as_bytes(k) for k in keys]
+        self._forget(names)
+        try:
+            return int(await self._plain(client.delete(*names)))
+        finally:
+            self._forget(names)
 
 
 # Every RedisStore of the process, for the fork handler.
@@ -319,6 +355,12 @@ class RedisStore(_StoreConnection):
     connections with the client's settings, and is skipped (everything goes through
     redis-py) for TLS, a credential provider, a custom connection class, or without
     hiredis. Plain commands and mode detection always use the client.
+
+    Replay cache (``replay_cache_bytes``, 0 by default: off): with a budget, each event
+    loop's shared connection keeps the results it published or read in memory and answers
+    their duplicates from there, kept coherent by the server's invalidations (RESP3 client
+    tracking on that connection, `_replay_cache`); `forget_cached` drops a key at once.
+    Single server only (a cluster, or a store that does not auto-pipeline, has none).
 
     Detection (`detect`, or the first command): the mode, the ACL user's permission for
     every command the store sends (`StorePermissionError` names what is refused), the
@@ -375,7 +417,11 @@ class RedisStore(_StoreConnection):
     async def _goblin(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
         """One GOBLIN command, its reply (an error reply raised, as the native one reads)."""
         command = script.call(await self._ready(), keys, args)
-        (reply,) = await self._executor.send(keys[0], [command])
+        self._forget(keys)  # every GOBLIN command but CLAIM may change its key
+        try:
+            (reply,) = await self._executor.send(keys[0], [command])
+        finally:
+            self._forget(keys)
         return unwrap(reply, self._acl_user)
 
     # -- the four GOBLIN commands --
@@ -402,12 +448,18 @@ class RedisStore(_StoreConnection):
         ck, rk = as_bytes(claim_key), as_bytes(result_key)
         tok = check_size(as_bytes(token, "token"), self.max_value_bytes)
         lease = claim_seconds(seconds)
+        executor = self._executor
+        replays = executor.replays
+        if replays is not None and (kept := replays.cached(rk)) is not None:
+            return kept  # the bytes the store holds: see `_replay_cache`
         claim = scripts.CLAIM.call(await self._ready(), (ck, rk), (tok, lease))
-        (reply, result_ttl), acked = await self._executor.send_durably(ck, [claim, ("PTTL", rk)])
+        (reply, result_ttl), acked = await executor.send_durably(ck, [claim, ("PTTL", rk)])
         if isinstance(reply, OutOfMemoryError):
             return await self._read_when_full(ck, rk, reply)
         claimed = claim_reply(unwrap(reply, self._acl_user))
         if claimed is not CLAIMED:
+            if claimed is not None and replays is not None:
+                replays.fill(rk, ck)  # later duplicates: from memory, once it is tracked
             return claimed
         ttl = int(unwrap(result_ttl, self._acl_user))
         if ttl != -2:
@@ -475,22 +527,73 @@ class RedisStore(_StoreConnection):
         tok = as_bytes(token, "token")
         ttl = publish_ttl(ttl_ms)
         renew = scripts.CAEXPIRE.call(await self._ready(), (ck,), (tok, ttl))
+        executor = self._executor
+        self._forget((rk, ck))  # changed below: what this process kept of them is over
+        tracked = None if executor.replays is None else executor.replays.tracked(rk, ck)
+        if tracked is None:
+            transaction: list[Command] = [
+                ("MULTI",),
+                ("SET", rk, v, "PX", ttl, "NX"),
+                renew,
+                ("EXEC",),
+            ]
+            replies, acked = await executor.send_durably(ck, transaction)
+            written, renewed = self._published(replies, acked)
+            return WRITTEN[renewed] if written else await self._stood(rk, v, ck, tok, renewed)
+        try:
+            return await self._publish_tracked(tracked, executor, rk, v, ttl, ck, tok, renew)
+        finally:
+            tracked.cancel()  # unless it finished
+
+    async def _publish_tracked(
+        self,
+        tracked: TrackedSend,
+        executor: Executor,
+        rk: bytes,
+        v: bytes,
+        ttl: int,
+        ck: bytes,
+        tok: bytes,
+        renew: Command,
+    ) -> Published:
+        """`publish` with the replay cache: ``CLIENT CACHING YES`` before the MULTI tracks the
+        PTTLs inside it, which read the result and its claim right after they were written,
+        in the same atomic step; a written result whose claim is held is then kept in memory
+        for the shorter of the two TTLs. Same round trip, on the connection whose cache it
+        fills (`TrackedSend`)."""
         transaction: list[Command] = [
+            ("CLIENT", "CACHING", "YES"),
             ("MULTI",),
             ("SET", rk, v, "PX", ttl, "NX"),
             renew,
+            ("PTTL", rk),
+            ("PTTL", ck),
             ("EXEC",),
         ]
-        replies, acked = await self._executor.send_durably(ck, transaction)
+        replies = await tracked.send(transaction)
+        if no_script(replies):
+            tracked.cancel()
+            replies = await executor.send(ck, transaction)
+        caching, *replies = replies  # refused (an ACL changed): the PTTL was not tracked
+        written, renewed = self._published(replies, NOT_WAITED)
+        if not written:
+            return await self._stood(rk, v, ck, tok, renewed)
+        result_left, claim_left = replies[-1][-2:]
+        if not isinstance(caching, Exception):
+            if type(result_left) is int and type(claim_left) is int:
+                tracked.finish(v, min(result_left, claim_left))
+        return WRITTEN[renewed]
+
+    def _published(self, replies: list[Any], acked: Acked) -> tuple[bool, int]:
+        """What the publish transaction's replies (its EXEC's last) say was done: whether
+        the result was written, and the claim's CAEXPIRE reply."""
         for reply in replies:  # a refusal at MULTI time aborts the EXEC: raise the refusal
             unwrap(reply, self._acl_user)
-        stored, renewed = replies[-1]
+        stored, renewed = replies[-1][:2]
         written = unwrap(stored, self._acl_user) is not None
         renewed = int(unwrap(renewed, self._acl_user))
         acked.check("the published response")
-        if written:
-            return WRITTEN[renewed]
-        return await self._stood(rk, v, ck, tok, renewed)
+        return written, renewed
 
     async def _stood(
         self, rk: bytes, value: bytes, ck: bytes, token: bytes, renewed: int
@@ -515,11 +618,16 @@ class RedisStore(_StoreConnection):
         if not renewals:
             return []
         native = await self._ready()
+        names = [as_bytes(key) for key, _, _ in renewals]
         commands = [
-            scripts.CAEXPIRE.call(native, (as_bytes(key),), (as_bytes(expected), caexpire_ms(ms)))
-            for key, expected, ms in renewals
+            scripts.CAEXPIRE.call(native, (name,), (as_bytes(expected), caexpire_ms(ms)))
+            for name, (_, expected, ms) in zip(names, renewals, strict=True)
         ]
-        replies = await self._executor.send_each(commands)
+        self._forget(names)
+        try:
+            replies = await self._executor.send_each(commands)
+        finally:
+            self._forget(names)
         return [renewal_reply(r, self._acl_user) for r in replies]
 
 
@@ -562,6 +670,16 @@ def _check_client(client: object) -> None:
         "RedisStore takes a redis.asyncio.Redis or redis.asyncio.RedisCluster client, "
         f"not {what}: build one with RedisStore.from_url(url)"
     )
+
+
+def _check_replay_cache(replay_cache_bytes: object) -> None:
+    if isinstance(replay_cache_bytes, bool) or not isinstance(replay_cache_bytes, int):
+        raise TypeError("replay_cache_bytes must be an int (0 turns the replay cache off)")
+    if replay_cache_bytes < 0:
+        raise ValueError(
+            "replay_cache_bytes must be 0 (off, the default) or a budget in bytes "
+            f"(for example {DEFAULT_REPLAY_CACHE_BYTES}), not {replay_cache_bytes}"
+        )
 
 
 def _check_options(

@@ -32,6 +32,8 @@ class Pipelined(Executor):
     def __init__(self, client: redis.asyncio.Redis, pipeline: AutoPipeline) -> None:
         super().__init__(client, None)
         self.pipeline = pipeline
+        if pipeline.replay_cache_bytes:
+            self.replays = pipeline
 
     async def send(self, key: bytes, commands: Sequence[Command]) -> list[Any]:
         # The hot path, with no coroutine between the store's and the pipeline's own.

@@ -22,6 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore, Store, idempotent
 from goblin_idem._keys import key_names
 from goblin_idem.records._format import decode
+from goblin_idem.store import _autopipeline as autopipeline
 from tests.support.asgi import Handler, problem, request
 from tests.support.backends import Backend, stored_items
 from tests.support.servers import Server, free_port
@@ -908,6 +909,13 @@ class RoundTrips:
             return execute(commands)
 
         monkeypatch.setattr(pipeline, "execute", counted)
+        send = autopipeline.TrackedSend.send  # a publish that fills the replay cache
+
+        def counted_send(tracked: autopipeline.TrackedSend, commands: Any) -> Any:
+            self.count += 1
+            return send(tracked, commands)
+
+        monkeypatch.setattr(autopipeline.TrackedSend, "send", counted_send)
 
     def during(self, n: int) -> None:
         assert self.count == n, f"{self.count} round trips, expected {n}"
@@ -950,17 +958,27 @@ ROUND_TRIP_COMMANDS = {
 }
 
 
+# With the replay cache, the publish also tracks its two keys (CLIENT CACHING YES, and a
+# PTTL of each inside its MULTI), and a replay this process published is answered from
+# memory: no command at all.
+CACHE_EXTRA = {"client|caching": 1, "pttl": 2}
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
 @pytest.mark.parametrize("mode", ["script", "native"])
 @pytest.mark.parametrize("kind", ["redis", "valkey"])
 async def test_round_trips_per_request(
-    request_: Any, kind: str, mode: str, monkeypatch: pytest.MonkeyPatch
+    request_: Any, kind: str, mode: str, cache: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A new key takes 2 round trips, a replay 1, a request without a key none and a
-    duplicate in flight 1, each with exactly the commands above."""
+    """A new key takes 2 round trips, a replay 1 (none from the replay cache), a request
+    without a key none and a duplicate in flight 1, each with exactly the commands above."""
     new, replay, in_flight = ROUND_TRIP_COMMANDS[mode]
+    if cache:
+        new = {k: new.get(k, 0) + CACHE_EXTRA.get(k, 0) for k in {*new, *CACHE_EXTRA}}
+        replay = {}
     fixture = f"{kind}_native_server" if mode == "native" else f"{kind}_server"
     server: Server = request_.getfixturevalue(fixture)
-    store = RedisStore.from_url(server.url)
+    store = RedisStore.from_url(server.url, replay_cache_bytes=4 << 20 if cache else 0)
     assert await store.detect() == mode  # detection loads the scripts: no NOSCRIPT below
     mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
     client = store.client
@@ -970,7 +988,7 @@ async def test_round_trips_per_request(
         assert await commands_during(client, lambda: request(mw, key="new")) == new
         trips.during(2)
         assert await commands_during(client, lambda: request(mw, key="new")) == replay
-        trips.during(1)
+        trips.during(0 if cache else 1)
         assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
         trips.during(0)
 

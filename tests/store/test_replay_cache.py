@@ -1,0 +1,383 @@
+"""The replay cache on real servers: a duplicate of a key this process saw completed is
+answered from memory with no command sent, and never once the server said the key changed
+(expired, evicted, deleted by another client, flushed, the server restarted), after a fork,
+or after this process forgot it. Redis and Valkey, native and script mode."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from goblin_idem import CLAIMED, MemoryStore, RedisStore
+from goblin_idem.store import Published
+from goblin_idem.store._autopipeline import AutoPipeline
+from goblin_idem.store._replay_cache import ENTRY_OVERHEAD, ReplayCache
+from tests.support.procs import in_child
+from tests.support.servers import Server, start_server
+
+BUDGET = 4 << 20
+SERVERS = ["redis_server", "valkey_server", "redis_native_server", "valkey_native_server"]
+
+
+@pytest.fixture(params=SERVERS)
+def server(request: pytest.FixtureRequest) -> Server:
+    found: Server = request.getfixturevalue(request.param)
+    return found
+
+
+@pytest.fixture
+async def store(server: Server) -> AsyncIterator[RedisStore]:
+    s = RedisStore.from_url(server.url, replay_cache_bytes=BUDGET)
+    yield s
+    await s.aclose()
+
+
+# What asking for the figures costs: the client's INFO and its connection's own setup.
+_ASKING = ("cmdstat_info", "cmdstat_client|setinfo", "cmdstat_hello")
+
+
+def commands_served(server: Server) -> int:
+    """Every command the server has run (INFO commandstats), the asking left out."""
+    with server.sync_client() as client:
+        stats = client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k not in _ASKING)
+
+
+def keys() -> tuple[str, str]:
+    tag = secrets.token_hex(8)
+    return f"{{{tag}}}:c", f"{{{tag}}}:r"
+
+
+def pipeline_of(store: RedisStore) -> AutoPipeline:
+    pipeline = store._executor.replays
+    assert pipeline is not None
+    return pipeline
+
+
+def kept(store: RedisStore, r: str) -> bool:
+    """Is `r` in the running loop's cache? (Not whether it would be served: that also asks
+    that the connection heard from the server within a second.)"""
+    conn = pipeline_of(store)._conn
+    return conn is not None and conn.cache is not None and r.encode() in conn.cache.entries
+
+
+async def until(condition: Callable[[], bool], seconds: float = 5.0) -> float:
+    """Wait for `condition`; how long it took (the test fails past `seconds`)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not condition():
+        assert loop.time() - start < seconds, "not within the time allowed"
+        await asyncio.sleep(0.001)
+    return loop.time() - start
+
+
+async def completed(store: RedisStore, value: bytes = b"done", ttl_ms: int = 60_000) -> str:
+    """A key run and published by `store`; its result key."""
+    c, r = keys()
+    assert await store.claim_unless_done(c, r, "t", 30) is CLAIMED
+    assert await store.publish(r, value, ttl_ms, c, "t") is Published.STORED
+    return r
+
+
+def claim_key(r: str) -> str:
+    return r[:-1] + "c"
+
+
+async def test_a_published_key_replays_from_memory_with_no_command_sent(
+    store: RedisStore, server: Server
+) -> None:
+    r = await completed(store, b"\x00answer\xff")
+    before = commands_served(server)
+    for _ in range(3):
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"\x00answer\xff"
+    assert commands_served(server) == before
+
+
+async def test_a_replay_read_from_the_store_fills_the_cache_of_another_process(
+    store: RedisStore, server: Server
+) -> None:
+    other = RedisStore.from_url(server.url, replay_cache_bytes=BUDGET)
+    try:
+        r = await completed(other)
+        before = commands_served(server)
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
+        await until(lambda: pipeline_of(store).cached(r.encode()) is not None)
+        after_fill = commands_served(server)
+        assert after_fill > before  # the claim (and the fill) went to the server
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
+        assert commands_served(server) == after_fill
+        with server.sync_client() as plain:
+            assert pipeline_of(store).cached(r.encode()) == plain.get(r)  # byte for byte
+    finally:
+        await other.aclose()
+
+
+async def test_a_key_deleted_by_another_client_is_not_replayed_from_memory(
+    store: RedisStore, server: Server
+) -> None:
+    r = await completed(store)
+    with server.sync_client() as plain:
+        plain.delete(r, claim_key(r))
+    await until(lambda: not kept(store, r))
+    assert await store.claim_unless_done(claim_key(r), r, "u", 30) is CLAIMED
+
+
+async def test_a_lost_claim_is_retaken_by_the_next_duplicate_not_answered_from_memory(
+    store: RedisStore, server: Server
+) -> None:
+    """The claim vanished while the result stayed: as without the cache, the next duplicate
+    asks the store, gets the result and takes the claim back."""
+    r = await completed(store)
+    with server.sync_client() as plain:
+        plain.delete(claim_key(r))  # another client: this store learns it from the server
+        await until(lambda: not kept(store, r))
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
+        assert plain.get(claim_key(r)) == b"u"
+
+
+async def test_flushall_drops_every_result(store: RedisStore, server: Server) -> None:
+    results = [await completed(store) for _ in range(3)]
+    with server.sync_client() as plain:
+        plain.flushall()
+    await until(lambda: not any(kept(store, r) for r in results))
+    for r in results:
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) is CLAIMED
+
+
+async def test_an_expired_result_is_not_replayed_from_memory(
+    store: RedisStore, server: Server
+) -> None:
+    r = await completed(store, ttl_ms=200)
+    assert pipeline_of(store).cached(r.encode()) == b"done"
+    await asyncio.sleep(0.25)
+    # the server may not have expired the key actively yet: the entry ends at the TTL read
+    assert pipeline_of(store).cached(r.encode()) is None
+    assert await store.claim_unless_done(claim_key(r), r, "u", 30) is CLAIMED
+
+
+async def test_forget_cached_stops_replays_from_memory_at_once(
+    store: RedisStore, server: Server
+) -> None:
+    r = await completed(store)
+    store.forget_cached(r)  # the result is still stored: the next replay reads it
+    before = commands_served(server)
+    assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
+    assert commands_served(server) > before
+
+
+async def test_an_evicted_result_is_not_replayed_from_memory() -> None:
+    server = start_server("redis", args=["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"])
+    store = RedisStore.from_url(server.url, replay_cache_bytes=BUDGET)
+    try:
+        r = await completed(store)
+        with server.sync_client() as plain:
+            filler = b"x" * 64 * 1024
+            for i in range(400):  # 25 MB through a 4 MB server: the oldest keys go
+                plain.set(f"filler:{i}", filler)
+            assert plain.exists(r) == 0
+        await until(lambda: not kept(store, r))
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) is CLAIMED
+    finally:
+        await store.aclose()
+        server.stop()
+
+
+async def test_a_restarted_server_is_never_answered_from_memory(own_redis: Server) -> None:
+    store = RedisStore.from_url(own_redis.url, replay_cache_bytes=BUDGET)
+    try:
+        r = await completed(store)
+        conn = pipeline_of(store)._conn
+        assert kept(store, r) and conn is not None
+        await asyncio.to_thread(own_redis.restart)  # the loop runs meanwhile, as a server's does
+        await until(lambda: conn.cache is None)  # the connection's loss dropped it
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) is CLAIMED
+    finally:
+        await store.aclose()
+
+
+async def test_the_cache_is_off_by_default_and_nothing_is_tracked(server: Server) -> None:
+    name = f"off-{secrets.token_hex(4)}"
+    store = RedisStore.from_url(server.url, client_name=name)  # off by default
+    try:
+        r = await completed(store)
+        assert store._executor.replays is None
+        before = commands_served(server)
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
+        assert commands_served(server) > before
+        with server.sync_client() as plain:
+            mine = [c for c in plain.client_list() if c.get("name") == name]
+        assert mine and not any("t" in c["flags"] for c in mine)  # none tracks
+    finally:
+        await store.aclose()
+
+
+def test_a_bad_budget_says_what_to_pass(redis_server: Server) -> None:
+    with pytest.raises(TypeError, match="replay_cache_bytes must be an int"):
+        RedisStore.from_url(redis_server.url, replay_cache_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="replay_cache_bytes must be 0 \\(off, the default\\)"):
+        RedisStore.from_url(redis_server.url, replay_cache_bytes=-1)
+
+
+async def test_a_server_that_refuses_tracking_leaves_the_cache_off(
+    own_redis: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    with own_redis.sync_client() as plain:
+        plain.acl_setuser(
+            "app", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-client"]
+        )
+    store = RedisStore.from_url(
+        own_redis.url, username="app", password="pw", replay_cache_bytes=BUDGET
+    )
+    try:
+        r = await completed(store)
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
+        assert pipeline_of(store).cached(r.encode()) is None
+        assert "refused client-side tracking" in caplog.text
+    finally:
+        await store.aclose()
+
+
+def test_a_forks_child_starts_with_nothing_cached(redis_server: Server) -> None:
+    store = RedisStore.from_url(redis_server.url, replay_cache_bytes=BUDGET)
+    loop = asyncio.new_event_loop()
+    try:
+        r = loop.run_until_complete(completed(store))
+
+        async def in_the_child() -> tuple[bytes | None, object]:
+            with redis_server.sync_client() as plain:
+                plain.delete(r, claim_key(r))  # the parent's socket would carry this news
+            cached = pipeline_of(store).cached(r.encode())
+            return cached, await store.claim_unless_done(claim_key(r), r, "u", 30)
+
+        assert in_child(lambda: repr(asyncio.run(in_the_child()))) == repr((None, CLAIMED))
+        # the parent's cache heard of the deletion on its own socket
+        gone = until(lambda: not kept(store, r))
+        loop.run_until_complete(gone)
+    finally:
+        loop.run_until_complete(store.aclose())
+        loop.close()
+
+
+def test_each_event_loop_has_its_own_cache_and_forget_cached_reaches_all(
+    redis_server: Server,
+) -> None:
+    store = RedisStore.from_url(redis_server.url, replay_cache_bytes=BUDGET)
+    r = asyncio.run(completed(store))
+
+    async def replay_twice() -> list[object]:
+        c = claim_key(r)
+        first = await store.claim_unless_done(c, r, "u", 30)
+        await until(lambda: pipeline_of(store).cached(r.encode()) is not None)
+        return [first, await store.claim_unless_done(c, r, "u", 30)]
+
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    try:
+        assert loops[0].run_until_complete(replay_twice()) == [b"done", b"done"]
+        assert loops[1].run_until_complete(replay_twice()) == [b"done", b"done"]
+        pipelines = {loop: store._loops[loop].replays for loop in loops}
+        assert len({id(p) for p in pipelines.values()}) == 2
+        store.forget_cached(r)
+
+        async def still_kept() -> bool:
+            return kept(store, r)
+
+        assert [loop.run_until_complete(still_kept()) for loop in loops] == [False, False]
+    finally:
+        for loop in loops:
+            loop.run_until_complete(store.aclose())
+            loop.close()
+
+
+async def test_a_memory_store_has_nothing_to_forget() -> None:
+    store = MemoryStore()
+    assert await store.claim_unless_done("c", "r", "t", 30) is CLAIMED
+    await store.publish("r", b"done", 60_000, "c", "t")
+    store.forget_cached("r")
+    assert await store.claim_unless_done("c", "r", "u", 30) == b"done"
+
+
+async def test_a_silent_server_is_not_answered_from_memory(own_redis: Server) -> None:
+    """A server that stopped answering (paused here; a partition looks the same) cannot push
+    invalidations: the cache stops serving once the connection has heard nothing for
+    `HEARD_SECONDS`, though it still holds the result."""
+    store = RedisStore.from_url(own_redis.url, replay_cache_bytes=BUDGET)
+    try:
+        r = await completed(store)
+        os.kill(own_redis.pid, signal.SIGSTOP)
+        try:
+            await until(lambda: pipeline_of(store).cached(r.encode()) is None)
+            assert kept(store, r)
+        finally:
+            os.kill(own_redis.pid, signal.SIGCONT)
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
+        assert pipeline_of(store).cached(r.encode()) == b"done"  # heard again: serving
+    finally:
+        await store.aclose()
+
+
+def test_the_budget_drops_the_oldest_fill_first() -> None:
+    value = b"v" * 100
+    cost = 2 + len(value) + ENTRY_OVERHEAD
+    cache = ReplayCache(budget=cost * 5)
+    for key in (b"a", b"b", b"c", b"d", b"e", b"f"):
+        assert cache.start(key, key.upper())
+        cache.finish(key, key.upper(), value, 60_000, 0.0)
+    assert list(cache.entries) == [b"b", b"c", b"d", b"e", b"f"]
+    assert list(cache.claims) == [b"B", b"C", b"D", b"E", b"F"]
+    assert cache.size == cost * 5
+    assert cache.start(b"big", b"BIG")
+    cache.finish(b"big", b"BIG", b"x" * cost * 2, 60_000, 0.0)  # over a quarter of the budget
+    assert b"big" not in cache.entries and b"BIG" not in cache.claims
+
+
+def test_an_invalidation_while_a_fill_is_on_the_wire_spoils_it() -> None:
+    cache = ReplayCache(budget=1 << 20)
+    assert cache.start(b"r", b"c")
+    assert not cache.start(b"r", b"c")  # one fill of a key at a time
+    cache.discard(b"c")  # the claim's invalidation spoils the result's fill
+    cache.finish(b"r", b"c", b"v", 60_000, 0.0)
+    assert cache.get(b"r", 0.0) is None
+    assert cache.start(b"r", b"c")
+    cache.clear()
+    cache.finish(b"r", b"c", b"v", 60_000, 0.0)
+    assert cache.get(b"r", 0.0) is None and not cache.claims and not cache.pending
+
+
+def test_a_claims_invalidation_drops_its_result() -> None:
+    cache = ReplayCache(budget=1 << 20)
+    assert cache.start(b"r", b"c")
+    cache.finish(b"r", b"c", b"v", 60_000, 0.0)
+    assert cache.get(b"r", 1.0) == b"v"
+    cache.discard(b"c")
+    assert cache.get(b"r", 1.0) is None and cache.size == 0 and not cache.claims
+
+
+def test_no_push_reaches_a_caller_as_its_reply(redis_server: Server) -> None:
+    """Invalidations interleave with replies on the shared connection: every caller still
+    gets its own reply while another client deletes tracked keys."""
+
+    async def main() -> None:
+        store = RedisStore.from_url(redis_server.url, replay_cache_bytes=BUDGET)
+        other = redis_server.client()
+        try:
+            results = [await completed(store, value=b"%d" % i) for i in range(100)]
+
+            async def delete() -> None:
+                for r in results:
+                    await other.delete(r)
+
+            new = [keys() for _ in range(300)]
+            claims = asyncio.gather(*(store.claim_unless_done(c, r, "t", 30) for c, r in new))
+            replies, _ = await asyncio.gather(claims, delete())
+            assert replies == [CLAIMED] * len(new)
+            await until(lambda: not any(kept(store, r) for r in results))
+        finally:
+            await other.aclose()
+            await store.aclose()
+
+    asyncio.run(main())
