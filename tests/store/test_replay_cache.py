@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from goblin_idem import CLAIMED, MemoryStore, RedisStore
+from goblin_idem import CLAIMED, MemoryStore, RedisStore, forget
+from goblin_idem._keys import key_names
 from goblin_idem.store import Published
 from goblin_idem.store._autopipeline import AutoPipeline
 from goblin_idem.store._replay_cache import ENTRY_OVERHEAD, ReplayCache
@@ -381,3 +382,21 @@ def test_no_push_reaches_a_caller_as_its_reply(redis_server: Server) -> None:
             await store.aclose()
 
     asyncio.run(main())
+
+
+async def test_forget_drops_the_answer_kept_in_memory_at_once(
+    store: RedisStore, server: Server
+) -> None:
+    """``forget`` in the process that keeps the answer in memory: the next request with the
+    key runs again, never answered from memory."""
+    key = secrets.token_hex(8)
+    names = key_names(b"idem", b"", key.encode())
+    assert await store.claim_unless_done(names.claim, names.result, "t", 30) is CLAIMED
+    assert await store.publish(names.result, b"done", 60_000, names.claim, "t") is (
+        Published.STORED
+    )
+    before = commands_served(server)
+    assert await store.claim_unless_done(names.claim, names.result, "u", 30) == b"done"
+    assert commands_served(server) == before  # from memory
+    assert await forget(store, key) is True
+    assert await store.claim_unless_done(names.claim, names.result, "u", 30) is CLAIMED
