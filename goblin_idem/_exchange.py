@@ -22,6 +22,8 @@ its closing steps still run on the loop thread, and its later calls fail at once
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import queue
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -31,6 +33,7 @@ from ._loop import LoopThread
 __all__ = ["DONE", "Exchange", "Raised"]
 
 T = TypeVar("T")
+logger = logging.getLogger("goblin_idem.wsgi")
 POLL_SECONDS = 1.0  # how often a waiting caller checks that the loop thread still runs
 
 
@@ -69,7 +72,7 @@ DONE: Any = object()  # what `next` returns once the coroutine has ended without
 class Exchange:
     """A coroutine on the loop thread and the thread that waits for it."""
 
-    __slots__ = ("_abandoned", "_jobs", "_task", "done", "loop", "thread")
+    __slots__ = ("_abandoned", "_at_end", "_jobs", "_task", "done", "loop", "thread")
 
     def __init__(self, thread: LoopThread) -> None:
         self.thread = thread
@@ -78,6 +81,12 @@ class Exchange:
         self._task: asyncio.Task[None] | None = None
         self._abandoned = False  # the caller's thread stopped waiting
         self.done: _Done | None = None  # set in the caller's thread, once it has seen the end
+        self._at_end: list[Callable[[], object]] | None = None
+
+    @staticmethod
+    def running() -> Exchange | None:
+        """The exchange whose coroutine (or a task it started) is running, or None."""
+        return _running.get()
 
     # -- the caller's thread --
 
@@ -93,6 +102,7 @@ class Exchange:
                 self._run(job)
             elif type(job) is _Done:
                 self.done = job
+                self._ended()
             else:
                 return job
         error = self.done.error
@@ -137,6 +147,23 @@ class Exchange:
         self._abandoned = True
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._cancel)
+        self._ended()
+
+    def at_end(self, fn: Callable[[], object]) -> None:
+        """Run `fn` in the caller's thread once the exchange has ended (the coroutine's end
+        seen, or the caller's thread stopped waiting): what must not outlive the request
+        in that thread, such as an open transaction. Called from the caller's thread."""
+        if self._at_end is None:
+            self._at_end = []
+        self._at_end.append(fn)
+
+    def _ended(self) -> None:
+        callbacks, self._at_end = self._at_end, None
+        for fn in callbacks or ():
+            try:
+                fn()
+            except Exception:
+                logger.exception("while ending a request in its thread")
 
     # -- the loop thread --
 
@@ -144,6 +171,7 @@ class Exchange:
         self._task = self.loop.create_task(self._main(coro))
 
     async def _main(self, coro: Coroutine[Any, Any, Any]) -> None:
+        _running.set(self)  # this task's context, inherited by the tasks it starts
         try:
             result = await coro
         except BaseException as exc:  # the caller's thread re-raises it; the task ends
@@ -168,6 +196,11 @@ class Exchange:
     def _cancel(self) -> None:
         if self._task is not None:  # started before: `start` was called first
             self._task.cancel()
+
+
+_running: contextvars.ContextVar[Exchange | None] = contextvars.ContextVar(
+    "goblin_idem_exchange", default=None
+)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

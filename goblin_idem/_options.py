@@ -157,6 +157,12 @@ def records(value: object) -> Records | None:
     """Where records are committed (``goblin_idem.sql.SqlRecords``), or None."""
     if value is None:
         return None
+    if callable(getattr(value, "work", None)) and not callable(getattr(value, "transaction", None)):
+        raise TypeError(
+            f"records: {value!r} keeps its transaction in the request's thread (sync "
+            "SQLAlchemy, Django's ORM): it serves the WSGI, Flask and Django (under WSGI) "
+            "middlewares; here, pass goblin_idem.sql.SqlRecords with an AsyncEngine"
+        )
     if all(callable(getattr(value, m, None)) for m in ("transaction", "lookup", "check")):
         return value  # type: ignore[return-value]
     raise TypeError(

@@ -38,6 +38,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .._claim import ClaimHolder, current, for_sync_code
 from .._exchange import DONE, Exchange, Raised
+from .._threaded import ThreadedTransaction, pending
 
 __all__ = [
     "HANDOFF",
@@ -66,9 +67,12 @@ class Responder:
 
     `begin` runs the app and gives its response's chunks; `head` its status and headers,
     known once the first chunk is (a WSGI app may call start_response as late as that).
-    Every method runs in the request's thread with the run's claim as `current`."""
+    Every method runs in the request's thread with the run's claim as `current`, and the
+    records' transaction of the request (`tx`, if they keep it in this thread:
+    `goblin_idem._threaded`) begun before the app runs and current while it does."""
 
     def __init__(self) -> None:
+        self.tx: ThreadedTransaction | None = None  # set by thread_app, before start
         self.start_message: Message | None = None  # the start handed over, as it went
         self.closed = False
         self.stopped = False  # the outer response was closed early: produce nothing more
@@ -92,33 +96,52 @@ class Responder:
     # -- the calls the loop side makes --
 
     def start(self, body: bytes | None, holder: ClaimHolder | None) -> list[Message]:
-        held = current.set(holder)
+        inside = self._enter(holder, begin=True)
         try:
             iterable = self.begin(body)
             self._finite = isinstance(iterable, (list, tuple))
             self._chunks = iter(iterable)
             return self._produce()
         finally:
-            current.reset(held)
+            self._leave(inside)
 
     def more(self, holder: ClaimHolder | None) -> list[Message]:
         if self.stopped:  # the server is done with the response: the client left
             raise ClientGone("the client disconnected")
-        held = current.set(holder)
+        inside = self._enter(holder)
         try:
             return self._produce()
         finally:
-            current.reset(held)
+            self._leave(inside)
 
     def close(self, holder: ClaimHolder | None = None) -> None:
         if self.closed:
             return
         self.closed = True
-        held = current.set(holder)
+        inside = self._enter(holder)
         try:
             self.close_iterable()
         finally:
+            self._leave(inside)
+
+    def _enter(self, holder: ClaimHolder | None, begin: bool = False) -> tuple[Any, ...]:
+        """The run's claim made `current` here, and the records' work (begun before the
+        app's first call) the thread's current one: what `_leave` undoes."""
+        held = current.set(holder)
+        if self.tx is None:
+            return (held,)
+        try:
+            work = self.tx.begin() if begin else self.tx.work
+            return (held,) if work is None else (held, work, work.enter())
+        except BaseException:
             current.reset(held)
+            raise
+
+    @staticmethod
+    def _leave(inside: tuple[Any, ...]) -> None:
+        if len(inside) > 1:
+            inside[1].leave(inside[2])
+        current.reset(inside[0])
 
     # -- the response, a chunk at a time --
 
@@ -255,6 +278,7 @@ async def thread_app(scope: Scope, receive: Receive, send: Send) -> None:
     exchange, responder = handoff.exchange, handoff.responder
     body = await handoff.app_body(receive)
     holder = for_sync_code(current.get())
+    responder.tx = pending()
     try:
         messages = await exchange.call(responder.start, body, holder)
         while True:

@@ -17,6 +17,7 @@ from starlette.types import Scope
 
 from .._exchange import Exchange
 from .._loop import loop_thread
+from .._threaded import for_sync_apps
 from ..middleware import Counters, _routes
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._lifespan import Lifespan
@@ -44,6 +45,8 @@ class IdempotencyMiddleware:
                 f"not a {type(app).__name__}"
             )
         self.app = app
+        if "records" in options:  # sync records keep their transaction in this thread
+            options["records"] = for_sync_apps(options["records"])
         self.core = ASGIIdempotencyMiddleware(thread_app, store=store, **options)
         self.store = self.core.store
         self.methods = self.core.methods
