@@ -2,7 +2,7 @@
 
     python bench/sql_faults.py [--seed 20261202] [--keys 1500] [--duration 90]
                                [--workers 3] [--clients 12] [--fault-gap 1.5]
-                               [--no-records] [--dir DIR]
+                               [--no-records] [--session] [--dir DIR]
 
 The scenario of ``tests/reliability/test_sql_faults.py`` (``tests/reliability/sql_faults.py``):
 a throwaway PostgreSQL, a redis-server without persistence and uvicorn workers serving a
@@ -14,6 +14,8 @@ stopped by PID when the run ends. It prints the figures as JSON, and what broke.
 With ``--no-records`` the same app runs on the store alone (its handler commits its own
 row): the contrast, where a Redis restart can pay a key twice. The exit status is 1 if a
 guarantee broke with records (a duplicate effect, an answer that differs), else 0.
+With ``--session`` the handler writes through ``Depends(session)`` (with ``--no-records``,
+through the session dependency apps write themselves, which commits after the handler).
 ``--dir`` keeps every request, answer and fault (``requests.jsonl``) and the workers' logs.
 """
 
@@ -39,6 +41,11 @@ def main() -> int:
     parser.add_argument("--fault-gap", type=float, default=1.5, help="mean seconds between faults")
     parser.add_argument("--lease", type=float, default=2.0)
     parser.add_argument("--no-records", action="store_true", help="the store alone")
+    parser.add_argument(
+        "--session",
+        action="store_true",
+        help="write through the session dependency (without records: the app's own)",
+    )
     parser.add_argument("--dir", type=Path, help="keep the request log and workers' logs here")
     args = parser.parse_args()
     outcome = run(
@@ -51,6 +58,7 @@ def main() -> int:
             fault_gap=args.fault_gap,
             lease=args.lease,
             records=not args.no_records,
+            path="/payments/session" if args.session else "/payments",
             dir=args.dir,
         )
     )

@@ -64,6 +64,7 @@ class Options:
     fault_gap: float = 1.5  # mean seconds between faults
     grace: float = 60.0  # after `duration`, for the last keys to get their answers
     records: bool = True
+    path: str = "/payments"  # or /payments/session: the app's session dependency
     dir: Path | None = None  # for requests.jsonl (every request, answer and fault) and
     # the workers' logs; a new temporary directory if None
 
@@ -131,14 +132,16 @@ class Workers:
             out.close()
 
 
-def post(port: int, key: str, timeout: float = 10.0) -> tuple[int, bool, bytes]:
-    """One ``POST /payments`` for `key`: status, replayed, body."""
+def post(
+    port: int, key: str, timeout: float = 10.0, path: str = "/payments"
+) -> tuple[int, bool, bytes]:
+    """One ``POST /payments`` (or `path`) for `key`: status, replayed, body."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         body = json.dumps({"ref": key, "amount": 7, "mode": "id"})
         conn.request(
             "POST",
-            "/payments",
+            path,
             body=body,
             headers={"Idempotency-Key": key, "Content-Type": "application/json"},
         )
@@ -166,7 +169,7 @@ class Clients:
 
     def send(self, key: str, port: int) -> tuple[str, bool, bytes]:
         try:
-            status, replayed, body = post(port, key)
+            status, replayed, body = post(port, key, path=self.opts.path)
         except (OSError, http.client.HTTPException) as exc:
             self.log.write(key=key, port=port, error=type(exc).__name__)
             with self.lock:
@@ -381,6 +384,7 @@ def run(opts: Options) -> Outcome:
             figures: dict[str, Any] = {
                 "seed": str(opts.seed),  # not a quantity: printed as is
                 "records": opts.records,
+                "path": opts.path,
                 "keys": len(keys),
                 "keys_answered": sum(1 for k in keys if clients.answers[k]),
                 "requests": sum(clients.statuses.values()),

@@ -20,6 +20,8 @@ through ``session()``), ``gate`` (waits on the test's `Gate` after its write), o
 ``429`` (answers 429 with ``Retry-After: 1`` after its write), or
 ``hold`` (keeps its connection for ``hold_ms`` after its write); ``work_ms`` is time the
 handler works before its write.
+``POST /payments/session`` is mode ``id`` written through ``Depends(session)`` (without records:
+through the app's own session dependency, committing after the handler, as apps write it).
 ``POST /orders?ref=`` writes through ``Depends(session)``; ``POST /own-session?ref=``
 through a session of the app's own that commits (not covered: the WARNING).
 """
@@ -30,7 +32,7 @@ import asyncio
 import os
 import signal
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -131,6 +133,16 @@ def build(
             return Response(b"x" * BIG, media_type="application/octet-stream")
         return {"ref": body["ref"], "run": uuid.uuid4().hex}
 
+    @app.post("/payments/session", status_code=201)
+    async def pay_in_session(
+        request: Request, s: Annotated[AsyncSession, Depends(session)]
+    ) -> dict[str, Any]:
+        """``POST /payments`` (mode ``id``) as an app written around a session dependency."""
+        body = await request.json()
+        values = {"ref": body["ref"], "amount": body["amount"]}
+        row = await s.execute(insert(payments).values(values).returning(payments.c.id))
+        return {"ref": body["ref"], "payment": row.scalar_one(), "run": uuid.uuid4().hex}
+
     @app.post("/orders", status_code=201)
     async def order(ref: str, s: Annotated[AsyncSession, Depends(session)]) -> dict[str, str]:
         await s.execute(insert(payments).values(ref=ref, amount=1))
@@ -168,6 +180,24 @@ def build_store_only(store: Store, engine: AsyncEngine, payments: Table, **optio
         if _kill_now():  # committed, and the store never hears of it
             os.kill(os.getpid(), signal.SIGKILL)
         return {"ref": body["ref"], "payment": payment, "run": uuid.uuid4().hex}
+
+    async def get_session() -> AsyncIterator[AsyncSession]:
+        """The session dependency apps write: it commits after the handler returned."""
+        async with AsyncSession(engine) as s:
+            yield s
+            await s.commit()
+            if _kill_now():
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    @app.post("/payments/session", status_code=201)
+    async def pay_in_session(
+        request: Request,
+        s: AsyncSession = Depends(get_session),  # noqa: B008  # a local: not in an annotation
+    ) -> dict[str, Any]:
+        body = await request.json()
+        values = {"ref": body["ref"], "amount": body["amount"]}
+        row = await s.execute(insert(payments).values(values).returning(payments.c.id))
+        return {"ref": body["ref"], "payment": row.scalar_one(), "run": uuid.uuid4().hex}
 
     return app
 
