@@ -135,7 +135,7 @@ def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
     if args.gc_threshold is not None:
         cmd += ["--gc-threshold", str(args.gc_threshold)]
     cmd += ["--body-bytes", str(args.body_bytes), "--compression", args.compression]
-    if args.handler in ("pg", "sql"):
+    if args.handler in ("pg", "sql", "session"):
         cmd += ["--handler", args.handler, "--pg-dsn", args.pg_dsn]
     if args.prefill_keys and v.name == "goblin-memory":
         cmd += ["--prefill-keys", str(args.prefill_keys)]
@@ -415,6 +415,7 @@ def environment(args: argparse.Namespace, redis_version: str) -> str:
         f"{f'; {args.prefill_keys:,} completed keys in Redis' if args.prefill_keys else ''}"
         f"{'; handler: one INSERT into PostgreSQL (asyncpg)' if args.handler == 'pg' else ''}"
         f"{'; handler: one INSERT into PostgreSQL (SQLAlchemy)' if args.handler == 'sql' else ''}"
+        f"{'; handler: one INSERT, session dependency' if args.handler == 'session' else ''}"
         f"\nwrk -t{args.threads} -c{args.connections} -d{args.duration}s per run, "
         f"{args.reps} repetitions, scenarios then variants in turn, the bare app between "
         "each two (bare A bare B bare), medians"
@@ -510,10 +511,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compression", choices=("zlib", "none"), default="zlib")
     p.add_argument(
         "--handler",
-        choices=("json", "pg", "sql"),
+        choices=("json", "pg", "sql", "session"),
         default="json",
         help="pg: insert one row into a throwaway PostgreSQL per request (asyncpg); sql: the "
-        "same through SQLAlchemy, which variant goblin-sql records in the same transaction",
+        "same through SQLAlchemy, which variant goblin-sql records in the same transaction; "
+        "session: the same through FastAPI's session dependency (goblin-sql: Depends(session))",
     )
     p.add_argument(
         "--prefill-keys",
@@ -586,7 +588,7 @@ def main() -> None:
     runs: list[Run] = []
     redis_version = "-"
     try:
-        if args.handler in ("pg", "sql"):
+        if args.handler in ("pg", "sql", "session"):
             pg = start_postgres()
             args.pg_dsn = pg.url()
         module = build_module() if serve.NATIVE_VARIANTS & set(args.variants) else None

@@ -54,7 +54,9 @@ NATIVE_VARIANTS = frozenset(
 # `--body-bytes N` answers N bytes instead of the small JSON; `--handler pg` inserts one row
 # into PostgreSQL (asyncpg, `--pg-dsn`) per request, `--handler sql` the same through
 # SQLAlchemy (its own transaction; under goblin-sql, the run's, which commits the record
-# too); `--compression none` stores bodies as sent.
+# too), `--handler session` the same through FastAPI's session dependency (the app's own,
+# which commits after the handler; under goblin-sql, `Depends(session)`);
+# `--compression none` stores bodies as sent.
 HANDLER: dict[str, Any] = {"body_bytes": 0, "kind": "json", "pg_dsn": "", "prefill_keys": 0}
 ENGINE: list[Any] = []  # --handler sql: the SQLAlchemy engine of the handler (and records)
 MIDDLEWARE_OPTIONS: dict[str, Any] = {}
@@ -281,7 +283,7 @@ def starlette_app(middleware: list[Any], prepare: Prepare) -> Any:
 
 
 def fastapi_app(middleware: list[Any], prepare: Prepare) -> Any:
-    from fastapi import FastAPI, Response
+    from fastapi import Depends, FastAPI, Response
 
     pool: list[Any] = []
 
@@ -310,10 +312,11 @@ def fastapi_app(middleware: list[Any], prepare: Prepare) -> Any:
             )
             return {"id": row_id, "status": "created"}
 
-    elif HANDLER["kind"] == "sql":
+    elif HANDLER["kind"] in ("sql", "session"):
         from sqlalchemy import Column, Integer, MetaData, Table, Text
+        from sqlalchemy.ext.asyncio import AsyncSession
 
-        from goblin_idem.sql import connection
+        from goblin_idem.sql import connection, session
 
         orders = Table(
             PG_TABLE,
@@ -325,15 +328,33 @@ def fastapi_app(middleware: list[Any], prepare: Prepare) -> Any:
         insert = orders.insert().values(sku="A-1", qty=2).returning(orders.c.id)
         recorded = bool(middleware) and middleware[0].kwargs.get("records") is not None
 
-        @app.post(PATH, status_code=201)
-        async def insert_order_sql() -> dict[str, object]:
-            STATS["handler_calls"] += 1
-            if recorded:  # in the run's transaction: it commits with the record
-                row_id = (await (await connection()).execute(insert)).scalar_one()
-            else:
-                async with ENGINE[0].begin() as conn:
-                    row_id = (await conn.execute(insert)).scalar_one()
-            return {"id": row_id, "status": "created"}
+        async def own_session() -> AsyncIterator[AsyncSession]:
+            """The session dependency apps write: committed after the handler."""
+            async with AsyncSession(ENGINE[0]) as s:
+                yield s
+                await s.commit()
+
+        if HANDLER["kind"] == "session":  # FastAPI's session dependency
+
+            @app.post(PATH, status_code=201)
+            async def insert_order_session(
+                s: AsyncSession = Depends(session if recorded else own_session),  # noqa: B008
+            ) -> dict[str, object]:
+                STATS["handler_calls"] += 1
+                row_id = (await s.execute(insert)).scalar_one()
+                return {"id": row_id, "status": "created"}
+
+        else:
+
+            @app.post(PATH, status_code=201)
+            async def insert_order_sql() -> dict[str, object]:
+                STATS["handler_calls"] += 1
+                if recorded:  # in the run's transaction: it commits with the record
+                    row_id = (await (await connection()).execute(insert)).scalar_one()
+                else:
+                    async with ENGINE[0].begin() as conn:
+                        row_id = (await conn.execute(insert)).scalar_one()
+                return {"id": row_id, "status": "created"}
 
     elif HANDLER["body_bytes"]:
 
@@ -368,7 +389,7 @@ def main() -> None:
         "--gc-threshold", type=int, help="the collector's first threshold (0: no collections)"
     )
     parser.add_argument("--body-bytes", type=int, default=0, help="answer this many bytes")
-    parser.add_argument("--handler", choices=("json", "pg", "sql"), default="json")
+    parser.add_argument("--handler", choices=("json", "pg", "sql", "session"), default="json")
     parser.add_argument(
         "--pg-dsn", default="", help="PostgreSQL (postgresql+asyncpg://...) for --handler pg, sql"
     )
@@ -379,11 +400,11 @@ def main() -> None:
     HANDLER["prefill_keys"] = args.prefill_keys
     if args.compression == "none":
         MIDDLEWARE_OPTIONS["compression"] = None
-    if args.handler in ("pg", "sql") and args.app != "fastapi":
+    if args.handler in ("pg", "sql", "session") and args.app != "fastapi":
         raise SystemExit(f"--handler {args.handler} serves the FastAPI app only")
-    if args.variant in SQL_VARIANTS and args.handler != "sql":
-        raise SystemExit(f"{args.variant} needs --handler sql")
-    if args.handler == "sql":
+    if args.variant in SQL_VARIANTS and args.handler not in ("sql", "session"):
+        raise SystemExit(f"{args.variant} needs --handler sql or session")
+    if args.handler in ("sql", "session"):
         from sqlalchemy.ext.asyncio import create_async_engine
 
         ENGINE.append(create_async_engine(args.pg_dsn, pool_size=16, max_overflow=0))
