@@ -29,6 +29,7 @@ from starlette.types import Scope
 
 from .._exchange import Exchange
 from .._loop import loop_thread
+from .._threaded import for_sync_apps
 from ..exceptions import SqlRecordsError
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware import _routes
@@ -66,15 +67,7 @@ class IdempotencyMiddleware:
         if self.is_async:
             markcoroutinefunction(self)
         options = _settings.read()
-        if options.get("records") is not None and not self.is_async:
-            raise ImproperlyConfigured(
-                f"settings.{_settings.SETTING}['RECORDS']: records commit with the writes "
-                "made through goblin_idem.sql's async connection() or session(), which the "
-                "sync views of a WSGI server cannot use, and Django's ORM commits apart from "
-                "them: the record would not cover the views' effects. Remove RECORDS (the "
-                "store alone guards each key), or serve async views under ASGI that write "
-                "through `await goblin_idem.sql.connection()`"
-            )
+        options["records"] = self._records(options)
         app = django_app if self.is_async else thread_app
         try:
             self.core = ASGIIdempotencyMiddleware(app, **options)
@@ -86,11 +79,46 @@ class IdempotencyMiddleware:
         self._check(self.core)
         get_resolver().url_patterns  # noqa: B018  # see _covered
 
+    def _records(self, options: dict[str, Any]) -> Any:
+        """RECORDS as the middleware takes them: under WSGI, records in the request's thread
+        (``"django"``: the ORM's, `_records`; or a ThreadRecords) adapted to it; under
+        ASGI, an async backend (goblin_idem.sql.SqlRecords). What cannot cover the views'
+        writes where they run is refused, saying what to change."""
+        records = options.get("records")
+        using = options.pop(_settings.RECORDS_DATABASE.lower(), None)
+        key = f"settings.{_settings.SETTING}['RECORDS']"
+        in_thread = callable(getattr(records, "work", None))
+        if self.is_async and (records == "django" or in_thread):
+            raise ImproperlyConfigured(
+                f"{key}: {records!r} commits the records with the ORM's writes in the "
+                "request's thread, which sync views under a WSGI server (gunicorn) have, and "
+                "this Django app is served under ASGI: serve it with its WSGI application "
+                "(gunicorn myproject.wsgi), or, for async views, set RECORDS to "
+                "goblin_idem.sql.SqlRecords(async_engine) and write through `await "
+                "goblin_idem.sql.connection()`"
+            )
+        if records == "django":
+            return for_sync_apps(_settings.django_records(using))
+        if in_thread:
+            return for_sync_apps(records)
+        if records is not None and not self.is_async:
+            raise ImproperlyConfigured(
+                f"{key}: these records commit with the writes made through goblin_idem.sql's "
+                "async connection() or session(), which the sync views of a WSGI server "
+                "cannot use, and Django's ORM commits apart from them: the record would not "
+                'cover the views\' effects. Set RECORDS to "django" (the records commit '
+                "with the ORM's writes, in Django's database) or remove RECORDS (the store "
+                "alone guards each key)"
+            )
+        return records
+
     @staticmethod
     def _check(core: ASGIIdempotencyMiddleware) -> None:
         """The store and the SQL records, checked once per process (as an ASGI lifespan's
         startup would)."""
-        given = [core.store] if core.records is None else [core.store, core.records]
+        given: list[object] = [core.store]
+        if core.records is not None:  # records adapted for this thread: their backend
+            given.append(getattr(core.records, "backend", core.records))
         if all(part in _checked for part in given):
             return
         try:

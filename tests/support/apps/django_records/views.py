@@ -1,0 +1,83 @@
+"""``POST /payments``: one payment through the ORM, and what its ``mode`` asks for."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+from django.db import IntegrityError, transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+from goblin_idem._keys import key_names
+
+from .models import Payment, Ticket
+
+
+def health(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("ok")
+
+
+def pay(request: HttpRequest) -> HttpResponse:
+    """Modes: ``gate`` (after the write, wait for the file ``gate`` to appear, having made
+    ``gate.entered``), ``nested`` (an atomic block, and one inside it that fails and is
+    caught), ``other`` (a second write through the alias ``other``), ``hook`` (an
+    on_commit callback that logs whether the key's record had committed), ``500`` (the
+    same callback, then a 500), ``ticket`` (a ticket of ``code``, checked at COMMIT),
+    ``work_ms`` (time the view works before its write)."""
+    body = json.loads(request.body or b"{}")
+    ref, mode = body["ref"], body.get("mode")
+    time.sleep(body.get("work_ms", 0) / 1000)
+    if mode == "nested":
+        with transaction.atomic():
+            Payment.objects.create(ref=ref, amount=body["amount"])
+            try:
+                with transaction.atomic():
+                    Payment.objects.create(ref=f"{ref}-undone", amount=0)
+                    raise IntegrityError("undone by its savepoint")
+            except IntegrityError:
+                pass
+    else:
+        Payment.objects.create(ref=ref, amount=body["amount"])
+    if mode == "ticket":
+        Ticket.objects.create(code=body["code"])
+    if mode == "other":
+        Payment.objects.using("other").create(ref=f"{ref}-other", amount=0)
+    if mode in ("hook", "500"):
+        key = request.headers.get("Idempotency-Key", "")
+        transaction.on_commit(lambda: _log_hook(ref, key))
+    _kill_after_commit()
+    if mode == "gate":
+        gate = Path(body["gate"])
+        Path(f"{gate}.entered").touch()
+        deadline = time.monotonic() + 30
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if mode == "500":
+        return JsonResponse({"error": "failed"}, status=500)
+    return JsonResponse({"ref": ref, "run": uuid.uuid4().hex}, status=201)
+
+
+def _log_hook(ref: str, key: str) -> None:
+    """An on_commit callback: whether the key's record is there, seen in autocommit."""
+    from goblin_idem.django.models import Record
+
+    result = key_names(b"idem", b"", key.encode()).result
+    there = Record.objects.filter(key=result).exists()
+    with open(os.environ["HOOK_LOG"], "a") as log:
+        log.write(f"{ref} {'recorded' if there else 'unrecorded'}\n")
+
+
+def _kill_after_commit() -> None:
+    marker = os.environ.get("KILL_AFTER_COMMIT_FILE")
+    if marker:
+
+        def kill() -> None:
+            if os.path.exists(marker):
+                os.remove(marker)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        transaction.on_commit(kill)
