@@ -160,7 +160,10 @@ def test_records_a_wsgi_django_cannot_honour_are_refused_at_startup(tmp_path: Pa
     records = SqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
     with (
         override_settings(GOBLIN_IDEM={"STORE": "memory", "RECORDS": records}),
-        pytest.raises(ImproperlyConfigured, match=r"\['RECORDS'\]: .* Set RECORDS to \"django\" .* or remove RECORDS"),
+        pytest.raises(
+            ImproperlyConfigured,
+            match=r"\['RECORDS'\]: .* Set RECORDS to \"django\" .* or remove RECORDS",
+        ),
     ):
         IdempotencyMiddleware(view)
 

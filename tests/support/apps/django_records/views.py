@@ -22,12 +22,13 @@ def health(request: HttpRequest) -> HttpResponse:
 
 
 def pay(request: HttpRequest) -> HttpResponse:
-    """Modes: ``gate`` (after the write, wait for the file ``gate`` to appear, having made
-    ``gate.entered``), ``nested`` (an atomic block, and one inside it that fails and is
-    caught), ``other`` (a second write through the alias ``other``), ``hook`` (an
-    on_commit callback that logs whether the key's record had committed), ``500`` (the
-    same callback, then a 500), ``ticket`` (a ticket of ``code``, checked at COMMIT),
-    ``work_ms`` (time the view works before its write)."""
+    """Modes: ``gate`` (after the write, the run's n-th of its ref makes the file
+    ``<ref>.entered.<n>`` in ``GATE_DIR`` and waits for ``<ref>.go.<n>`` there),
+    ``nested`` (an atomic block, and one inside it that fails and is caught), ``other``
+    (a second write through the alias ``other``), ``hook`` (an on_commit callback that
+    logs whether the key's record had committed), ``500`` (the same callback, then a
+    500), ``ticket`` (a ticket of ``code``, checked at COMMIT); ``work_ms`` is time the
+    view works before its write."""
     body = json.loads(request.body or b"{}")
     ref, mode = body["ref"], body.get("mode")
     time.sleep(body.get("work_ms", 0) / 1000)
@@ -51,14 +52,24 @@ def pay(request: HttpRequest) -> HttpResponse:
         transaction.on_commit(lambda: _log_hook(ref, key))
     _kill_after_commit()
     if mode == "gate":
-        gate = Path(body["gate"])
-        Path(f"{gate}.entered").touch()
-        deadline = time.monotonic() + 30
-        while not gate.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _gate(Path(os.environ["GATE_DIR"]), ref)
     if mode == "500":
         return JsonResponse({"error": "failed"}, status=500)
     return JsonResponse({"ref": ref, "run": uuid.uuid4().hex}, status=201)
+
+
+def _gate(directory: Path, ref: str) -> None:
+    n = 1
+    while True:
+        try:
+            (directory / f"{ref}.entered.{n}").touch(exist_ok=False)
+            break
+        except FileExistsError:
+            n += 1
+    go = directory / f"{ref}.go.{n}"
+    deadline = time.monotonic() + 30
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _log_hook(ref: str, key: str) -> None:
