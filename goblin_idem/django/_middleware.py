@@ -152,6 +152,7 @@ class IdempotencyMiddleware:
             return None  # the common case: nothing to do, fast
         scope = _scope(request)
         scope[DJANGO_REQUEST] = request
+        scope["route"] = _Route(request)
         if marks:
             scope[RESOLVED_POLICY] = _policy(request)
         if key is None:
@@ -267,6 +268,26 @@ def _scope(request: HttpRequest) -> Scope:
     if isinstance(query, str):  # Django's test client's scopes
         scope["query_string"] = query.encode("latin-1")
     return scope
+
+
+class _Route:
+    """The route Django matches the request to, as a log line names it (``scope["route"]``,
+    as Starlette's router sets it): its URL pattern, one name for all of a route's
+    requests; resolved only when asked."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: HttpRequest) -> None:
+        self.request = request
+
+    @property
+    def path(self) -> str:
+        request = self.request
+        try:
+            match = resolve(request.path_info, urlconf=getattr(request, "urlconf", None))
+        except Resolver404:
+            return str(request.path)
+        return f"/{match.route}"
 
 
 def _reader(request: HttpRequest) -> Any:

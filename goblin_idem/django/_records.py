@@ -133,6 +133,8 @@ class DjangoRecords:
             )
         self.using = using
         self.where = f"Django database {using!r}"
+        # The writes that join a run (read by the lapsed-claim log line, `_run`).
+        self.joined = f"through Django's ORM on the database {using!r}"
         self._upsert: str | None = None
         self._peers: list[str] | None = None  # the other aliases naming the same database
 
@@ -471,8 +473,9 @@ def _tell_gap(work: DjangoWork, alias: str) -> None:
     told.add(where)
     using = work.records.using
     logger.warning(
-        "%s: a write on the records' database (Django database %r) through the connection "
-        "of database alias %r, which is not the run's: it commits apart from the record, so "
+        "%s: a write on the records' database (Django database %r) through a connection "
+        "that is not the run's (of alias %r: another alias naming that database, or a "
+        "connection the app made itself): it commits apart from the record, so "
         "the idempotency key does not cover it (a claim lost mid-run can make it twice, and "
         "it stays when the run fails). Write through the alias %r (the default manager, or "
         ".using(%r)) so that it commits with the record. Logged once for this route.",

@@ -209,7 +209,8 @@ def test_a_claim_lost_mid_run_makes_one_payment_and_one_answer(
     key and runs too. Whichever commits second finds the key's row, rolls back its payment
     and answers the other's response: one payment, both clients the same answer."""
     site = sites(postgres)
-    port = site.serve().port
+    server = site.serve()
+    port = server.port
     key = f"lost-{secrets.token_hex(4)}"
     first = in_thread(lambda: post(port, key, "lost", mode="gate"))
     wait_for(site.tmp / "lost.entered.1")
@@ -226,6 +227,12 @@ def test_a_claim_lost_mid_run_makes_one_payment_and_one_answer(
     assert done_first.body == done_second.body
     assert not done_first.replayed and done_second.replayed
     assert site.count("lost") == 1 and site.records() == 1
+    if second == "commits-second":  # the first run, publishing, found the claim taken
+        said = output_of(server.proc)
+        assert (
+            "its commit will find this run's record, so its writes through Django's ORM on "
+            "the database 'default' roll back" in said
+        ), said
 
 
 def test_a_worker_killed_after_its_commit_replays_once_after_the_lease(
@@ -299,25 +306,26 @@ def test_the_database_stopped_before_the_commit_answers_503_and_the_retry_runs(
         postgres.remove()
 
 
-def test_a_write_through_another_alias_of_the_database_is_warned_once(
-    sites: Callable[..., Site], postgres: Postgres
+@pytest.mark.parametrize("mode", ["other", "own"])
+def test_a_write_through_another_connection_to_the_database_is_warned_once(
+    mode: str, sites: Callable[..., Site], postgres: Postgres
 ) -> None:
     """The gap, told: a keyed view that also writes through an alias naming the records'
-    database commits that write apart from the record. Logged once for the route."""
+    database (``other``), or through a connection it made itself (``own``), commits that
+    write apart from the record. Logged once for the route."""
     site = sites(postgres, OTHER_ALIAS="1")
     server = site.serve()
     for n in range(3):
-        assert (
-            post(server.port, f"other-{n}-{secrets.token_hex(4)}", f"o{n}", mode="other").status
-            == 201
-        )
+        key = f"{mode}-{n}-{secrets.token_hex(4)}"
+        assert post(server.port, key, f"w{n}", mode=mode).status == 201
     assert post(server.port, f"plain-{secrets.token_hex(4)}", "p").status == 201
     said = output_of(server.proc)
     warnings = [line for line in said.splitlines() if "not the run's" in line]
     assert len(warnings) == 1, said
-    assert "POST /payments" in warnings[0] and "alias 'other'" in warnings[0]
+    alias = "other" if mode == "other" else "default"
+    assert "POST /payments" in warnings[0] and f"alias '{alias}'" in warnings[0]
     assert ".using('default')" in warnings[0]
-    assert site.count("o0-other") == 1  # not covered, and not stopped
+    assert site.count(f"w0-{mode}") == 1  # not covered, and not stopped
 
 
 BOOT = "from django.core.wsgi import get_wsgi_application; get_wsgi_application()"

@@ -9,7 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
-from django.db import IntegrityError, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from goblin_idem._keys import key_names
@@ -25,7 +25,8 @@ def pay(request: HttpRequest) -> HttpResponse:
     """Modes: ``gate`` (after the write, the run's n-th of its ref makes the file
     ``<ref>.entered.<n>`` in ``GATE_DIR`` and waits for ``<ref>.go.<n>`` there),
     ``nested`` (an atomic block, and one inside it that fails and is caught), ``other``
-    (a second write through the alias ``other``), ``hook`` (an on_commit callback that
+    (a second write through the alias ``other``), ``own`` (one through a connection the
+    view makes, ``connections.create_connection``), ``hook`` (an on_commit callback that
     logs whether the key's record had committed), ``500`` (the same callback, then a
     500), ``ticket`` (a ticket of ``code``, checked at COMMIT); ``work_ms`` is time the
     view works before its write."""
@@ -47,6 +48,16 @@ def pay(request: HttpRequest) -> HttpResponse:
         Ticket.objects.create(code=body["code"])
     if mode == "other":
         Payment.objects.using("other").create(ref=f"{ref}-other", amount=0)
+    if mode == "own":  # a connection of the view's own, in autocommit
+        own = connections.create_connection(DEFAULT_DB_ALIAS)
+        try:
+            with own.cursor() as cursor:
+                cursor.execute(
+                    f"INSERT INTO {Payment._meta.db_table} (ref, amount) VALUES (%s, 0)",
+                    [f"{ref}-own"],
+                )
+        finally:
+            own.close()
     if mode in ("hook", "500"):
         key = request.headers.get("Idempotency-Key", "")
         transaction.on_commit(lambda: _log_hook(ref, key))
