@@ -31,7 +31,7 @@ from tests.support.wsgi import Gunicorn, run_until_exit
 
 SETTINGS = "tests.support.apps.django_records.settings"
 APP = "tests.support.apps.django_records.wsgi:application"
-PAYMENTS = "django_records_payment"
+PAYMENTS = "payments"
 
 
 @dataclass

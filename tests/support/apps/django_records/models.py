@@ -12,6 +12,9 @@ class Payment(models.Model):
     ref = models.CharField(max_length=64, db_index=True)
     amount = models.IntegerField()
 
+    class Meta:
+        db_table = "payments"  # as tests/support/apps/sql_app's, for the fault run's counts
+
 
 class Ticket(models.Model):
     code = models.CharField(max_length=64)

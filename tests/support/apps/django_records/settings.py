@@ -48,7 +48,7 @@ if os.environ.get("DUMMY_ALIAS") == "1":
 
 GOBLIN_IDEM: dict[str, object] = {
     "STORE": os.environ.get("REDIS_URL", "memory"),
-    "LEASE_SECONDS": int(os.environ.get("LEASE_SECONDS", "30")),
+    "LEASE_SECONDS": float(os.environ.get("LEASE_SECONDS", "30")),
 }
 if os.environ.get("RECORDS", "1") == "1":
     GOBLIN_IDEM["RECORDS"] = "django"

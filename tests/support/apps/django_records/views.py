@@ -35,7 +35,7 @@ def pay(request: HttpRequest) -> HttpResponse:
     time.sleep(body.get("work_ms", 0) / 1000)
     if mode == "nested":
         with transaction.atomic():
-            Payment.objects.create(ref=ref, amount=body["amount"])
+            payment = Payment.objects.create(ref=ref, amount=body["amount"])
             try:
                 with transaction.atomic():
                     Payment.objects.create(ref=f"{ref}-undone", amount=0)
@@ -43,7 +43,7 @@ def pay(request: HttpRequest) -> HttpResponse:
             except IntegrityError:
                 pass
     else:
-        Payment.objects.create(ref=ref, amount=body["amount"])
+        payment = Payment.objects.create(ref=ref, amount=body["amount"])
     if mode == "ticket":
         Ticket.objects.create(code=body["code"])
     if mode == "other":
@@ -66,7 +66,8 @@ def pay(request: HttpRequest) -> HttpResponse:
         _gate(Path(os.environ["GATE_DIR"]), ref)
     if mode == "500":
         return JsonResponse({"error": "failed"}, status=500)
-    return JsonResponse({"ref": ref, "run": uuid.uuid4().hex}, status=201)
+    answer = {"ref": ref, "payment": payment.id, "run": uuid.uuid4().hex}
+    return JsonResponse(answer, status=201, json_dumps_params={"separators": (",", ":")})
 
 
 def _gate(directory: Path, ref: str) -> None:
