@@ -204,9 +204,7 @@ class DjangoRecords:
             raise failure from exc
         if row is None:
             return None
-        expires = row[1]
-        if timezone.is_naive(expires):
-            expires = timezone.make_aware(expires)
+        expires = row[1]  # aware or naive as `now` is (USE_TZ): Django converts both
         return bytes(row[0]), max(1, int((expires - now).total_seconds() * 1000))
 
     def upsert_sql(self) -> str:
