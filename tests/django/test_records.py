@@ -83,9 +83,16 @@ class Site:
         code, said = run_until_exit(["-m", "django", "migrate", "--run-syncdb", "-v0"], self.env)
         assert code == 0, said
 
-    def serve(self, **env: str) -> Gunicorn:
+    def serve(self, threads: int = 4, **env: str) -> Gunicorn:
+        """gunicorn, one gthread worker; with one thread, every request after the first
+        meets the connection the one before left (it must be clean)."""
         server = Gunicorn(
-            APP, free_port(), {**self.env, **env}, worker_class="gthread", workers=1, threads=4
+            APP,
+            free_port(),
+            {**self.env, **env},
+            worker_class="gthread",
+            workers=1,
+            threads=threads,
         )
         self.servers.append(server)
         return server.wait_ready()
@@ -181,7 +188,7 @@ def test_the_database_replays_a_run_after_the_store_lost_it(
     a key commits as Django commits it."""
     postgres = request.getfixturevalue("postgres") if vendor == "postgresql" else None
     site = sites(postgres, ATOMIC_REQUESTS=atomic_requests)
-    port = site.serve().port
+    port = site.serve(threads=1).port
     key = f"k-{secrets.token_hex(4)}"
     first = post(port, key, "r1", mode="hook")
     assert first.status == 201 and not first.replayed
@@ -270,7 +277,7 @@ def test_a_commit_refused_by_a_deferred_constraint_answers_503_and_the_retry_run
     503 not-committed, no payment, no record, and the key free for the retry."""
     site = sites(postgres)
     site.rows("INSERT INTO django_records_ticket (code) VALUES ('taken')")
-    port = site.serve().port
+    port = site.serve(threads=1).port
     key = f"deferred-{secrets.token_hex(4)}"
     refused = post(port, key, "d1", mode="ticket", code="taken")
     assert refused.status == 503 and refused.problem().endswith("not-committed")
@@ -287,7 +294,7 @@ def test_the_database_stopped_before_the_commit_answers_503_and_the_retry_runs(
     postgres = start_postgres()
     try:
         site = sites(postgres)
-        port = site.serve().port
+        port = site.serve(threads=1).port
         key = f"stopped-{secrets.token_hex(4)}"
         running = in_thread(lambda: post(port, key, "s1", mode="gate"))
         wait_for(site.tmp / "s1.entered.1")
