@@ -36,6 +36,7 @@ import logging
 import sqlite3
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,12 @@ def _database(alias: str) -> tuple[object, ...]:
     return engine, given.get("HOST") or "", str(given.get("PORT") or ""), str(name)
 
 
+@dataclass(frozen=True)
+class Statements:
+    lookup: str
+    upsert: str
+
+
 class DjangoRecords:
     """Records in the Django database `using`, in goblin_idem.django's table (its migration
     applied there). Made by the middleware from ``settings.GOBLIN_IDEM``; `validate`
@@ -135,7 +142,7 @@ class DjangoRecords:
         self.where = f"Django database {using!r}"
         # The writes that join a run (read by the lapsed-claim log line, `_run`).
         self.joined = f"through Django's ORM on the database {using!r}"
-        self._upsert: str | None = None
+        self._sql: Statements | None = None
         self._peers: list[str] | None = None  # the other aliases naming the same database
 
     def __repr__(self) -> str:
@@ -186,17 +193,14 @@ class DjangoRecords:
     def lookup(self, key: bytes) -> tuple[bytes, int] | None:
         """The key's unexpired record and the milliseconds it has left, asked in autocommit
         (the run's atomic block is not begun yet); DatabaseUnavailableError if the database
-        could not be asked."""
-        from .models import Record
-
+        could not be asked. Django's cursor, not a queryset: building the query cost ten
+        times its round trip on SQLite (185 us against 16)."""
+        conn = connections[self.using]
         now = timezone.now()
         try:
-            row = (
-                Record.objects.using(self.using)
-                .filter(key=key, expires_at__gt=now)
-                .values_list("record", "expires_at")
-                .first()
-            )
+            with conn.cursor() as cursor:
+                cursor.execute(self.sql().lookup, [key, conn.ops.adapt_datetimefield_value(now)])
+                row = cursor.fetchone()
         except Exception as exc:
             failure = unavailable_as(exc, "for the record's lookup")
             if failure is None:
@@ -204,26 +208,39 @@ class DjangoRecords:
             raise failure from exc
         if row is None:
             return None
-        expires = row[1]  # aware or naive as `now` is (USE_TZ): Django converts both
+        expires = row[1]
+        if isinstance(expires, str):  # SQLite, without Django's converters
+            expires = datetime.datetime.fromisoformat(expires)
+        if timezone.is_aware(expires) and timezone.is_naive(now):  # USE_TZ off
+            expires = timezone.make_naive(expires)
+        elif timezone.is_naive(expires) and timezone.is_aware(now):  # SQLite stores UTC
+            expires = expires.replace(tzinfo=datetime.timezone.utc)
         return bytes(row[0]), max(1, int((expires - now).total_seconds() * 1000))
 
-    def upsert_sql(self) -> str:
-        """INSERT ... ON CONFLICT (key) DO UPDATE ... WHERE the row has expired, RETURNING
-        key: a row only if the key had none, or an expired one (as goblin_idem.sql's)."""
-        if self._upsert is None:
+    def sql(self) -> Statements:
+        """The lookup, and the upsert: INSERT ... ON CONFLICT (key) DO UPDATE ... WHERE the
+        row has expired, RETURNING key (a row only if the key had none, or an expired one,
+        as goblin_idem.sql's); quoted for the alias's database, built once."""
+        if self._sql is None:
             from .models import TABLE
 
             q = connections[self.using].ops.quote_name
             table = q(TABLE)
             columns = ", ".join(q(c) for c in COLUMNS)
             updated = ", ".join(f"{q(c)} = EXCLUDED.{q(c)}" for c in COLUMNS[1:])
-            self._upsert = (
-                f"INSERT INTO {table} ({columns}) VALUES (%s, %s, %s, %s, %s, %s) "
-                f"ON CONFLICT ({q('key')}) DO UPDATE SET {updated} "
-                f"WHERE {table}.{q('expires_at')} <= EXCLUDED.{q('created_at')} "
-                f"RETURNING {q('key')}"
+            self._sql = Statements(
+                lookup=(
+                    f"SELECT {q('record')}, {q('expires_at')} FROM {table} "
+                    f"WHERE {q('key')} = %s AND {q('expires_at')} > %s"
+                ),
+                upsert=(
+                    f"INSERT INTO {table} ({columns}) VALUES (%s, %s, %s, %s, %s, %s) "
+                    f"ON CONFLICT ({q('key')}) DO UPDATE SET {updated} "
+                    f"WHERE {table}.{q('expires_at')} <= EXCLUDED.{q('created_at')} "
+                    f"RETURNING {q('key')}"
+                ),
             )
-        return self._upsert
+        return self._sql
 
     def check(self) -> str:
         """SqlRecordsError saying what to change unless the database answers and the table
@@ -370,7 +387,7 @@ class DjangoWork:
             expires = now + datetime.timedelta(milliseconds=ttl_ms)
             with conn.cursor() as cursor:
                 cursor.execute(
-                    self.records.upsert_sql(),
+                    self.records.sql().upsert,
                     [key, key_hash, fp, data, adapt(now), adapt(expires)],
                 )
                 inserted = cursor.fetchone() is not None
