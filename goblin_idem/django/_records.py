@@ -16,6 +16,10 @@ thread, on Django's connection of that thread for the records' alias
   ``on_commit``, which Django runs only once the COMMIT has succeeded (an atomic block left
   on a connection closed in the transaction commits nothing, and says nothing).
 
+Begun inside an atomic block of the caller's (django.test.TestCase wraps each test in
+one), the run's block is a savepoint, released at its commit: that block commits it, or
+rolls it back, and its on_commit callbacks run (or not) as that block decides.
+
 Whatever ends the request (an error, a 5xx, the client gone), the atomic block is left
 rolling back, in the request's thread (`Exchange.at_end`), so the thread's connection is
 never left in a transaction for its next request. A request without a claimed key gets
@@ -334,7 +338,16 @@ class _Rollback(Exception):
 class DjangoWork:
     """One keyed run's ``transaction.atomic(using=alias)``, in the request's thread."""
 
-    __slots__ = ("atomic", "committed", "ended", "peers", "records", "watched", "where")
+    __slots__ = (
+        "atomic",
+        "committed",
+        "ended",
+        "nested",
+        "peers",
+        "records",
+        "watched",
+        "where",
+    )
 
     def __init__(self, records: DjangoRecords, where: Callable[[], str], peers: list[str]) -> None:
         self.records = records
@@ -342,6 +355,7 @@ class DjangoWork:
         self.peers = peers
         self.atomic: Any = None
         self.committed = False  # set by Django, after the COMMIT (`_committed`)
+        self.nested = False  # begun inside an atomic block of the caller's (a TestCase's)
         self.ended = False
         self.watched: list[Any] = []  # connections whose writes are watched during the run
 
@@ -349,6 +363,7 @@ class DjangoWork:
         """Enter the run's atomic block (BEGIN, on the thread's connection; connecting if it
         must, so a database down is met here), before the view runs."""
         atomic = transaction.atomic(using=self.records.using)
+        self.nested = connections[self.records.using].in_atomic_block
         atomic.__enter__()
         self.atomic = atomic
         transaction.on_commit(self._committed, using=self.records.using)  # the first callback
@@ -440,6 +455,8 @@ class DjangoWork:
                 self.where(),
             )
             return
+        if error is None and self.nested:
+            self.committed = True  # a savepoint released: the caller's block commits it
         if error is None and not self.committed:
             raise DatabaseUnavailableError(
                 "the database is unavailable at the run's commit: its connection was closed "

@@ -393,3 +393,34 @@ def test_records_in_django_are_refused_under_asgi() -> None:
         pytest.raises(ImproperlyConfigured, match=r"served under ASGI: serve it with its WSGI"),
     ):
         IdempotencyMiddleware(view)
+
+
+IN_A_TEST_CASE = """
+import django
+
+django.setup()
+from django.core.management import call_command
+from django.db import transaction
+from django.test import Client
+
+from tests.support.apps.django_records.models import Payment
+
+call_command("migrate", "--run-syncdb", verbosity=0)
+with transaction.atomic():  # as django.test.TestCase runs each test
+    client, headers = Client(), {"Idempotency-Key": "in-a-test-case"}
+    body = {"ref": "t", "amount": 1}
+    one = client.post("/payments", data=body, content_type="application/json", headers=headers)
+    two = client.post("/payments", data=body, content_type="application/json", headers=headers)
+    assert one.status_code == two.status_code == 201, (one.status_code, one.content)
+    assert two["Idempotent-Replayed"] == "true" and two.content == one.content
+    assert Payment.objects.filter(ref="t").count() == 1
+    transaction.set_rollback(True)
+"""
+
+
+def test_a_keyed_view_in_a_test_case_s_atomic_block_runs_once(tmp_path: Path) -> None:
+    """django.test.TestCase wraps each test in an atomic block: the run's block is then a
+    savepoint, released at its commit, and the key's record holds within the test."""
+    env = {"DJANGO_SETTINGS_MODULE": SETTINGS, "DJANGO_DB": f"sqlite:///{tmp_path / 't.db'}"}
+    code, said = run_until_exit(["-c", IN_A_TEST_CASE], env)
+    assert code == 0, said
