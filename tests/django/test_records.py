@@ -83,14 +83,14 @@ class Site:
         code, said = run_until_exit(["-m", "django", "migrate", "--run-syncdb", "-v0"], self.env)
         assert code == 0, said
 
-    def serve(self, threads: int = 4, **env: str) -> Gunicorn:
-        """gunicorn, one gthread worker; with one thread, every request after the first
-        meets the connection the one before left (it must be clean)."""
+    def serve(self, threads: int = 4, worker_class: str = "gthread", **env: str) -> Gunicorn:
+        """gunicorn, one worker; with one thread (or the sync worker), every request after
+        the first meets the connection the one before left (it must be clean)."""
         server = Gunicorn(
             APP,
             free_port(),
             {**self.env, **env},
-            worker_class="gthread",
+            worker_class=worker_class,
             workers=1,
             threads=threads,
         )
@@ -172,11 +172,14 @@ def in_thread(fn: Callable[[], Reply]) -> Callable[[], Reply]:
 
 
 @pytest.mark.parametrize(
-    ("vendor", "atomic_requests"), [("postgresql", "0"), ("sqlite", "1")], ids=["pg", "sqlite"]
+    ("vendor", "atomic_requests", "worker_class"),
+    [("postgresql", "0", "gthread"), ("sqlite", "1", "sync")],
+    ids=["pg-gthread", "sqlite-atomic-requests-sync"],
 )
 def test_the_database_replays_a_run_after_the_store_lost_it(
     vendor: str,
     atomic_requests: str,
+    worker_class: str,
     sites: Callable[..., Site],
     redis_server: Server,
     request: pytest.FixtureRequest,
@@ -185,10 +188,10 @@ def test_the_database_replays_a_run_after_the_store_lost_it(
     writes replays it, one payment. A view's nested atomic() blocks (in ATOMIC_REQUESTS's
     on SQLite) are savepoints in the run's transaction; its on_commit callbacks run after
     the record committed, and not at all for a run rolled back (a 500). A request without
-    a key commits as Django commits it."""
+    a key commits as Django commits it. Under gunicorn's gthread and sync workers."""
     postgres = request.getfixturevalue("postgres") if vendor == "postgresql" else None
     site = sites(postgres, ATOMIC_REQUESTS=atomic_requests)
-    port = site.serve(threads=1).port
+    port = site.serve(threads=1, worker_class=worker_class).port
     key = f"k-{secrets.token_hex(4)}"
     first = post(port, key, "r1", mode="hook")
     assert first.status == 201 and not first.replayed
