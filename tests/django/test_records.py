@@ -211,6 +211,27 @@ def test_the_database_replays_a_run_after_the_store_lost_it(
     assert hooks == ["r1 recorded", "r4 unrecorded"]
 
 
+def test_an_on_commit_callback_that_raises_leaves_the_committed_answer(
+    sites: Callable[..., Site], postgres: Postgres, redis_server: Server
+) -> None:
+    """A callback that raises runs after the COMMIT: the run's payment and record stand,
+    its client gets its 201 (replayed from the database too), and the error is logged; the
+    callbacks after it do not run, as Django does."""
+    site = sites(postgres)
+    server = site.serve(threads=1)
+    key = f"raises-{secrets.token_hex(4)}"
+    first = post(server.port, key, "h1", mode="hook-raises")
+    assert first.status == 201 and site.count("h1") == 1 and site.records() == 1
+    flush(redis_server)
+    again = post(server.port, key, "h1", mode="hook-raises")
+    assert again.status == 201 and again.replayed and again.body == first.body
+    keyless = post(server.port, None, "h2", mode="hook")  # the thread's connection: clean
+    assert keyless.status == 201 and site.count("h2") == 1
+    said = output_of(server.proc)
+    assert "an on_commit callback raised after the run committed" in said, said
+    assert (site.tmp / "hooks.log").read_text().splitlines() == ["h2 unrecorded"]
+
+
 @pytest.mark.parametrize("second", ["commits-first", "commits-second"])
 def test_a_claim_lost_mid_run_makes_one_payment_and_one_answer(
     second: str, sites: Callable[..., Site], postgres: Postgres, redis_server: Server

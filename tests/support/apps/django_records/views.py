@@ -28,8 +28,9 @@ def pay(request: HttpRequest) -> HttpResponse:
     (a second write through the alias ``other``), ``own`` (one through a connection the
     view makes, ``connections.create_connection``), ``hook`` (an on_commit callback that
     logs whether the key's record had committed), ``500`` (the same callback, then a
-    500), ``ticket`` (a ticket of ``code``, checked at COMMIT); ``work_ms`` is time the
-    view works before its write."""
+    500), ``hook-raises`` (a callback that raises, then that one), ``ticket`` (a ticket
+    of ``code``, checked at COMMIT); ``work_ms`` is time the view works before its
+    write."""
     body = json.loads(request.body or b"{}")
     ref, mode = body["ref"], body.get("mode")
     time.sleep(body.get("work_ms", 0) / 1000)
@@ -58,8 +59,10 @@ def pay(request: HttpRequest) -> HttpResponse:
                 )
         finally:
             own.close()
-    if mode in ("hook", "500"):
+    if mode in ("hook", "500", "hook-raises"):
         key = request.headers.get("Idempotency-Key", "")
+        if mode == "hook-raises":
+            transaction.on_commit(_raise)
         transaction.on_commit(lambda: _log_hook(ref, key))
     _kill_after_commit()
     if mode == "gate":
@@ -68,6 +71,10 @@ def pay(request: HttpRequest) -> HttpResponse:
         return JsonResponse({"error": "failed"}, status=500)
     answer = {"ref": ref, "payment": payment.id, "run": uuid.uuid4().hex}
     return JsonResponse(answer, status=201, json_dumps_params={"separators": (",", ":")})
+
+
+def _raise() -> None:
+    raise RuntimeError("an on_commit callback that fails")
 
 
 def _gate(directory: Path, ref: str) -> None:
