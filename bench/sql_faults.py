@@ -2,7 +2,8 @@
 
     python bench/sql_faults.py [--seed 20261202] [--keys 1500] [--duration 90]
                                [--workers 3] [--clients 12] [--fault-gap 1.5]
-                               [--no-records] [--session] [--dir DIR]
+                               [--no-records] [--stack fastapi|django] [--session]
+                               [--dir DIR]
 
 The scenario of ``tests/reliability/test_sql_faults.py`` (``tests/reliability/sql_faults.py``):
 a throwaway PostgreSQL, a redis-server without persistence and uvicorn workers serving a
@@ -11,11 +12,14 @@ fault schedule restarts Redis (every claim and result lost), SIGKILLs workers, a
 workers SIGKILL themselves right after a commit. Every process runs on 127.0.0.1 and is
 stopped by PID when the run ends. It prints the figures as JSON, and what broke.
 
-With ``--no-records`` the same app runs on the store alone (its handler commits its own
-row): the contrast, where a Redis restart can pay a key twice. The exit status is 1 if a
-guarantee broke with records (a duplicate effect, an answer that differs), else 0.
-With ``--session`` the handler writes through ``Depends(session)`` (with ``--no-records``,
-through the session dependency apps write themselves, which commits after the handler).
+``--stack django`` serves a Django project under gunicorn (gthread) instead, its views
+writing through the ORM with ``RECORDS: "django"``. With ``--no-records`` the same app runs
+on the store alone (its handler commits its own row): the contrast, where a Redis restart
+can pay a key twice. The exit status is 1 if a guarantee broke with records (a duplicate
+effect, an answer that differs), else 0.
+With ``--session`` (FastAPI) the handler writes through ``Depends(session)`` (with
+``--no-records``, through the session dependency apps write themselves, which commits after
+the handler).
 ``--dir`` keeps every request, answer and fault (``requests.jsonl``) and the workers' logs.
 """
 
@@ -41,6 +45,7 @@ def main() -> int:
     parser.add_argument("--fault-gap", type=float, default=1.5, help="mean seconds between faults")
     parser.add_argument("--lease", type=float, default=2.0)
     parser.add_argument("--no-records", action="store_true", help="the store alone")
+    parser.add_argument("--stack", choices=["fastapi", "django"], default="fastapi")
     parser.add_argument(
         "--session",
         action="store_true",
@@ -48,6 +53,8 @@ def main() -> int:
     )
     parser.add_argument("--dir", type=Path, help="keep the request log and workers' logs here")
     args = parser.parse_args()
+    if args.session and args.stack != "fastapi":
+        parser.error("--session is FastAPI's session dependency: with --stack fastapi only")
     outcome = run(
         Options(
             seed=args.seed,
@@ -59,6 +66,7 @@ def main() -> int:
             lease=args.lease,
             records=not args.no_records,
             path="/payments/session" if args.session else "/payments",
+            stack=args.stack,
             dir=args.dir,
         )
     )

@@ -2,6 +2,11 @@
 Redis, and Django with django-idempotency-key, the most used Django package for the job.
 
     python3 bench/wsgi_bench.py
+    python3 bench/wsgi_bench.py --variants djangodb-goblin,djangodb-records
+
+The ``djangodb-*`` variants' handler also inserts a row in PostgreSQL (a throwaway server,
+commits synced, on core 1) through Django's connection: bare, behind goblin-idem on the
+store alone, and with ``RECORDS: "django"`` (the row and the record in one commit).
 
 It runs in the benchmark's own environment (bench/.venv, from bench/requirements.txt, made
 by http_bench.py's `ensure_env`), starts one throwaway redis-server and one gunicorn per
@@ -33,7 +38,7 @@ PATH = "/orders"
 BODY = b'{"sku":"A-1","qty":2}'
 SCENARIOS = ("new", "replay", "nokey")
 TITLES = {"new": "new key", "replay": "replay", "nokey": "no key"}
-BARE = {"flask": "flask-bare", "django": "django-bare"}
+BARE = {"flask": "flask-bare", "django": "django-bare", "djangodb": "djangodb-bare"}
 
 
 @dataclass
@@ -83,10 +88,13 @@ def labels() -> dict[str, str]:
         "django-goblin": "Django, goblin-idem (Redis)",
         "django-peer": f"Django, django-idempotency-key {version('django-idempotency-key')}"
         " (Redis cache and lock)",
+        "djangodb-bare": "Django + PostgreSQL INSERT, bare",
+        "djangodb-goblin": "Django + PostgreSQL INSERT, goblin-idem (Redis)",
+        "djangodb-records": 'Django + PostgreSQL INSERT, goblin-idem, RECORDS "django"',
     }
 
 
-def start(app: App, args: argparse.Namespace, redis_url: str) -> None:
+def start(app: App, args: argparse.Namespace, redis_url: str, database: str = "") -> None:
     from tests.support.procs import wait_http
     from tests.support.servers import free_port
 
@@ -95,6 +103,7 @@ def start(app: App, args: argparse.Namespace, redis_url: str) -> None:
     cmd += ["--bind", f"127.0.0.1:{app.port}", "--worker-class", "gthread", "--workers", "1"]
     cmd += ["--threads", str(args.threads), "--log-level", "warning"]
     env = {**os.environ, "WSGI_VARIANT": app.variant, "REDIS_URL": redis_url}
+    env["DJANGO_DB"] = database
     env["PYTHONPATH"] = os.pathsep.join([str(BENCH), str(ROOT)])
     app.proc = subprocess.Popen(cmd, cwd=BENCH, env=env, stdin=subprocess.DEVNULL)
     try:
@@ -210,11 +219,21 @@ def main() -> None:
     started = time.monotonic()
     redis = start_server("redis")
     pin(redis.pid, 1)
+    postgres = None
+    database = ""
     try:
+        if "djangodb" in frameworks:
+            from tests.support.postgres import start_postgres
+
+            postgres = start_postgres(durable=True)
+            pin(postgres.pid, 1)  # its backends, forked later, inherit the core
+            name = postgres.new_database()
+            postgres.psql("CREATE TABLE orders (id serial PRIMARY KEY, sku text, qty int)", name)
+            database = f"postgresql://postgres@127.0.0.1:{postgres.port}/{name}"
         with redis.sync_client() as client:
             redis_version = client.info("server")["redis_version"]
         for app in apps:
-            start(app, args, redis.url)
+            start(app, args, redis.url, database)
             if not app.broken:
                 wrk(args, app.port, "new", f"warm-{app.variant}", 1)
             print(f"  {app.label}: {app.broken or 'ready'}", flush=True)
@@ -234,6 +253,8 @@ def main() -> None:
             if app.proc is not None:
                 stop(app.proc)
         redis.stop()
+        if postgres is not None:
+            postgres.remove()
     cpu = platform.processor() or platform.machine()
     print("\n```")
     print(

@@ -1,9 +1,12 @@
 """One WSGI benchmark app: a trivial JSON POST handler, bare or behind one idempotency
 variant, as gunicorn imports it (``wsgi_serve:app``). Configured by environment:
-WSGI_VARIANT (one of VARIANTS) and REDIS_URL.
+WSGI_VARIANT (one of VARIANTS), REDIS_URL, and for the ``djangodb-*`` variants DJANGO_DB
+(``postgresql://user@host:port/name``, with a table ``orders``).
 
 `POST /orders` is the handler under test (it counts its own runs); `GET /__stats` reports
-that count, so the driver can check that a replay never ran the handler.
+that count, so the driver can check that a replay never ran the handler. The ``djangodb-*``
+handler also inserts the order's row through Django's connection: bare, behind goblin-idem
+on the store alone, and with ``RECORDS: "django"`` (the row and the record in one commit).
 """
 
 from __future__ import annotations
@@ -11,8 +14,18 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
-VARIANTS = ("flask-bare", "flask-goblin", "django-bare", "django-goblin", "django-peer")
+VARIANTS = (
+    "flask-bare",
+    "flask-goblin",
+    "django-bare",
+    "django-goblin",
+    "django-peer",
+    "djangodb-bare",
+    "djangodb-goblin",
+    "djangodb-records",
+)
 STATS = {"handler_calls": 0}
 VARIANT = os.environ.get("WSGI_VARIANT", "flask-bare")
 REDIS_URL = os.environ.get("REDIS_URL", "")
@@ -50,13 +63,29 @@ def django_app() -> Any:
     from django.core.wsgi import get_wsgi_application
 
     middleware: list[str] = []
-    extra: dict[str, Any] = {}
-    if VARIANT == "django-goblin":
+    extra: dict[str, Any] = {"DATABASES": {}, "INSTALLED_APPS": []}
+    if VARIANT in ("django-goblin", "djangodb-goblin"):
         middleware = ["goblin_idem.django.IdempotencyMiddleware"]
-        extra = {"GOBLIN_IDEM": {"STORE": REDIS_URL}}
+        extra["GOBLIN_IDEM"] = {"STORE": REDIS_URL}
+    elif VARIANT == "djangodb-records":
+        middleware = ["goblin_idem.django.IdempotencyMiddleware"]
+        extra["GOBLIN_IDEM"] = {"STORE": REDIS_URL, "RECORDS": "django"}
+        extra["INSTALLED_APPS"] = ["goblin_idem.django"]
+    if VARIANT.startswith("djangodb"):
+        url = urlsplit(os.environ["DJANGO_DB"])
+        extra["DATABASES"] = {
+            "default": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": url.path.lstrip("/"),
+                "USER": url.username,
+                "HOST": url.hostname,
+                "PORT": str(url.port),
+                "CONN_MAX_AGE": None,  # a connection per thread, kept
+            }
+        }
     elif VARIANT == "django-peer":
         middleware = ["idempotency_key.middleware.IdempotencyKeyMiddleware"]
-        extra = {
+        extra |= {
             "CACHES": {
                 "default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": REDIS_URL}
             },
@@ -78,11 +107,14 @@ def django_app() -> Any:
         ALLOWED_HOSTS=["*"],
         ROOT_URLCONF=__name__,
         MIDDLEWARE=middleware,
-        DATABASES={},
-        INSTALLED_APPS=[],
+        USE_TZ=True,
         **extra,
     )
     django.setup()
+    if VARIANT == "djangodb-records":
+        from django.core.management import call_command
+
+        call_command("migrate", "goblin_idem", verbosity=0)  # the records' table
     globals()["urlpatterns"] = _urlpatterns()  # before the app: goblin-idem's loads them
     return get_wsgi_application()
 
@@ -92,6 +124,15 @@ def _orders(request: Any) -> Any:
 
     STATS["handler_calls"] += 1
     data = json.loads(request.body)
+    if VARIANT.startswith("djangodb"):
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO orders (sku, qty) VALUES (%s, %s) RETURNING id",
+                [data["sku"], data["qty"]],
+            )
+            return JsonResponse({"id": cursor.fetchone()[0], "sku": data["sku"]}, status=201)
     return JsonResponse({"id": STATS["handler_calls"], "sku": data["sku"]}, status=201)
 
 

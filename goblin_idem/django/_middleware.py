@@ -29,6 +29,7 @@ from starlette.types import Scope
 
 from .._exchange import Exchange
 from .._loop import loop_thread
+from .._threaded import for_sync_apps
 from ..exceptions import SqlRecordsError
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware import _routes
@@ -66,15 +67,7 @@ class IdempotencyMiddleware:
         if self.is_async:
             markcoroutinefunction(self)
         options = _settings.read()
-        if options.get("records") is not None and not self.is_async:
-            raise ImproperlyConfigured(
-                f"settings.{_settings.SETTING}['RECORDS']: records commit with the writes "
-                "made through goblin_idem.sql's async connection() or session(), which the "
-                "sync views of a WSGI server cannot use, and Django's ORM commits apart from "
-                "them: the record would not cover the views' effects. Remove RECORDS (the "
-                "store alone guards each key), or serve async views under ASGI that write "
-                "through `await goblin_idem.sql.connection()`"
-            )
+        options["records"] = self._records(options)
         app = django_app if self.is_async else thread_app
         try:
             self.core = ASGIIdempotencyMiddleware(app, **options)
@@ -86,11 +79,46 @@ class IdempotencyMiddleware:
         self._check(self.core)
         get_resolver().url_patterns  # noqa: B018  # see _covered
 
+    def _records(self, options: dict[str, Any]) -> Any:
+        """RECORDS as the middleware takes them: under WSGI, records in the request's thread
+        (``"django"``: the ORM's, `_records`; or a ThreadRecords) adapted to it; under
+        ASGI, an async backend (goblin_idem.sql.SqlRecords). What cannot cover the views'
+        writes where they run is refused, saying what to change."""
+        records = options.get("records")
+        using = options.pop(_settings.RECORDS_DATABASE.lower(), None)
+        key = f"settings.{_settings.SETTING}['RECORDS']"
+        in_thread = callable(getattr(records, "work", None))
+        if self.is_async and (records == "django" or in_thread):
+            raise ImproperlyConfigured(
+                f"{key}: {records!r} commits the records with the ORM's writes in the "
+                "request's thread, which sync views under a WSGI server (gunicorn) have, and "
+                "this Django app is served under ASGI: serve it with its WSGI application "
+                "(gunicorn myproject.wsgi), or, for async views, set RECORDS to "
+                "goblin_idem.sql.SqlRecords(async_engine) and write through `await "
+                "goblin_idem.sql.connection()`"
+            )
+        if records == "django":
+            return for_sync_apps(_settings.django_records(using))
+        if in_thread:
+            return for_sync_apps(records)
+        if records is not None and not self.is_async:
+            raise ImproperlyConfigured(
+                f"{key}: these records commit with the writes made through goblin_idem.sql's "
+                "async connection() or session(), which the sync views of a WSGI server "
+                "cannot use, and Django's ORM commits apart from them: the record would not "
+                'cover the views\' effects. Set RECORDS to "django" (the records commit '
+                "with the ORM's writes, in Django's database) or remove RECORDS (the store "
+                "alone guards each key)"
+            )
+        return records
+
     @staticmethod
     def _check(core: ASGIIdempotencyMiddleware) -> None:
         """The store and the SQL records, checked once per process (as an ASGI lifespan's
         startup would)."""
-        given = [core.store] if core.records is None else [core.store, core.records]
+        given: list[object] = [core.store]
+        if core.records is not None:  # records adapted for this thread: their backend
+            given.append(getattr(core.records, "backend", core.records))
         if all(part in _checked for part in given):
             return
         try:
@@ -124,6 +152,7 @@ class IdempotencyMiddleware:
             return None  # the common case: nothing to do, fast
         scope = _scope(request)
         scope[DJANGO_REQUEST] = request
+        scope["route"] = _Route(request)
         if marks:
             scope[RESOLVED_POLICY] = _policy(request)
         if key is None:
@@ -239,6 +268,26 @@ def _scope(request: HttpRequest) -> Scope:
     if isinstance(query, str):  # Django's test client's scopes
         scope["query_string"] = query.encode("latin-1")
     return scope
+
+
+class _Route:
+    """The route Django matches the request to, as a log line names it (``scope["route"]``,
+    as Starlette's router sets it): its URL pattern, one name for all of a route's
+    requests; resolved only when asked."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: HttpRequest) -> None:
+        self.request = request
+
+    @property
+    def path(self) -> str:
+        request = self.request
+        try:
+            match = resolve(request.path_info, urlconf=getattr(request, "urlconf", None))
+        except Resolver404:
+            return str(request.path)
+        return f"/{match.route}"
 
 
 def _reader(request: HttpRequest) -> Any:

@@ -27,12 +27,14 @@ from django.utils.module_loading import import_string  # type: ignore[import-unt
 from ..middleware._middleware import OPTIONS
 from ..store import MemoryStore, RedisStore, Store
 
-__all__ = ["SETTING", "read", "refused"]
+__all__ = ["RECORDS_DATABASE", "SETTING", "django_records", "read", "refused"]
 
 SETTING = "GOBLIN_IDEM"
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
 _FUNCTIONS = ("scope", "on_event", "outcome")
+RECORDS_DATABASE = "RECORDS_DATABASE"  # not an option of the middleware: of RECORDS "django"
 _stores: dict[str, Store] = {}
+_made_records: dict[str, Any] = {}
 _making = threading.Lock()
 
 
@@ -45,16 +47,40 @@ def read() -> dict[str, Any]:
             f'{{"STORE": "redis://127.0.0.1:6379/0"}}), not a {type(given).__name__}'
         )
     options: dict[str, Any] = {}
+    given = dict(given)
+    using = given.pop(RECORDS_DATABASE, None)
+    if using is not None and given.get("RECORDS") != "django":
+        raise ImproperlyConfigured(
+            f"settings.{SETTING}['{RECORDS_DATABASE}'] names the database of "
+            f'"RECORDS": "django", which is not set: set it, or remove {RECORDS_DATABASE}'
+        )
     for key, value in given.items():
         name = key.lower() if isinstance(key, str) else None
         if name is None or key != key.upper() or name not in OPTIONS:
             raise ImproperlyConfigured(
                 f"settings.{SETTING} has an unknown option {key!r}; the options are "
-                f"{', '.join(sorted(o.upper() for o in OPTIONS))}"
+                f"{', '.join(sorted([*(o.upper() for o in OPTIONS), RECORDS_DATABASE]))}"
             )
         options[name] = _value(key, name, value)
     options["store"] = _store(options.get("store"))
+    if options.get("records") == "django":
+        options[RECORDS_DATABASE.lower()] = "default" if using is None else using
     return options
+
+
+def django_records(using: object) -> Any:
+    """The records in Django's database `using` (goblin_idem.django._records), checked for
+    what can be known without asking the database, made once per process and alias."""
+    from ._records import DjangoRecords
+
+    if not isinstance(using, str):
+        return DjangoRecords(using)  # type: ignore[arg-type]  # raises, saying what to give
+    with _making:
+        records = _made_records.get(using)
+        if records is None:
+            records = _made_records[using] = DjangoRecords(using)
+    records.validate()
+    return records
 
 
 def _value(key: str, name: str, value: object) -> object:

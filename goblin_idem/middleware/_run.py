@@ -431,7 +431,8 @@ class Run:
                     )
                     return
                 await asyncio.sleep(delay)
-        _log_retaken(names, token, holder, self.config.recording is not None)
+        recording = self.config.recording
+        _log_retaken(names, token, holder, None if recording is None else recording.records)
 
 
 def _too_large(exc: Exception) -> bool:
@@ -444,10 +445,16 @@ def _report_lost(report: Events, lease: Lease) -> None:
     report("lease_lost", lease.label)
 
 
-def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None, recorded: bool) -> None:
+def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None, records: object) -> None:
     """What retaking a lapsed claim found: the claim back, another run's, or nothing. With
     SQL records the other run's writes in its run's transaction cannot commit (this run's
-    record holds the key's row); its writes outside that transaction can."""
+    record holds the key's row); its writes outside that transaction can. Which writes
+    join the run's transaction is the records' to say (`joined`: those of a backend kept
+    in the request's thread are its `backend`'s)."""
+    recorded = records is not None
+    joined = getattr(getattr(records, "backend", records), "joined", None) or (
+        "through goblin_idem.sql's connection() or session()"
+    )
     if holder == token:
         logger.warning(
             "key %s: the claim lapsed before the response was published; retaken for "
@@ -458,11 +465,12 @@ def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None, recorded: 
         logger.warning(
             "key %s: the claim lapsed before the response was published, and another "
             "run (token %s) holds it now: its commit will find this run's record, so its "
-            "writes through goblin_idem.sql's connection() or session() roll back and it "
-            "answers with this run's response; what it commits on a connection of its own "
-            "(a session the app made itself) is not rolled back: it happens twice",
+            "writes %s roll back and it answers with this run's response; what it commits "
+            "on a connection of its own (a session the app made itself) is not rolled "
+            "back: it happens twice",
             names.hash,
             holder.decode("latin-1"),
+            joined,
         )
     elif holder is not None:
         logger.error(

@@ -9,3 +9,6 @@ import django
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.support.apps.django_site.settings")
 django.setup()
+
+# PostgreSQL for the records' tests, one server and database per test worker, as tests/sql's.
+from tests.sql.conftest import pg_database, postgres  # noqa: E402, F401

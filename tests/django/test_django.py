@@ -154,12 +154,16 @@ def test_every_misconfiguration_is_refused_when_django_loads_the_middleware(
 
 
 def test_records_a_wsgi_django_cannot_honour_are_refused_at_startup(tmp_path: Path) -> None:
-    """SQL records under WSGI: no sync view can write through the run's transaction, and
-    the ORM commits apart from it, so the record would cover nothing: refused, not silent."""
+    """Async SQL records under WSGI: no sync view can write through the run's transaction,
+    and the ORM commits apart from it, so the record would cover nothing: refused, not
+    silent, pointing to the records that commit with the ORM."""
     records = SqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
     with (
         override_settings(GOBLIN_IDEM={"STORE": "memory", "RECORDS": records}),
-        pytest.raises(ImproperlyConfigured, match=r"\['RECORDS'\]: .* Remove RECORDS"),
+        pytest.raises(
+            ImproperlyConfigured,
+            match=r"\['RECORDS'\]: .* Set RECORDS to \"django\" .* or remove RECORDS",
+        ),
     ):
         IdempotencyMiddleware(view)
 

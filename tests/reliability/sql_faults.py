@@ -3,14 +3,16 @@
 
 A throwaway PostgreSQL, a redis-server without persistence and `workers` uvicorn processes
 (one port each) serving ``tests/support/apps/sql_app.py`` with ``records=`` on PostgreSQL
-(asyncpg) and a short lease. Client threads send ``POST /payments`` with a unique
-Idempotency-Key per payment, each key by `copies` clients at once, each client to a random
-worker per attempt and again after every 409, 5xx or connection error, until it gets a 2xx.
-Meanwhile a fault thread, driven by a seeded RNG, at random moments: restarts Redis
-without persistence (SIGKILL, then a new server on the same port: every claim and result
-gone), SIGKILLs a worker, or arms a worker to SIGKILL itself right after its next commit
-(before the store hears of it); a dead worker is started again on its port. After the
-faults stop and every key has its answer, each key is sent once more to every worker.
+(asyncpg) and a short lease; or, with ``stack="django"``, gunicorn serving a Django project
+whose views write through the ORM, with ``RECORDS: "django"`` (`django_faults`). Client
+threads send ``POST /payments`` with a unique Idempotency-Key per payment, each key by
+`copies` clients at once, each client to a random worker per attempt and again after every
+409, 5xx or connection error, until it gets a 2xx. Meanwhile a fault thread, driven by a
+seeded RNG, at random moments: restarts Redis without persistence (SIGKILL, then a new
+server on the same port: every claim and result gone), SIGKILLs a worker, or arms a worker
+to SIGKILL itself right after its next commit (before the store hears of it); a dead worker
+is started again on its port. After the faults stop and every key has its answer, each key
+is sent once more to every worker.
 
 Then the database is counted: payment rows per key (a second row is a duplicate effect),
 every 2xx body of a key the same bytes naming that key's one row, a committed record for
@@ -65,6 +67,7 @@ class Options:
     grace: float = 60.0  # after `duration`, for the last keys to get their answers
     records: bool = True
     path: str = "/payments"  # or /payments/session: the app's session dependency
+    stack: str = "fastapi"  # or "django": tests/reliability/django_faults.py
     dir: Path | None = None  # for requests.jsonl (every request, answer and fault) and
     # the workers' logs; a new temporary directory if None
 
@@ -339,18 +342,25 @@ def run(opts: Options) -> Outcome:
         log = Log(out)
         try:
             postgres = start_postgres()
-            url = _prepare(postgres)
-            database = url.rsplit("/", 1)[1]
             redis = start_server("redis")  # no persistence: a restart loses every key
-            env = {
-                "DATABASE_URL": url,
-                "REDIS_URL": redis.url,
-                "RECORDS_TABLE": RECORDS_TABLE,
-                "PAYMENTS_TABLE": PAYMENTS_TABLE,
-                "LEASE_SECONDS": str(opts.lease),
-                "RECORDS": "1" if opts.records else "0",
-            }
-            workers = Workers(opts.workers, env, scratch)
+            if opts.stack == "django":
+                from tests.reliability import django_faults
+
+                env = django_faults.prepare(postgres, redis.url, opts)
+                database = env["DJANGO_DB"].rsplit("/", 1)[1]
+                workers = django_faults.DjangoWorkers(opts.workers, env, scratch)
+            else:
+                url = _prepare(postgres)
+                database = url.rsplit("/", 1)[1]
+                env = {
+                    "DATABASE_URL": url,
+                    "REDIS_URL": redis.url,
+                    "RECORDS_TABLE": RECORDS_TABLE,
+                    "PAYMENTS_TABLE": PAYMENTS_TABLE,
+                    "LEASE_SECONDS": str(opts.lease),
+                    "RECORDS": "1" if opts.records else "0",
+                }
+                workers = Workers(opts.workers, env, scratch)
             for i in range(opts.workers):
                 workers.start(i)
             keys = [f"pay-{opts.seed}-{i}" for i in range(opts.keys)]
@@ -383,6 +393,7 @@ def run(opts: Options) -> Outcome:
             duplicates = sum(len(ids) - 1 for ids in rows.values() if len(ids) > 1)
             figures: dict[str, Any] = {
                 "seed": str(opts.seed),  # not a quantity: printed as is
+                "stack": opts.stack,
                 "records": opts.records,
                 "path": opts.path,
                 "keys": len(keys),
