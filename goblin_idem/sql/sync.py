@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from sqlalchemy import event
-from sqlalchemy.engine import Connection, RootTransaction
+from sqlalchemy.engine import Connection, NestedTransaction, RootTransaction
 from sqlalchemy.orm import Session
 
 from .._log import describe
@@ -69,6 +69,16 @@ class RunConnection(Connection):
             "the request's connection is in the request's transaction already, which commits "
             "when the request ends: use begin_nested() for a savepoint"
         )
+
+    def begin_nested(self) -> NestedTransaction:
+        """A savepoint; on SQLite (pysqlite), the transaction begun first: the driver
+        defers its BEGIN to the first write, and a SAVEPOINT outside a transaction would
+        be one whose RELEASE (a session's commit) commits."""
+        if self.dialect.name == "sqlite":
+            raw: Any = self.connection.driver_connection
+            if not raw.in_transaction:
+                self.exec_driver_sql("BEGIN")
+        return super().begin_nested()
 
 
 class SyncRun:
