@@ -101,6 +101,7 @@ def build_flask(
 ) -> Flask:
     """Flask-SQLAlchemy as its users write it; `records_table` None: no records."""
     app = Flask(__name__)
+    app.json.sort_keys = False  # type: ignore[attr-defined]  # "ref" first, as sql_app's
     app.config["SQLALCHEMY_DATABASE_URI"] = url
     db = SQLAlchemy()
     db.init_app(app)
