@@ -1,7 +1,10 @@
 """WSGI benchmark: Flask and Django under gunicorn (gthread), bare and with goblin-idem on
-Redis, and Django with django-idempotency-key, the most used Django package for the job.
+Redis, and Django with django-idempotency-key, the most used Django package for the job;
+Flask with Flask-SQLAlchemy writing one row per order on PostgreSQL, bare, with goblin-idem,
+and with goblin-idem's SQL records (the row and the record in one commit).
 
     python3 bench/wsgi_bench.py
+    python3 bench/wsgi_bench.py --variants flasksql-goblin,flasksql-records
 
 It runs in the benchmark's own environment (bench/.venv, from bench/requirements.txt, made
 by http_bench.py's `ensure_env`), starts one throwaway redis-server and one gunicorn per
@@ -33,7 +36,7 @@ PATH = "/orders"
 BODY = b'{"sku":"A-1","qty":2}'
 SCENARIOS = ("new", "replay", "nokey")
 TITLES = {"new": "new key", "replay": "replay", "nokey": "no key"}
-BARE = {"flask": "flask-bare", "django": "django-bare"}
+BARE = {"flask": "flask-bare", "flasksql": "flasksql-bare", "django": "django-bare"}
 
 
 @dataclass
@@ -79,6 +82,9 @@ def labels() -> dict[str, str]:
     return {
         "flask-bare": f"Flask {version('flask')}, bare",
         "flask-goblin": "Flask, goblin-idem (Redis)",
+        "flasksql-bare": f"Flask-SQLAlchemy {version('flask-sqlalchemy')} on PostgreSQL, bare",
+        "flasksql-goblin": "Flask-SQLAlchemy, goblin-idem (Redis)",
+        "flasksql-records": "Flask-SQLAlchemy, goblin-idem (Redis) + SQL records",
         "django-bare": f"Django {version('django')}, bare",
         "django-goblin": "Django, goblin-idem (Redis)",
         "django-peer": f"Django, django-idempotency-key {version('django-idempotency-key')}"
@@ -86,7 +92,7 @@ def labels() -> dict[str, str]:
     }
 
 
-def start(app: App, args: argparse.Namespace, redis_url: str) -> None:
+def start(app: App, args: argparse.Namespace, redis_url: str, database_url: str = "") -> None:
     from tests.support.procs import wait_http
     from tests.support.servers import free_port
 
@@ -95,6 +101,7 @@ def start(app: App, args: argparse.Namespace, redis_url: str) -> None:
     cmd += ["--bind", f"127.0.0.1:{app.port}", "--worker-class", "gthread", "--workers", "1"]
     cmd += ["--threads", str(args.threads), "--log-level", "warning"]
     env = {**os.environ, "WSGI_VARIANT": app.variant, "REDIS_URL": redis_url}
+    env["DATABASE_URL"] = database_url
     env["PYTHONPATH"] = os.pathsep.join([str(BENCH), str(ROOT)])
     app.proc = subprocess.Popen(cmd, cwd=BENCH, env=env, stdin=subprocess.DEVNULL)
     try:
@@ -112,6 +119,16 @@ def start(app: App, args: argparse.Namespace, redis_url: str) -> None:
         replayed = headers.get("idempotent-replayed") == "true" or app.variant == "django-peer"
         if status != 201 or not replayed:
             app.broken = f"no replay: {status} {headers}"
+
+
+def start_postgres() -> Any:
+    """A throwaway PostgreSQL (tests/support/postgres.py) whose commits are synced, as an
+    application's are, pinned to core 1 (the app creates its tables)."""
+    from tests.support.postgres import start_postgres as start
+
+    pg = start(durable=True)
+    pin(pg.pid, 1)
+    return pg
 
 
 def wrk(args: argparse.Namespace, port: int, scenario: str, prefix: str, seconds: int) -> Any:
@@ -210,11 +227,16 @@ def main() -> None:
     started = time.monotonic()
     redis = start_server("redis")
     pin(redis.pid, 1)
+    pg: Any = None
+    database_url = ""
     try:
+        if "flasksql" in frameworks:
+            pg = start_postgres()
+            database_url = pg.url(driver="psycopg")
         with redis.sync_client() as client:
             redis_version = client.info("server")["redis_version"]
         for app in apps:
-            start(app, args, redis.url)
+            start(app, args, redis.url, database_url)
             if not app.broken:
                 wrk(args, app.port, "new", f"warm-{app.variant}", 1)
             print(f"  {app.label}: {app.broken or 'ready'}", flush=True)
@@ -234,6 +256,8 @@ def main() -> None:
             if app.proc is not None:
                 stop(app.proc)
         redis.stop()
+        if pg is not None:
+            pg.remove()
     cpu = platform.processor() or platform.machine()
     print("\n```")
     print(

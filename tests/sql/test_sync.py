@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -250,3 +253,31 @@ def test_flask_sqlalchemy_binds_of_other_databases_keep_their_engines(
         )
     assert call(app, "POST", "/payments", key="k-binds").code == 201
     assert sync_setup.payment_count("main") == 1 and len(sync_setup.rows()) == 1
+
+
+@on_sync_postgres  # a database server's connection is what is cut
+def test_the_database_gone_at_commit_answers_503_and_nothing_happened(
+    sync_setup: SyncSetup, store: RedisStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's connection cut (as by a server going down) after its write, before its
+    commit: 503 database-unavailable, no payment, no record; the retry runs."""
+    monkeypatch.setenv("GATE_DIR", str(tmp_path))
+    app = build_wsgi(store, sync_setup.records, sync_setup.payments)
+    assert sync_setup.postgres is not None
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(pay, app, "gone", "k-gone", "gate")
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "reached-gone-0").exists():
+            assert time.monotonic() < deadline and not running.done()
+            time.sleep(0.01)
+        sync_setup.postgres.psql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
+        )
+        (tmp_path / "go-gone-0").touch()
+        reply = running.result(timeout=30)
+    assert reply.code == 503 and reply.json()["type"].endswith("database-unavailable")
+    assert sync_setup.payment_count("gone") == 0 and sync_setup.rows() == []
+    again = pay(app, "gone", key="k-gone")
+    assert again.code == 201 and not replayed(again)
+    assert sync_setup.payment_count("gone") == 1
