@@ -57,15 +57,14 @@ def flasksql_app() -> Any:
     with records, that commit is a savepoint and the run commits the row with its record."""
     from flask import Flask, jsonify, request
     from flask_sqlalchemy import SQLAlchemy
-    from sqlalchemy.orm import Mapped, mapped_column
 
     db = SQLAlchemy()
 
     class Order(db.Model):  # type: ignore[name-defined,misc]
         __tablename__ = "bench_orders"
-        id: Mapped[int] = mapped_column(primary_key=True)
-        sku: Mapped[str]
-        qty: Mapped[int]
+        id = db.Column(db.Integer, primary_key=True)
+        sku = db.Column(db.String(32), nullable=False)
+        qty = db.Column(db.Integer, nullable=False)
 
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["DATABASE_URL"]

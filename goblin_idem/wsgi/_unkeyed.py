@@ -46,13 +46,14 @@ class UnkeyedApp:
             iterable = self.app(environ, head.start_response)
             chunks = iter(iterable)
             first = head.first(chunks)
+            code = head.code
         except BaseException:
             work.leave(token)
             work.rollback()
             _close(iterable)
             raise
         work.leave(token)
-        if head.code >= 500:
+        if code >= 500:
             work.rollback()
         elif not self._committed(work, environ):
             _close(iterable)
