@@ -18,7 +18,7 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import create_engine, insert, text
 
-from goblin_idem import RedisStore
+from goblin_idem import MemoryStore, RedisStore, SqlRecordsError
 from goblin_idem._loop import loop_thread
 from goblin_idem.exceptions import CommitRefusedError, NotInRunError
 from goblin_idem.flask import Idempotency
@@ -281,3 +281,40 @@ def test_the_database_gone_at_commit_answers_503_and_nothing_happened(
     again = pay(app, "gone", key="k-gone")
     assert again.code == 201 and not replayed(again)
     assert sync_setup.payment_count("gone") == 1
+
+
+def test_the_warning_names_flask_s_url_rule_not_the_path(
+    sync_setup: SyncSetup, store: RedisStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One WARNING for every request of a route, whatever its path's values."""
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = sync_setup.url
+    db = SQLAlchemy()
+    db.init_app(app)
+    payments = sync_setup.payments
+
+    @app.post("/shops/<int:shop>/orders")
+    def order(shop: int) -> Any:
+        with db.engine.begin() as conn:  # the app's own transaction: not the run's
+            conn.execute(insert(payments).values(ref=f"shop-{shop}", amount=1))
+        return {"shop": shop}, 201
+
+    with app.app_context():
+        records = SqlRecords(db.engine, table=sync_setup.records.table.name)
+        Idempotency(app, store=store, records=records)
+    with caplog.at_level(logging.WARNING, logger="goblin_idem"):
+        assert call(app, "POST", "/shops/1/orders", key="k-s1").code == 201
+        assert call(app, "POST", "/shops/2/orders", key="k-s2").code == 201
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(told) == 1, told
+    assert told[0].startswith("POST /shops/<int:shop>/orders: a commit on the records'")
+
+
+def test_sync_records_on_an_async_driver_are_refused_at_startup(tmp_path: Path) -> None:
+    records = SqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}", sync=True)
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        raise AssertionError("never called")
+
+    with pytest.raises(SqlRecordsError, match="name a sync one, as in postgresql\\+psycopg://"):
+        IdempotencyMiddleware(app, store=MemoryStore(), records=records)
