@@ -27,6 +27,7 @@ from goblin_idem.sql import sync as sql_sync
 from goblin_idem.wsgi import IdempotencyMiddleware
 from tests.sql.conftest import SyncSetup, on_sync_postgres
 from tests.support.apps.sync_sql_app import build_flask, build_wsgi
+from tests.support.servers import free_port
 from tests.support.wsgi import Reply, call
 
 
@@ -318,3 +319,23 @@ def test_sync_records_on_an_async_driver_are_refused_at_startup(tmp_path: Path) 
 
     with pytest.raises(SqlRecordsError, match="name a sync one, as in postgresql\\+psycopg://"):
         IdempotencyMiddleware(app, store=MemoryStore(), records=records)
+
+
+def test_a_keyed_request_run_unprotected_with_the_store_down_commits_its_writes(
+    sync_setup: SyncSetup,
+) -> None:
+    """fail_open with the store down: the ASGI middleware runs the app without a claim, in
+    a transaction of the request's own, committed before the response (the threaded
+    records' commit_work, in the request's thread)."""
+    down = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}")
+    app = build_wsgi(
+        down, sync_setup.records, sync_setup.payments, fail_open=True, check_store=False
+    )
+    try:
+        reply = pay(app, "open", key="k-open")
+        assert reply.code == 201 and reply.json()["payment"] is not None
+        assert sync_setup.payment_count("open") == 1 and sync_setup.rows() == []
+        assert pay(app, "open-500", key="k-open-500", mode="500").code == 500
+        assert sync_setup.payment_count("open-500") == 0
+    finally:
+        loop_thread().run(down.aclose())
