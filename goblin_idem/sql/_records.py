@@ -142,6 +142,26 @@ class RecordsTable:
             "expires_at": now + datetime.timedelta(milliseconds=ttl_ms),
         }
 
+    def _pipeline(
+        self, dialect: Any, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
+    ) -> list[tuple[str, tuple[Any, ...] | None]]:
+        """What psycopg's pipeline sends to commit the record with the run's writes: the
+        key's expired row deleted, the row inserted (the primary key refuses an unexpired
+        one, which aborts what follows), and a COMMIT statement, not the driver's commit(),
+        which would sync the pipeline (a second round trip)."""
+        table = dialect.identifier_preparer.format_table(self.table)
+        now = _utcnow()
+        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        return [
+            (f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (key, now)),
+            (
+                f"INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, "
+                "expires_at) VALUES (%s, %s, %s, %s, %s, %s)",
+                (key, key_hash, fp, data, now, expires),
+            ),
+            ("COMMIT", None),
+        ]
+
     @staticmethod
     def _found(row: Any, now: datetime.datetime) -> tuple[bytes, int] | None:
         """A lookup's row as the record and the milliseconds it has left."""
@@ -367,22 +387,11 @@ class SqlRecords(RecordsTable):
         from psycopg.errors import UniqueViolation
 
         raw: Any = (await conn.get_raw_connection()).driver_connection  # psycopg's own
-        table = conn.dialect.identifier_preparer.format_table(self.table)
-        now = _utcnow()
-        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        statements = self._pipeline(conn.dialect, key, key_hash, fp, data, ttl_ms)
         try:
             async with raw.pipeline(), raw.cursor() as cursor:
-                await cursor.execute(
-                    f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (key, now)
-                )
-                await cursor.execute(
-                    f"INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, "
-                    "expires_at) VALUES (%s, %s, %s, %s, %s, %s)",
-                    (key, key_hash, fp, data, now, expires),
-                )
-                # A COMMIT statement, not raw.commit(): that one syncs the pipeline, and
-                # leaving it syncs again (a second round trip).
-                await cursor.execute("COMMIT")
+                for sql, params in statements:
+                    await cursor.execute(sql, params)
         except UniqueViolation as exc:
             if exc.diag.table_name != self.table.name:
                 raise  # the app's own constraint, checked at COMMIT: its error, not the key's

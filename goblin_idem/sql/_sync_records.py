@@ -12,9 +12,10 @@ refuse async records, which a sync app cannot write through.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import create_engine, delete, select
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Engine, RootTransaction
 from sqlalchemy.exc import InvalidRequestError
 
 from .._log import describe
@@ -90,6 +91,50 @@ class SyncSqlRecords(RecordsTable):
         values = self._row(key, key_hash, fp, data, ttl_ms)
         # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
         return conn.execute(self._upsert(conn.dialect.name), values).first() is not None
+
+    def commit(
+        self,
+        conn: Connection,
+        tx: RootTransaction,
+        key: bytes,
+        key_hash: str,
+        fp: bytes,
+        data: bytes,
+        ttl_ms: int,
+    ) -> bool:
+        """Insert the record in the run's transaction and commit it, with the work's writes;
+        False (nothing committed) if the key's unexpired row exists. On psycopg the insert
+        and the COMMIT go in one round trip (its pipeline, as the async records do);
+        elsewhere one each."""
+        if conn.dialect.driver != "psycopg":
+            if not self.insert(conn, key, key_hash, fp, data, ttl_ms):
+                return False
+            tx.commit()
+            return True
+        from psycopg.errors import UniqueViolation
+
+        raw: Any = conn.connection.driver_connection  # psycopg's own
+        statements = self._pipeline(conn.dialect, key, key_hash, fp, data, ttl_ms)
+        try:
+            with raw.pipeline(), raw.cursor() as cursor:
+                for sql, params in statements:
+                    cursor.execute(sql, params)
+        except UniqueViolation as exc:
+            if exc.diag.table_name != self.table.name:
+                raise  # the app's own constraint, checked at COMMIT: its error, not the key's
+            return False
+        except Exception as exc:
+            if not (raw.closed or raw.broken):
+                raise
+            # The driver's own call, which SQLAlchemy did not make: it would give the closed
+            # connection back to its pool, so it is invalidated here.
+            conn.invalidate(exc)
+            raise DatabaseUnavailableError(
+                f"the database is unavailable at the run's commit (its connection was lost: "
+                f"{describe(exc)})"
+            ) from exc
+        tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
+        return True
 
     def insert_alone(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> bool:
         """The record of a run that wrote nothing: one statement in autocommit."""

@@ -122,9 +122,7 @@ class SyncRun:
                     committed = self.records.insert_alone(key, key_hash, fp, data, ttl_ms)
                 else:
                     conn, tx = self._flushed()
-                    committed = self.records.insert(conn, key, key_hash, fp, data, ttl_ms)
-                    if committed:
-                        tx.commit()
+                    committed = self.records.commit(conn, tx, key, key_hash, fp, data, ttl_ms)
             except Exception as exc:
                 failure = unavailable_as(exc, "at the run's commit")
                 if failure is None:
