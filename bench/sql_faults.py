@@ -2,15 +2,17 @@
 
     python bench/sql_faults.py [--seed 20261202] [--keys 1500] [--duration 90]
                                [--workers 3] [--clients 12] [--fault-gap 1.5]
-                               [--no-records] [--stack fastapi|django] [--session]
-                               [--dir DIR]
+                               [--no-records] [--stack fastapi|flask|django]
+                               [--session] [--dir DIR]
 
-The scenario of ``tests/reliability/test_sql_faults.py`` (``tests/reliability/sql_faults.py``):
-a throwaway PostgreSQL, a redis-server without persistence and uvicorn workers serving a
-payments app with ``records=``; clients send every key until it gets a 2xx while a seeded
-fault schedule restarts Redis (every claim and result lost), SIGKILLs workers, and has
-workers SIGKILL themselves right after a commit. Every process runs on 127.0.0.1 and is
-stopped by PID when the run ends. It prints the figures as JSON, and what broke.
+The scenario of ``tests/reliability/test_sql_faults.py``
+(``tests/reliability/sql_faults.py``): a throwaway PostgreSQL, a redis-server without
+persistence and servers of one stack (``--stack``: uvicorn serving FastAPI, the default, or
+gunicorn serving Flask with Flask-SQLAlchemy) serving a payments app with ``records=``;
+clients send every key until it gets a 2xx while a seeded fault schedule restarts Redis
+(every claim and result lost), SIGKILLs workers, and has workers SIGKILL themselves right
+after a commit. Every process runs on 127.0.0.1 and is stopped by PID when the run ends. It
+prints the figures as JSON, and what broke.
 
 ``--stack django`` serves a Django project under gunicorn (gthread) instead, its views
 writing through the ORM with ``RECORDS: "django"``. With ``--no-records`` the same app runs
@@ -32,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.reliability.sql_faults import Options, run
+from tests.reliability.sql_faults import STACKS, Options, run
 
 
 def main() -> int:
@@ -45,7 +47,7 @@ def main() -> int:
     parser.add_argument("--fault-gap", type=float, default=1.5, help="mean seconds between faults")
     parser.add_argument("--lease", type=float, default=2.0)
     parser.add_argument("--no-records", action="store_true", help="the store alone")
-    parser.add_argument("--stack", choices=["fastapi", "django"], default="fastapi")
+    parser.add_argument("--stack", choices=sorted(STACKS), default="fastapi")
     parser.add_argument(
         "--session",
         action="store_true",

@@ -1,7 +1,10 @@
 """WSGI benchmark: Flask and Django under gunicorn (gthread), bare and with goblin-idem on
-Redis, and Django with django-idempotency-key, the most used Django package for the job.
+Redis, and Django with django-idempotency-key, the most used Django package for the job;
+Flask with Flask-SQLAlchemy writing one row per order on PostgreSQL, bare, with goblin-idem,
+and with goblin-idem's SQL records (the row and the record in one commit).
 
     python3 bench/wsgi_bench.py
+    python3 bench/wsgi_bench.py --variants flasksql-goblin,flasksql-records
     python3 bench/wsgi_bench.py --variants djangodb-goblin,djangodb-records
 
 The ``djangodb-*`` variants' handler also inserts a row in PostgreSQL (a throwaway server,
@@ -38,7 +41,12 @@ PATH = "/orders"
 BODY = b'{"sku":"A-1","qty":2}'
 SCENARIOS = ("new", "replay", "nokey")
 TITLES = {"new": "new key", "replay": "replay", "nokey": "no key"}
-BARE = {"flask": "flask-bare", "django": "django-bare", "djangodb": "djangodb-bare"}
+BARE = {
+    "flask": "flask-bare",
+    "flasksql": "flasksql-bare",
+    "django": "django-bare",
+    "djangodb": "djangodb-bare",
+}
 
 
 @dataclass
@@ -84,6 +92,9 @@ def labels() -> dict[str, str]:
     return {
         "flask-bare": f"Flask {version('flask')}, bare",
         "flask-goblin": "Flask, goblin-idem (Redis)",
+        "flasksql-bare": f"Flask-SQLAlchemy {version('flask-sqlalchemy')} on PostgreSQL, bare",
+        "flasksql-goblin": "Flask-SQLAlchemy, goblin-idem (Redis)",
+        "flasksql-records": "Flask-SQLAlchemy, goblin-idem (Redis) + SQL records",
         "django-bare": f"Django {version('django')}, bare",
         "django-goblin": "Django, goblin-idem (Redis)",
         "django-peer": f"Django, django-idempotency-key {version('django-idempotency-key')}"
@@ -94,7 +105,7 @@ def labels() -> dict[str, str]:
     }
 
 
-def start(app: App, args: argparse.Namespace, redis_url: str, database: str = "") -> None:
+def start(app: App, args: argparse.Namespace, redis_url: str, databases: dict[str, str]) -> None:
     from tests.support.procs import wait_http
     from tests.support.servers import free_port
 
@@ -103,7 +114,7 @@ def start(app: App, args: argparse.Namespace, redis_url: str, database: str = ""
     cmd += ["--bind", f"127.0.0.1:{app.port}", "--worker-class", "gthread", "--workers", "1"]
     cmd += ["--threads", str(args.threads), "--log-level", "warning"]
     env = {**os.environ, "WSGI_VARIANT": app.variant, "REDIS_URL": redis_url}
-    env["DJANGO_DB"] = database
+    env.update(databases)  # DATABASE_URL, DJANGO_DB
     env["PYTHONPATH"] = os.pathsep.join([str(BENCH), str(ROOT)])
     app.proc = subprocess.Popen(cmd, cwd=BENCH, env=env, stdin=subprocess.DEVNULL)
     try:
@@ -121,6 +132,16 @@ def start(app: App, args: argparse.Namespace, redis_url: str, database: str = ""
         replayed = headers.get("idempotent-replayed") == "true" or app.variant == "django-peer"
         if status != 201 or not replayed:
             app.broken = f"no replay: {status} {headers}"
+
+
+def start_postgres() -> Any:
+    """A throwaway PostgreSQL (tests/support/postgres.py) whose commits are synced, as an
+    application's are, pinned to core 1 (the app creates its tables)."""
+    from tests.support.postgres import start_postgres as start
+
+    pg = start(durable=True)
+    pin(pg.pid, 1)
+    return pg
 
 
 def wrk(args: argparse.Namespace, port: int, scenario: str, prefix: str, seconds: int) -> Any:
@@ -219,21 +240,19 @@ def main() -> None:
     started = time.monotonic()
     redis = start_server("redis")
     pin(redis.pid, 1)
-    postgres = None
-    database = ""
+    pg: Any = None
+    databases: dict[str, str] = {}
     try:
-        if "djangodb" in frameworks:
-            from tests.support.postgres import start_postgres
-
-            postgres = start_postgres(durable=True)
-            pin(postgres.pid, 1)  # its backends, forked later, inherit the core
-            name = postgres.new_database()
-            postgres.psql("CREATE TABLE orders (id serial PRIMARY KEY, sku text, qty int)", name)
-            database = f"postgresql://postgres@127.0.0.1:{postgres.port}/{name}"
+        if {"flasksql", "djangodb"} & set(frameworks):
+            pg = start_postgres()
+            databases["DATABASE_URL"] = pg.url(driver="psycopg")
+            name = pg.new_database()
+            pg.psql("CREATE TABLE orders (id serial PRIMARY KEY, sku text, qty int)", name)
+            databases["DJANGO_DB"] = f"postgresql://postgres@127.0.0.1:{pg.port}/{name}"
         with redis.sync_client() as client:
             redis_version = client.info("server")["redis_version"]
         for app in apps:
-            start(app, args, redis.url, database)
+            start(app, args, redis.url, databases)
             if not app.broken:
                 wrk(args, app.port, "new", f"warm-{app.variant}", 1)
             print(f"  {app.label}: {app.broken or 'ready'}", flush=True)
@@ -253,8 +272,8 @@ def main() -> None:
             if app.proc is not None:
                 stop(app.proc)
         redis.stop()
-        if postgres is not None:
-            postgres.remove()
+        if pg is not None:
+            pg.remove()
     cpu = platform.processor() or platform.machine()
     print("\n```")
     print(

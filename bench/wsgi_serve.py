@@ -1,7 +1,9 @@
 """One WSGI benchmark app: a trivial JSON POST handler, bare or behind one idempotency
 variant, as gunicorn imports it (``wsgi_serve:app``). Configured by environment:
-WSGI_VARIANT (one of VARIANTS), REDIS_URL, and for the ``djangodb-*`` variants DJANGO_DB
-(``postgresql://user@host:port/name``, with a table ``orders``).
+WSGI_VARIANT (one of VARIANTS), REDIS_URL; DATABASE_URL for the ``flasksql`` variants,
+whose handler inserts one row with Flask-SQLAlchemy and commits it (with goblin-idem's
+records, ``flasksql-records``, in the run's transaction, with the record); DJANGO_DB
+(``postgresql://user@host:port/name``, with a table ``orders``) for the ``djangodb-*`` ones.
 
 `POST /orders` is the handler under test (it counts its own runs); `GET /__stats` reports
 that count, so the driver can check that a replay never ran the handler. The ``djangodb-*``
@@ -19,6 +21,9 @@ from urllib.parse import urlsplit
 VARIANTS = (
     "flask-bare",
     "flask-goblin",
+    "flasksql-bare",
+    "flasksql-goblin",
+    "flasksql-records",
     "django-bare",
     "django-goblin",
     "django-peer",
@@ -51,6 +56,52 @@ def flask_app() -> Any:
         from goblin_idem.flask import Idempotency
 
         Idempotency(app, store=RedisStore.from_url(REDIS_URL))
+    return app
+
+
+def flasksql_app() -> Any:
+    """Flask-SQLAlchemy: one row per order, committed by the view (``db.session.commit()``);
+    with records, that commit is a savepoint and the run commits the row with its record."""
+    from flask import Flask, jsonify, request
+    from flask_sqlalchemy import SQLAlchemy
+
+    db = SQLAlchemy()
+
+    class Order(db.Model):  # type: ignore[name-defined,misc]
+        __tablename__ = "bench_orders"
+        id = db.Column(db.Integer, primary_key=True)
+        sku = db.Column(db.String(32), nullable=False)
+        qty = db.Column(db.Integer, nullable=False)
+
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["DATABASE_URL"]
+    db.init_app(app)
+
+    @app.post("/orders")
+    def orders() -> Any:
+        STATS["handler_calls"] += 1
+        data = request.get_json()
+        order = Order(sku=data["sku"], qty=data["qty"])
+        db.session.add(order)
+        db.session.commit()
+        return jsonify(id=order.id, sku=order.sku), 201
+
+    @app.get("/__stats")
+    def stats() -> Any:
+        return jsonify(STATS)
+
+    with app.app_context():
+        db.create_all()
+        if VARIANT != "flasksql-bare":
+            from goblin_idem import RedisStore
+            from goblin_idem.flask import Idempotency
+            from goblin_idem.sql import SqlRecords
+
+            records = None
+            if VARIANT == "flasksql-records":
+                records = SqlRecords(db.engine)
+                records.create_table()
+            Idempotency(app, store=RedisStore.from_url(REDIS_URL), records=records)
     return app
 
 
@@ -154,4 +205,9 @@ def _urlpatterns() -> list[Any]:
     return [path("orders", view), path("__stats", _stats)]
 
 
-app = django_app() if VARIANT.startswith("django") else flask_app()
+if VARIANT.startswith("django"):
+    app = django_app()
+elif VARIANT.startswith("flasksql"):
+    app = flasksql_app()
+else:
+    app = flask_app()

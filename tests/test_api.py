@@ -69,6 +69,7 @@ PUBLIC_MODULES = {
     "goblin_idem.records",
     "goblin_idem.sealing",
     "goblin_idem.sql",
+    "goblin_idem.sql.sync",
     "goblin_idem.store",
     "goblin_idem.webhooks",
     "goblin_idem.wsgi",

@@ -11,6 +11,7 @@ from flask import Flask
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import RequestRedirect
 
+from .._threaded import ThreadedRecords
 from ..middleware._middleware import OPTIONS
 from ..middleware._routes import RoutePolicy, policy_of
 from ..store import MemoryStore, RedisStore, Store
@@ -49,6 +50,11 @@ class Idempotency:
         given["store"] = _store(chosen)
         middleware = IdempotencyMiddleware(app.wsgi_app, **given)
         middleware.policy_of = functools.partial(_policy, app)
+        records = middleware.core.records
+        if isinstance(records, ThreadedRecords) and "sqlalchemy" in app.extensions:
+            from ._sqlalchemy import join_sessions
+
+            join_sessions(app, records.backend)  # type: ignore[arg-type]
         app.wsgi_app = middleware  # type: ignore[method-assign]
         app.extensions["goblin_idem"] = middleware
 

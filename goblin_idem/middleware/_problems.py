@@ -23,6 +23,7 @@ __all__ = [
     "WEBHOOK_MALFORMED",
     "WEBHOOK_UNVERIFIED",
     "Problem",
+    "problem_body",
     "send_problem",
 ]
 
@@ -83,15 +84,20 @@ DATABASE_UNAVAILABLE = Problem(
 )
 
 
+def problem_body(problem: Problem, detail: str) -> bytes:
+    """The problem+json document of `problem` (what `send_problem` sends)."""
+    return json.dumps(
+        {"type": problem.type, "title": problem.title, "status": problem.status, "detail": detail}
+    ).encode()
+
+
 async def send_problem(
     send: Send,
     problem: Problem,
     detail: str,
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    body = json.dumps(
-        {"type": problem.type, "title": problem.title, "status": problem.status, "detail": detail}
-    ).encode()
+    body = problem_body(problem, detail)
     await send(
         {
             "type": "http.response.start",

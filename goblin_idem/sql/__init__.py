@@ -5,6 +5,10 @@ writes through ``await connection()`` (or ``await session()``) commit together w
 record, before anything of the response reaches the client; the store stays the fast claim
 and replay cache, the database the truth. Needs the ``sql`` extra (SQLAlchemy 2, async)
 and the app's own driver (asyncpg, psycopg or aiosqlite).
+
+A WSGI or Flask app passes ``SqlRecords(engine)`` with a sync Engine (Flask-SQLAlchemy's
+``db.engine``, whose ``db.session`` then joins keyed runs) and writes through
+`goblin_idem.sql.sync`'s ``connection()`` and ``session()``.
 """
 
 from ._context import connection, session

@@ -48,6 +48,11 @@ logger = logging.getLogger("goblin_idem.sql")
 
 _current: contextvars.ContextVar[object] = contextvars.ContextVar("goblin_idem_sql", default=None)
 
+ADVICE = (
+    "Depends(session) or await session() / await connection() from goblin_idem.sql, in "
+    "place of a session or connection of the app's own, and do not commit (the run commits "
+    "with its record)"
+)
 _REFUSED = (
     "this run's transaction commits with its idempotency record when the run ends "
     "(the response, or the once function's return): do not commit it yourself"
@@ -93,6 +98,7 @@ class RunTransaction:
         self.sessions: list[RunSession] = []
         self.adopted: list[Session] = []  # the app's own sessions on this connection
         self.ended = False  # committed or rolled back: connection() refuses
+        self.advice = ADVICE  # what the WARNING of a commit outside the run says to use
         self.opening: asyncio.Lock | None = None  # two first uses at once open one connection
 
     def enter(self) -> contextvars.Token[object]:
@@ -199,6 +205,14 @@ class RunTransaction:
         if own not in self.adopted and all(s.sync_session is not own for s in self.sessions):
             self.adopted.append(own)
 
+    def owns(self, conn: Connection) -> bool:
+        """Whether `conn` is the run's own connection (its commit is the run's)."""
+        return self.conn is not None and conn is self.conn.sync_connection
+
+    def route(self) -> str:
+        assert self.where is not None
+        return self.where()
+
     def unavailable(self, exc: Exception) -> DatabaseUnavailableError | None:
         """`exc`, raised by the work (a DatabaseUnavailableError of connection(), or its
         own statement's error), as the database unavailable (`_failures`), or None."""
@@ -235,15 +249,15 @@ _gaps_told: weakref.WeakKeyDictionary[SqlRecords, set[str]] = weakref.WeakKeyDic
 def _committed(conn: Connection) -> None:
     """A commit anywhere in the process: one outside the current run, on its database, is
     a write the run does not cover (a claim lost mid-run can repeat it; a run that fails
-    leaves it). Logged once per route; one context variable read for every other commit."""
-    run = _current.get()
-    if not isinstance(run, RunTransaction) or run.where is None or run.ended:
+    leaves it). Logged once per route; one context variable read for every other commit.
+    The run is an async `RunTransaction` or a sync app's (`goblin_idem.sql.sync.SyncRun`):
+    each says which connection is its own, which route it serves and what to use instead."""
+    run: Any = _current.get()
+    if run is None or run.where is None or run.ended or run.owns(conn):
         return
-    if run.conn is not None and conn is run.conn.sync_connection:
-        return  # the run's own commit
-    if _database(conn.engine.url) != _database(run.engine.sync_engine.url):
+    if _database(conn.engine.url) != _database(run.engine.url):
         return
-    where = run.where()
+    where = run.route()
     told = _gaps_told.setdefault(run.records, set())
     if where in told:
         return
@@ -252,11 +266,10 @@ def _committed(conn: Connection) -> None:
         "%s: a commit on the records' database (%s) from a connection that is not the "
         "run's: those writes are not covered by the idempotency key (a claim lost mid-run "
         "can make them twice, and they stay when the run fails). Write through the run's "
-        "transaction instead: Depends(session) or await session() / await connection() from "
-        "goblin_idem.sql, in place of a session or connection of the app's own, and do "
-        "not commit (the run commits with its record). Logged once for this route.",
+        "transaction instead: %s. Logged once for this route.",
         where,
         run.records.where,
+        run.advice,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from sqlalchemy import (
     Column,
@@ -28,7 +28,7 @@ from sqlalchemy import (
     inspect,
     select,
 )
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, InvalidRequestError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -43,7 +43,12 @@ from ._context import RunTransaction
 from ._failures import connecting, unavailable, unavailable_as
 from ._sqlite import sqlite_engine
 
-__all__ = ["DEFAULT_TABLE", "SqlRecords"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from ._sync_records import SyncSqlRecords
+
+__all__ = ["DEFAULT_TABLE", "RecordsTable", "SqlRecords"]
 
 DEFAULT_TABLE = "goblin_idem_records"
 DIALECTS = ("postgresql", "sqlite")
@@ -66,36 +71,23 @@ def _utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-class SqlRecords:
-    """Records in the app's database, for ``IdempotencyMiddleware(records=...)`` and
-    ``once(..., records=...)``. `engine` is an AsyncEngine (its pool's size and timeouts
-    apply) or a URL, whose engine is made on first use (so that a driver that is not
-    installed fails the middleware's startup check, with what to install)."""
+class RecordsTable:
+    """What the async `SqlRecords` and the sync one (`_sync_records`) share: the table, the
+    statements a run executes, the URL that logs show, and what a check says of a table
+    that is missing or of another shape. One definition, so both write the same rows."""
 
-    def __init__(self, engine: AsyncEngine | str, *, table: str = DEFAULT_TABLE) -> None:
-        if isinstance(engine, str):
-            try:
-                url = make_url(engine)
-            except ArgumentError as exc:
-                raise ValueError(f"SqlRecords: not a database URL: {exc}") from None
-            self._engine: AsyncEngine | None = None
-            self._url = engine
-        elif isinstance(engine, AsyncEngine):
-            url = engine.url
-            self._engine = engine
-            self._url = engine.url.render_as_string(hide_password=True)
-        else:
-            raise TypeError(
-                "SqlRecords needs an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine) "
-                f"or a database URL, not {type(engine).__name__}"
-            )
-        if url.get_backend_name() not in DIALECTS:
+    def __init__(self, url: str, table: str) -> None:
+        try:
+            parsed = make_url(url)
+        except ArgumentError as exc:
+            raise ValueError(f"SqlRecords: not a database URL: {exc}") from None
+        if parsed.get_backend_name() not in DIALECTS:
             raise ValueError(
-                f"SqlRecords supports PostgreSQL and SQLite, not {url.get_backend_name()}"
+                f"SqlRecords supports PostgreSQL and SQLite, not {parsed.get_backend_name()}"
             )
         if not isinstance(table, str) or not table:
             raise TypeError("table must be a non-empty str")
-        self.where = make_url(self._url).render_as_string(hide_password=True)
+        self.where = parsed.render_as_string(hide_password=True)
         self.metadata = MetaData()
         self.table = Table(
             table,
@@ -114,6 +106,139 @@ class SqlRecords:
             t.c.key == bindparam("wanted"), t.c.expires_at > bindparam("now")
         )
         self._upserts: dict[str, Any] = {}
+
+    def _upsert(self, dialect: str) -> Any:
+        """INSERT ... ON CONFLICT (key) DO UPDATE ... WHERE the row has expired, RETURNING
+        key: a row only if the key had none, or an expired one. Built once per dialect."""
+        statement = self._upserts.get(dialect)
+        if statement is not None:
+            return statement
+        insert: Any
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        t = self.table
+        upsert = insert(t)
+        updated = [c.name for c in t.columns if c.name != "key"]
+        statement = upsert.on_conflict_do_update(
+            index_elements=[t.c.key],
+            set_={name: upsert.excluded[name] for name in updated},
+            where=t.c.expires_at <= upsert.excluded.created_at,
+        ).returning(t.c.key)
+        self._upserts[dialect] = statement
+        return statement
+
+    @staticmethod
+    def _row(key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> dict[str, Any]:
+        """The record's row, committed now, expiring in `ttl_ms`."""
+        now = _utcnow()
+        return {
+            "key": key,
+            "key_hash": key_hash,
+            "fingerprint": fp,
+            "record": data,
+            "created_at": now,
+            "expires_at": now + datetime.timedelta(milliseconds=ttl_ms),
+        }
+
+    def _pipeline(
+        self, dialect: Any, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
+    ) -> list[tuple[str, tuple[Any, ...] | None]]:
+        """What psycopg's pipeline sends to commit the record with the run's writes: the
+        key's expired row deleted, the row inserted (the primary key refuses an unexpired
+        one, which aborts what follows), and a COMMIT statement, not the driver's commit(),
+        which would sync the pipeline (a second round trip)."""
+        table = dialect.identifier_preparer.format_table(self.table)
+        now = _utcnow()
+        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        return [
+            (f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (key, now)),
+            (
+                f"INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, "
+                "expires_at) VALUES (%s, %s, %s, %s, %s, %s)",
+                (key, key_hash, fp, data, now, expires),
+            ),
+            ("COMMIT", None),
+        ]
+
+    @staticmethod
+    def _found(row: Any, now: datetime.datetime) -> tuple[bytes, int] | None:
+        """A lookup's row as the record and the milliseconds it has left."""
+        if row is None:
+            return None
+        expires = row[1] if row[1].tzinfo else row[1].replace(tzinfo=datetime.timezone.utc)
+        return bytes(row[0]), max(1, int((expires - now).total_seconds() * 1000))
+
+    def _shaped(self, columns: tuple[set[str], list[str]] | None, create: str) -> str:
+        """What check() says: raise SqlRecordsError unless the table exists with this
+        release's columns (`columns` as `_shape` found them); `create` is how to make it."""
+        name = self.table.name
+        if columns is None:
+            raise SqlRecordsError(
+                f"goblin-idem records: the table {name!r} does not exist in {self.where}: "
+                f"create it with `{create}` (or from `records.table` in a migration), or pass "
+                "table= the name of the one you created"
+            )
+        expected = {c.name for c in self.table.columns}
+        missing = sorted(expected - columns[0])
+        if missing or columns[1] != ["key"]:
+            raise SqlRecordsError(
+                f"goblin-idem records: the table {name!r} in {self.where} has another shape "
+                f"(missing columns: {', '.join(missing) or 'none'}; primary key: "
+                f"{', '.join(columns[1]) or 'none'}, should be key): create the table from "
+                f"`records.table` (`{create}`), or pass table= another name"
+            )
+        return f"table {name} in {self.where}"
+
+
+class SqlRecords(RecordsTable):
+    """Records in the app's database, for ``IdempotencyMiddleware(records=...)`` and
+    ``once(..., records=...)``. `engine` is an AsyncEngine (its pool's size and timeouts
+    apply) or a URL, whose engine is made on first use (so that a driver that is not
+    installed fails the middleware's startup check, with what to install).
+
+    For a sync app (WSGI, Flask), `engine` is a sync ``Engine``, or a URL with
+    ``sync=True``: a URL alone always makes an AsyncEngine, since a driver such as psycopg
+    serves both and the URL cannot say which the app writes through. Either way the records
+    returned are `goblin_idem.sql._sync_records.SyncSqlRecords` (the same table and rows),
+    which keep their transaction in the request's thread."""
+
+    @overload
+    def __new__(  # type: ignore[misc]
+        cls, engine: Engine, *, table: str = ..., sync: bool = ...
+    ) -> SyncSqlRecords: ...
+    @overload
+    def __new__(  # type: ignore[misc]
+        cls, engine: str, *, table: str = ..., sync: Literal[True]
+    ) -> SyncSqlRecords: ...
+    @overload
+    def __new__(
+        cls, engine: AsyncEngine | str, *, table: str = ..., sync: Literal[False] = ...
+    ) -> Self: ...
+    def __new__(cls, engine: object, *, table: str = DEFAULT_TABLE, sync: bool = False) -> Any:
+        if cls is SqlRecords and (sync or isinstance(engine, Engine)):
+            from ._sync_records import SyncSqlRecords
+
+            return SyncSqlRecords(engine, table=table)  # type: ignore[arg-type]
+        return super().__new__(cls)
+
+    def __init__(
+        self, engine: AsyncEngine | str, *, table: str = DEFAULT_TABLE, sync: bool = False
+    ) -> None:
+        if isinstance(engine, str):
+            self._engine: AsyncEngine | None = None
+            self._url = engine
+        elif isinstance(engine, AsyncEngine):
+            self._engine = engine
+            self._url = engine.url.render_as_string(hide_password=True)
+        else:
+            raise TypeError(
+                "SqlRecords needs an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine), "
+                "a sync Engine (sqlalchemy.create_engine, for a WSGI or Flask app) or a "
+                f"database URL, not {type(engine).__name__}"
+            )
+        super().__init__(self._url, table)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -167,50 +292,17 @@ class SqlRecords:
             raise
         finally:
             await started.close()
-        if row is None:
-            return None
-        expires = row[1] if row[1].tzinfo else row[1].replace(tzinfo=datetime.timezone.utc)
-        return bytes(row[0]), max(1, int((expires - now).total_seconds() * 1000))
+        return self._found(row, now)
 
     async def insert(
         self, conn: AsyncConnection, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
     ) -> bool:
         """Insert the record in `conn`'s transaction, over an expired row only; False if the
         key's unexpired row exists (committed by another run: this run must not commit)."""
-        now = _utcnow()
-        values = {
-            "key": key,
-            "key_hash": key_hash,
-            "fingerprint": fp,
-            "record": data,
-            "created_at": now,
-            "expires_at": now + datetime.timedelta(milliseconds=ttl_ms),
-        }
+        values = self._row(key, key_hash, fp, data, ttl_ms)
         # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
         result = await conn.execute(self._upsert(conn.dialect.name), values)
         return result.first() is not None
-
-    def _upsert(self, dialect: str) -> Any:
-        """INSERT ... ON CONFLICT (key) DO UPDATE ... WHERE the row has expired, RETURNING
-        key: a row only if the key had none, or an expired one. Built once per dialect."""
-        statement = self._upserts.get(dialect)
-        if statement is not None:
-            return statement
-        insert: Any
-        if dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert
-        t = self.table
-        upsert = insert(t)
-        updated = [c.name for c in t.columns if c.name != "key"]
-        statement = upsert.on_conflict_do_update(
-            index_elements=[t.c.key],
-            set_={name: upsert.excluded[name] for name in updated},
-            where=t.c.expires_at <= upsert.excluded.created_at,
-        ).returning(t.c.key)
-        self._upserts[dialect] = statement
-        return statement
 
     async def insert_alone(
         self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
@@ -295,22 +387,11 @@ class SqlRecords:
         from psycopg.errors import UniqueViolation
 
         raw: Any = (await conn.get_raw_connection()).driver_connection  # psycopg's own
-        table = conn.dialect.identifier_preparer.format_table(self.table)
-        now = _utcnow()
-        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        statements = self._pipeline(conn.dialect, key, key_hash, fp, data, ttl_ms)
         try:
             async with raw.pipeline(), raw.cursor() as cursor:
-                await cursor.execute(
-                    f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (key, now)
-                )
-                await cursor.execute(
-                    f"INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, "
-                    "expires_at) VALUES (%s, %s, %s, %s, %s, %s)",
-                    (key, key_hash, fp, data, now, expires),
-                )
-                # A COMMIT statement, not raw.commit(): that one syncs the pipeline, and
-                # leaving it syncs again (a second round trip).
-                await cursor.execute("COMMIT")
+                for sql, params in statements:
+                    await cursor.execute(sql, params)
         except UniqueViolation as exc:
             if exc.diag.table_name != self.table.name:
                 raise  # the app's own constraint, checked at COMMIT: its error, not the key's
@@ -333,7 +414,8 @@ class SqlRecords:
         except InvalidRequestError as exc:
             raise SqlRecordsError(
                 f"goblin-idem records: {exc}: name an async driver in the URL, as in "
-                "postgresql+asyncpg://, postgresql+psycopg:// or sqlite+aiosqlite://"
+                "postgresql+asyncpg://, postgresql+psycopg:// or sqlite+aiosqlite:// (for a "
+                "WSGI or Flask app: SqlRecords(url, sync=True), or a sync Engine)"
             ) from exc
         try:
             async with engine.connect() as conn:
@@ -343,22 +425,7 @@ class SqlRecords:
                 f"goblin-idem records: cannot use the database at {self.where} "
                 f"({describe(exc)}); start it, or fix the URL"
             ) from exc
-        if columns is None:
-            raise SqlRecordsError(
-                f"goblin-idem records: the table {name!r} does not exist in {self.where}: "
-                "create it with `await records.create_table()` (or from `records.table` in a "
-                "migration), or pass table= the name of the one you created"
-            )
-        expected = {c.name for c in self.table.columns}
-        missing = sorted(expected - columns[0])
-        if missing or columns[1] != ["key"]:
-            raise SqlRecordsError(
-                f"goblin-idem records: the table {name!r} in {self.where} has another shape "
-                f"(missing columns: {', '.join(missing) or 'none'}; primary key: "
-                f"{', '.join(columns[1]) or 'none'}, should be key): create the table from "
-                "`records.table` (`await records.create_table()`), or pass table= another name"
-            )
-        return f"table {name} in {self.where}"
+        return self._shaped(columns, "await records.create_table()")
 
     # -- for the application --
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import event
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 __all__ = ["configure_sqlite", "sqlite_engine"]
@@ -39,9 +40,10 @@ def sqlite_engine(
 
 
 def configure_sqlite(
-    engine: AsyncEngine, *, busy_timeout_seconds: float = DEFAULT_BUSY_TIMEOUT_SECONDS
+    engine: AsyncEngine | Engine, *, busy_timeout_seconds: float = DEFAULT_BUSY_TIMEOUT_SECONDS
 ) -> None:
-    """Set up an engine made elsewhere as `sqlite_engine` does (before its first use)."""
+    """Set up an engine made elsewhere as `sqlite_engine` does (before its first use); a
+    sync Engine too (a WSGI or Flask app's)."""
     if engine.dialect.name != "sqlite":
         raise ValueError(f"configure_sqlite needs a SQLite engine, not {engine.dialect.name}")
     if isinstance(busy_timeout_seconds, bool) or not isinstance(busy_timeout_seconds, (int, float)):
@@ -50,7 +52,9 @@ def configure_sqlite(
         raise ValueError(f"busy_timeout_seconds must be >= 0, got {busy_timeout_seconds!r}")
     busy_ms = round(busy_timeout_seconds * 1000)
 
-    @event.listens_for(engine.sync_engine, "connect")
+    target = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
+
+    @event.listens_for(target, "connect")
     def _connect(dbapi_connection: Any, _record: Any) -> None:
         cursor = dbapi_connection.cursor()
         try:

@@ -17,7 +17,7 @@ from starlette.types import Scope
 
 from .._exchange import Exchange
 from .._loop import loop_thread
-from .._threaded import for_sync_apps
+from .._threaded import ThreadedRecords, for_sync_apps
 from ..middleware import Counters, _routes
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._lifespan import Lifespan
@@ -25,6 +25,7 @@ from ..middleware._routes import RESOLVED_POLICY, RoutePolicy
 from ..store import Store
 from ._app import WSGIApp, WSGIResponder, body_reader, read_whole, scope_of
 from ._bridge import HANDOFF, ClientGone, Handoff, Outer, latin1, status_line, thread_app
+from ._unkeyed import UnkeyedApp
 
 PolicyOf: TypeAlias = Callable[[dict[str, Any]], RoutePolicy | None]
 
@@ -45,9 +46,15 @@ class IdempotencyMiddleware:
                 f"not a {type(app).__name__}"
             )
         self.app = app
-        if "records" in options:  # sync records keep their transaction in this thread
-            options["records"] = for_sync_apps(options["records"])
+        if options.get("records") is not None:  # sync records keep it in this thread
+            options["records"] = for_sync_apps(sync_records(options["records"]))
         self.core = ASGIIdempotencyMiddleware(thread_app, store=store, **options)
+        # What a request the options do not cover runs: the app, in a transaction of its own
+        # with records, so that goblin_idem.sql.sync works on every route.
+        self.plain: WSGIApp = app
+        if isinstance(self.core.records, ThreadedRecords):
+            retry_after = self.core.retry_after.decode()
+            self.plain = UnkeyedApp(app, self.core.records.backend, retry_after)
         self.store = self.core.store
         self.methods = self.core.methods
         self.max_body_bytes = self.core.max_body_bytes
@@ -64,18 +71,18 @@ class IdempotencyMiddleware:
         self, environ: dict[str, Any], start_response: Callable[..., Any]
     ) -> Iterable[bytes]:
         if environ.get("REQUEST_METHOD") not in self.methods:
-            return self.app(environ, start_response)
+            return self.plain(environ, start_response)
         key = environ.get(self.key_name)
         policy_of = self.policy_of if _routes.marked_endpoints else None
         if key is None and policy_of is None and not self.core.routes.may_require:
-            return self.app(environ, start_response)  # the common case: nothing to do, fast
+            return self.plain(environ, start_response)  # the common case: nothing to do, fast
         scope = scope_of(environ)
         if policy_of is not None:
             scope[RESOLVED_POLICY] = policy_of(environ)
         if key is None:
             settings = self.core.routes.settings(scope)
             if settings is None or not (settings.required or settings.webhook):
-                return self.app(environ, start_response)
+                return self.plain(environ, start_response)
         return self._bridged(environ, start_response, scope, key is not None)
 
     def _bridged(
@@ -111,6 +118,22 @@ class IdempotencyMiddleware:
                 exchange.abandon()
             responder.close()
             raise
+
+
+def sync_records(records: object) -> object:
+    """`records` as a sync app can write through: TypeError, saying what to pass, for
+    records whose transaction is async (``SqlRecords`` with an AsyncEngine): the app's
+    writes could not join it (``goblin_idem.sql.connection()`` is a coroutine), so the
+    record would commit without them."""
+    if callable(getattr(records, "transaction", None)):
+        raise TypeError(
+            f"records: {records!r} writes through an AsyncEngine, which a sync app cannot "
+            "write through (goblin_idem.sql.connection() is async), so the record would "
+            "commit without the app's writes: pass SqlRecords(engine) with a sync Engine "
+            "(sqlalchemy.create_engine; with Flask-SQLAlchemy, SqlRecords(db.engine)) or "
+            "SqlRecords(url, sync=True), and write through goblin_idem.sql.sync"
+        )
+    return records
 
 
 def client_left(start_response: Callable[..., Any]) -> Iterable[bytes]:

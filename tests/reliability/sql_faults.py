@@ -1,18 +1,19 @@
 """Randomized faults over SQL records, on real servers: the scenario behind
 ``tests/reliability/test_sql_faults.py`` and ``bench/sql_faults.py``.
 
-A throwaway PostgreSQL, a redis-server without persistence and `workers` uvicorn processes
-(one port each) serving ``tests/support/apps/sql_app.py`` with ``records=`` on PostgreSQL
-(asyncpg) and a short lease; or, with ``stack="django"``, gunicorn serving a Django project
-whose views write through the ORM, with ``RECORDS: "django"`` (`django_faults`). Client
-threads send ``POST /payments`` with a unique Idempotency-Key per payment, each key by
-`copies` clients at once, each client to a random worker per attempt and again after every
-409, 5xx or connection error, until it gets a 2xx. Meanwhile a fault thread, driven by a
-seeded RNG, at random moments: restarts Redis without persistence (SIGKILL, then a new
-server on the same port: every claim and result gone), SIGKILLs a worker, or arms a worker
-to SIGKILL itself right after its next commit (before the store hears of it); a dead worker
-is started again on its port. After the faults stop and every key has its answer, each key
-is sent once more to every worker.
+A throwaway PostgreSQL, a redis-server without persistence and `workers` servers (one port
+each) of one stack (`STACKS`) with ``records=`` on PostgreSQL and a short lease: uvicorn
+serving FastAPI (``tests/support/apps/sql_app.py``, asyncpg), or gunicorn (one gthread
+worker each, which its master restarts when it dies) serving Flask with Flask-SQLAlchemy
+(``tests/support/apps/sync_sql_app.py``, psycopg) or a Django project whose views write
+through the ORM with ``RECORDS: "django"`` (`django_faults`). Client threads send ``POST /payments``
+with a unique Idempotency-Key per payment, each key by `copies` clients at once, each client
+to a random worker per attempt and again after every 409, 5xx or connection error, until it
+gets a 2xx. Meanwhile a fault thread, driven by a seeded RNG, at random moments: restarts
+Redis without persistence (SIGKILL, then a new server on the same port: every claim and
+result gone), SIGKILLs a worker, or arms a worker to SIGKILL itself right after its next
+commit (before the store hears of it); a dead worker is started again on its port. After the
+faults stop and every key has its answer, each key is sent once more to every worker.
 
 Then the database is counted: payment rows per key (a second row is a duplicate effect),
 every 2xx body of a key the same bytes naming that key's one row, a committed record for
@@ -45,10 +46,47 @@ from typing import IO, Any
 from goblin_idem.sql import SqlRecords
 from tests.support.apps.sql_app import payments_table
 from tests.support.postgres import Postgres, start_postgres
-from tests.support.procs import spawn, stop, uvicorn_args, wait_http
+from tests.support.procs import alive, children, spawn, stop, uvicorn_args, wait_http
 from tests.support.servers import Server, free_port, start_server
 
 APP = "tests.support.apps.sql_app:app"
+
+
+@dataclass(frozen=True)
+class Stack:
+    """How one server of a stack is started on a port, and how its worker dies."""
+
+    driver: str  # the database URL's
+    supervised: bool  # a master restarts the worker: a kill ends the worker, not the server
+
+    def args(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+
+class UvicornFastAPI(Stack):
+    def args(self, port: int) -> list[str]:
+        return [*uvicorn_args(APP, port, "warning"), "--no-access-log"]
+
+
+class GunicornFlask(Stack):
+    def args(self, port: int) -> list[str]:
+        args = ["-m", "gunicorn", "--bind", f"127.0.0.1:{port}", "--workers", "1"]
+        args += ["--worker-class", "gthread", "--threads", "4", "--log-level", "warning"]
+        return [*args, "tests.support.apps.sync_sql_app:flask_app"]
+
+
+class GunicornDjango(Stack):
+    def args(self, port: int) -> list[str]:
+        args = ["-m", "gunicorn", "--bind", f"127.0.0.1:{port}", "--workers", "1"]
+        args += ["--worker-class", "gthread", "--threads", "4", "--log-level", "warning"]
+        return [*args, "tests.support.apps.django_records.wsgi:application"]
+
+
+STACKS: dict[str, Stack] = {
+    "fastapi": UvicornFastAPI("asyncpg", supervised=False),
+    "flask": GunicornFlask("psycopg", supervised=True),
+    "django": GunicornDjango("psycopg", supervised=True),  # `django_faults` prepares it
+}
 RECORDS_TABLE = "goblin_idem_records"
 PAYMENTS_TABLE = "payments"
 FAULTS = ("redis_restart", "worker_kill", "kill_after_commit")
@@ -67,7 +105,7 @@ class Options:
     grace: float = 60.0  # after `duration`, for the last keys to get their answers
     records: bool = True
     path: str = "/payments"  # or /payments/session: the app's session dependency
-    stack: str = "fastapi"  # or "django": tests/reliability/django_faults.py
+    stack: str = "fastapi"  # one of STACKS
     dir: Path | None = None  # for requests.jsonl (every request, answer and fault) and
     # the workers' logs; a new temporary directory if None
 
@@ -96,10 +134,11 @@ class Log:
 
 
 class Workers:
-    """`n` uvicorn processes of the app, one port each; each can be killed and restarted."""
+    """`n` servers of the app, one port each; each worker can be killed and restarted."""
 
-    def __init__(self, n: int, env: dict[str, str], directory: Path) -> None:
-        self.env, self.dir = env, directory
+    def __init__(self, n: int, env: dict[str, str], directory: Path, stack: Stack) -> None:
+        self.env, self.dir, self.stack = env, directory, stack
+        self.seen: set[int] = set()  # a supervised server's worker processes
         self.ports = [free_port() for _ in range(n)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.logs: list[IO[bytes]] = []
@@ -112,8 +151,7 @@ class Workers:
         out = (self.dir / f"worker-{i}.log").open("ab")
         self.logs.append(out)
         env = {**self.env, "KILL_AFTER_COMMIT_FILE": str(self.arm_file(i))}
-        args = [*uvicorn_args(APP, self.ports[i], "warning"), "--no-access-log"]
-        proc = spawn(args, env, stderr=out)
+        proc = spawn(self.stack.args(self.ports[i]), env, stderr=out)
         self.procs[i] = proc
         wait_http(proc, self.ports[i], name=f"worker {i}", timeout=60)
         self.started += 1
@@ -121,16 +159,33 @@ class Workers:
     def dead(self) -> list[int]:
         return [i for i, p in enumerate(self.procs) if p is None or p.poll() is not None]
 
+    def workers_of(self, proc: subprocess.Popen[bytes]) -> list[int]:
+        pids = [p for p in children(proc.pid) if alive(p)]
+        self.seen.update(pids)
+        return pids
+
     def kill(self, i: int) -> None:
         proc = self.procs[i]
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        if proc is None or proc.poll() is not None:
+            return
+        if self.stack.supervised:  # the worker; its master starts another
+            for pid in self.workers_of(proc):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
 
     def stop(self) -> None:
         for proc in self.procs:
             if proc is not None:
+                if self.stack.supervised:
+                    self.workers_of(proc)
                 stop(proc, signal.SIGKILL)
+        for pid in self.seen:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         for out in self.logs:
             out.close()
 
@@ -225,12 +280,13 @@ class Faults:
         self.armed: set[int] = set()
 
     def restart_dead(self) -> None:
-        for i in self.workers.dead():
-            fired = i in self.armed and not self.workers.arm_file(i).exists()
-            if fired:
+        for i in sorted(self.armed):  # the worker took the file: it died after a commit
+            if not self.workers.arm_file(i).exists():
                 self.armed.discard(i)
                 self.counts["killed_after_commit"] += 1
-            self.log.write(fault="worker_restart", worker=i, after_commit_kill=fired)
+                self.log.write(fault="killed_after_commit", worker=i)
+        for i in self.workers.dead():
+            self.log.write(fault="worker_restart", worker=i)
             self.workers.start(i)
             self.counts["worker_restarts"] += 1
 
@@ -269,11 +325,11 @@ class Faults:
             self.log.write(fault="fault thread failed", error=repr(exc))
 
 
-def _prepare(postgres: Postgres) -> str:
-    url = postgres.url(postgres.new_database())
+def _prepare(postgres: Postgres, driver: str) -> str:
+    url = postgres.url(postgres.new_database(), driver)
 
     async def create() -> None:
-        records = SqlRecords(url, table=RECORDS_TABLE)
+        records = SqlRecords(postgres.url(url.rsplit("/", 1)[1]), table=RECORDS_TABLE)
         await records.create_table()
         async with records.engine.begin() as conn:
             await conn.run_sync(payments_table(PAYMENTS_TABLE).metadata.create_all)
@@ -342,15 +398,15 @@ def run(opts: Options) -> Outcome:
         log = Log(out)
         try:
             postgres = start_postgres()
+            stack = STACKS[opts.stack]
             redis = start_server("redis")  # no persistence: a restart loses every key
             if opts.stack == "django":
                 from tests.reliability import django_faults
 
                 env = django_faults.prepare(postgres, redis.url, opts)
                 database = env["DJANGO_DB"].rsplit("/", 1)[1]
-                workers = django_faults.DjangoWorkers(opts.workers, env, scratch)
             else:
-                url = _prepare(postgres)
+                url = _prepare(postgres, stack.driver)
                 database = url.rsplit("/", 1)[1]
                 env = {
                     "DATABASE_URL": url,
@@ -360,7 +416,7 @@ def run(opts: Options) -> Outcome:
                     "LEASE_SECONDS": str(opts.lease),
                     "RECORDS": "1" if opts.records else "0",
                 }
-                workers = Workers(opts.workers, env, scratch)
+            workers = Workers(opts.workers, env, scratch, stack)
             for i in range(opts.workers):
                 workers.start(i)
             keys = [f"pay-{opts.seed}-{i}" for i in range(opts.keys)]

@@ -56,6 +56,39 @@ def test_random_faults_pay_each_key_once(tmp_path: Path) -> None:
     assert faults["redis_restart"] + faults["worker_kill"] + faults["kill_after_commit"] > 0
 
 
+def test_random_faults_pay_each_key_once_with_flask_under_gunicorn(tmp_path: Path) -> None:
+    """The same scenario with Flask and Flask-SQLAlchemy under gunicorn, on sync records:
+    a killed worker is restarted by its master."""
+    opts = Options(
+        seed=SEED,
+        keys=pick(80, 600),
+        duration=pick(10.0, 40.0),
+        fault_gap=pick(1.2, 1.5),
+        stack="flask",
+        dir=tmp_path,
+    )
+    outcome = run(opts)
+    record(
+        "sqlfaults-flask",
+        "SQL records, Flask with Flask-SQLAlchemy under gunicorn: Redis restarted without "
+        "persistence, workers killed (also right after their commit), random schedule",
+        outcome.figures,
+        checks=[
+            "exactly one payment row per key (0 duplicate effects)",
+            "every key got a 2xx; every 2xx answer of a key the same bytes, naming its row",
+            "a committed record for every key answered 2xx",
+        ],
+        notes=[
+            f"seed {opts.seed}; 3 gunicorn masters, one gthread worker each (4 threads), on "
+            "PostgreSQL (psycopg), lease 2 s, each key sent by 2 clients at once"
+        ],
+    )
+    assert outcome.failures == [], "\n".join(outcome.failures[:30])
+    assert outcome.duplicate_effects == 0
+    faults = outcome.figures["faults"]
+    assert faults["redis_restart"] + faults["worker_kill"] + faults["kill_after_commit"] > 0
+
+
 async def test_a_claim_lost_in_a_restart_is_logged_by_its_key_hash(
     redis_server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:

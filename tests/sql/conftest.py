@@ -12,14 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Table, func, select
+from sqlalchemy import Table, create_engine, func, insert, select, text
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from goblin_idem import RedisStore, _recording
 from goblin_idem.sql import SqlRecords
+from goblin_idem.sql._sync_records import SyncSqlRecords
 from tests.support.apps.sql_app import payments_table
 from tests.support.backends import server_for
 from tests.support.postgres import Postgres, start_postgres
+from tests.support.servers import Server
 
 # (database and driver, store): each database with one store.
 PAIRS = [
@@ -105,3 +108,83 @@ async def setup(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         await asyncio.wait(list(_recording._forgotten))
     await store.aclose()
     await engine.dispose()
+
+
+# -- sync records (a WSGI or Flask app's): a sync Engine on the same databases ------------
+
+SYNC_DATABASES = ["postgresql-psycopg", "sqlite-pysqlite"]
+
+
+@dataclass
+class SyncSetup:
+    """One test's database (a sync URL), tables, sync records and store's server."""
+
+    name: str
+    url: str
+    engine: Engine
+    records: SyncSqlRecords
+    payments: Table
+    redis: Server
+    postgres: Postgres | None
+
+    def store(self) -> RedisStore:
+        """A store on the test's Redis, for a middleware built in this process."""
+        return RedisStore.from_url(self.redis.url)
+
+    def payment_count(self, ref: str | None = None) -> int:
+        query = select(func.count()).select_from(self.payments)
+        if ref is not None:
+            query = query.where(self.payments.c.ref == ref)
+        with self.engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def rows(self) -> list[tuple[object, ...]]:
+        with self.engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(select(self.records.table))]
+
+    def env(self) -> dict[str, str]:
+        """The environment of tests/support/apps/sync_sql_app.py for these tables."""
+        return {
+            "DATABASE_URL": self.url,
+            "REDIS_URL": self.redis.url,
+            "RECORDS_TABLE": self.records.table.name,
+            "PAYMENTS_TABLE": self.payments.name,
+        }
+
+    def defer_a_unique_ref(self, taken: str) -> None:
+        """A constraint checked at COMMIT (PostgreSQL): a commit of `taken` again fails."""
+        table = self.payments.name
+        with self.engine.begin() as conn:
+            conn.execute(
+                text(
+                    f"ALTER TABLE {table} ADD CONSTRAINT {table}_ref UNIQUE (ref) "
+                    "DEFERRABLE INITIALLY DEFERRED"
+                )
+            )
+            conn.execute(insert(self.payments).values(ref=taken, amount=1))
+
+
+@pytest.fixture(params=SYNC_DATABASES)
+def sync_setup(
+    request: pytest.FixtureRequest, tmp_path: Path, redis_server: Server
+) -> Iterator[SyncSetup]:
+    """Sync records on PostgreSQL (psycopg) or a SQLite file, with tables of the test's own;
+    the test's Redis emptied."""
+    if request.param.startswith("sqlite"):
+        url, postgres = f"sqlite:///{tmp_path / 'app.db'}", None
+    else:
+        postgres = request.getfixturevalue("postgres")
+        url = postgres.url(request.getfixturevalue("pg_database"), "psycopg")
+    engine = create_engine(url)
+    suffix = secrets.token_hex(4)
+    records = SqlRecords(engine, table=f"records_{suffix}")
+    payments = payments_table(f"payments_{suffix}")
+    records.create_table()
+    payments.metadata.create_all(engine)
+    with redis_server.sync_client() as client:
+        client.flushall()
+    yield SyncSetup(request.param, url, engine, records, payments, redis_server, postgres)
+    engine.dispose()
+
+
+on_sync_postgres = pytest.mark.parametrize("sync_setup", ["postgresql-psycopg"], indirect=True)

@@ -10,14 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Column, Integer, MetaData, Table
+from sqlalchemy import Column, Integer, MetaData, Table, create_engine
 from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.types import Message
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, SqlRecordsError
-from goblin_idem._loop import loop_thread
 from goblin_idem.sql import SqlRecords
 from goblin_idem.wsgi import IdempotencyMiddleware as WSGIIdempotencyMiddleware
 from tests.sql.conftest import Setup
@@ -180,12 +179,47 @@ def test_the_wsgi_adapter_checks_the_records_when_it_is_built(tmp_path: Path) ->
         start_response("201 Created", [])
         return [b"done"]
 
-    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    engine = create_engine(f"sqlite:///{tmp_path / 'app.db'}")
     records = SqlRecords(engine, table="never_created")
     try:
         with pytest.raises(SqlRecordsError, match="'never_created' does not exist"):
             WSGIIdempotencyMiddleware(app, store=MemoryStore(), records=records)
-        loop_thread().run(records.create_table())
+        records.create_table()
         WSGIIdempotencyMiddleware(app, store=MemoryStore(), records=records)  # starts
     finally:
-        loop_thread().run(engine.dispose())
+        engine.dispose()
+
+
+def test_the_wsgi_adapter_refuses_async_records_saying_what_to_pass(tmp_path: Path) -> None:
+    """A sync app cannot write through an AsyncEngine's transaction: the record would
+    commit without its writes. Refused when the middleware is built."""
+
+    def app(environ: Any, start_response: Any) -> list[bytes]:
+        raise AssertionError("never called")
+
+    records = SqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    with pytest.raises(TypeError) as refused:
+        WSGIIdempotencyMiddleware(app, store=MemoryStore(), records=records)
+    said = str(refused.value)
+    assert "writes through an AsyncEngine, which a sync app cannot write through" in said
+    assert "SqlRecords(db.engine)" in said and "SqlRecords(url, sync=True)" in said
+
+
+async def test_the_asgi_middleware_refuses_sync_records_saying_what_to_pass(
+    tmp_path: Path,
+) -> None:
+    records = SqlRecords(create_engine(f"sqlite:///{tmp_path / 'app.db'}"))
+    with pytest.raises(TypeError) as refused:
+        IdempotencyMiddleware(Starlette(), store=MemoryStore(), records=records)
+    said = str(refused.value)
+    assert "keeps its transaction in the request's thread" in said
+    assert "SqlRecords with an AsyncEngine" in said
+
+
+def test_a_url_makes_async_records_unless_sync_is_asked(tmp_path: Path) -> None:
+    """A driver such as psycopg serves both: the URL alone cannot say which the app uses."""
+    url = "postgresql+psycopg://postgres@127.0.0.1:1/app"
+    assert isinstance(SqlRecords(url), SqlRecords)
+    made = SqlRecords(url, sync=True)
+    assert not isinstance(made, SqlRecords) and repr(made).endswith("sync=True)")
+    assert callable(getattr(made, "work", None))

@@ -1,0 +1,213 @@
+"""`SqlRecords` for a sync app (WSGI, Flask): the same table and rows, a sync ``Engine``.
+
+``SqlRecords(engine)`` with a sync Engine (or ``SqlRecords(url, sync=True)``) makes these.
+They implement `goblin_idem._threaded.ThreadRecords`: every step runs in the request's
+thread, where the app's writes are, so the app's writes through `goblin_idem.sql.sync`
+(and Flask-SQLAlchemy's ``db.session`` on a keyed route) and the record's row are one
+transaction on one connection (`goblin_idem.sql.sync.SyncRun`). The ASGI middleware and
+`once` refuse them, saying to use an AsyncEngine there; the WSGI and Flask middlewares
+refuse async records, which a sync app cannot write through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import create_engine, delete, select
+from sqlalchemy.engine import Connection, Engine, RootTransaction
+from sqlalchemy.exc import InvalidRequestError
+
+from .._log import describe
+from ..exceptions import DatabaseUnavailableError, SqlRecordsError
+from ._failures import connecting, unavailable_as
+from ._records import DEFAULT_TABLE, PURGE_BATCH, RecordsTable, _shape, _utcnow
+from .sync import SyncRun
+
+__all__ = ["SyncSqlRecords"]
+
+
+class SyncSqlRecords(RecordsTable):
+    """Records for the WSGI and Flask middlewares (``records=``), written through a sync
+    Engine (its pool's size and timeouts apply). Made by ``SqlRecords(engine)``."""
+
+    def __init__(self, engine: Engine | str, *, table: str = DEFAULT_TABLE) -> None:
+        if isinstance(engine, str):
+            self._engine: Engine | None = None
+            self._url = engine
+        elif isinstance(engine, Engine):
+            self._engine = engine
+            self._url = engine.url.render_as_string(hide_password=True)
+        else:
+            raise TypeError(
+                "SqlRecords(..., sync=True) needs a sync Engine (sqlalchemy.create_engine) or "
+                f"a database URL, not {type(engine).__name__}"
+            )
+        super().__init__(self._url, table)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, made from the URL on first use (which imports its driver); for
+        SQLite with a busy timeout and WAL, as `goblin_idem.sql.sqlite_engine` does."""
+        if self._engine is None:
+            engine = create_engine(self._url)
+            if engine.dialect.name == "sqlite":
+                from ._sqlite import configure_sqlite
+
+                configure_sqlite(engine)
+            self._engine = engine
+        return self._engine
+
+    def __repr__(self) -> str:
+        return f"SqlRecords({self.where!r}, table={self.table.name!r}, sync=True)"
+
+    # -- what the sync adapters use (goblin_idem._threaded.ThreadRecords) --
+
+    def work(self, where: Callable[[], str] | None) -> SyncRun:
+        return SyncRun(self, where)
+
+    def lookup(self, key: bytes) -> tuple[bytes, int] | None:
+        """The key's unexpired record (the SELECT alone, in autocommit: one round trip);
+        DatabaseUnavailableError if the database could not be asked (`_failures`)."""
+        now = _utcnow()
+        try:
+            with connecting("for the record's lookup"):
+                conn = self.engine.connect()
+            with conn:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                row = conn.execute(self._lookup, {"wanted": key, "now": now}).first()
+        except Exception as exc:
+            failure = unavailable_as(exc, "for the record's lookup")
+            if failure is None:
+                raise
+            raise failure from exc
+        return self._found(row, now)
+
+    def insert(
+        self, conn: Connection, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
+    ) -> bool:
+        """Insert the record in `conn`'s transaction, over an expired row only; False if the
+        key's unexpired row exists (committed by another run: this run must not commit)."""
+        values = self._row(key, key_hash, fp, data, ttl_ms)
+        # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
+        return conn.execute(self._upsert(conn.dialect.name), values).first() is not None
+
+    def commit(
+        self,
+        conn: Connection,
+        tx: RootTransaction,
+        key: bytes,
+        key_hash: str,
+        fp: bytes,
+        data: bytes,
+        ttl_ms: int,
+    ) -> bool:
+        """Insert the record in the run's transaction and commit it, with the work's writes;
+        False (nothing committed) if the key's unexpired row exists. On psycopg the insert
+        and the COMMIT go in one round trip (its pipeline, as the async records do);
+        elsewhere one each."""
+        if conn.dialect.driver != "psycopg":
+            if not self.insert(conn, key, key_hash, fp, data, ttl_ms):
+                return False
+            tx.commit()
+            return True
+        from psycopg.errors import UniqueViolation
+
+        raw: Any = conn.connection.driver_connection  # psycopg's own
+        statements = self._pipeline(conn.dialect, key, key_hash, fp, data, ttl_ms)
+        try:
+            with raw.pipeline(), raw.cursor() as cursor:
+                for sql, params in statements:
+                    cursor.execute(sql, params)
+        except UniqueViolation as exc:
+            if exc.diag.table_name != self.table.name:
+                raise  # the app's own constraint, checked at COMMIT: its error, not the key's
+            return False
+        except Exception as exc:
+            if not (raw.closed or raw.broken):
+                raise
+            # The driver's own call, which SQLAlchemy did not make: it would give the closed
+            # connection back to its pool, so it is invalidated here.
+            conn.invalidate(exc)
+            raise DatabaseUnavailableError(
+                f"the database is unavailable at the run's commit (its connection was lost: "
+                f"{describe(exc)})"
+            ) from exc
+        tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
+        return True
+
+    def insert_alone(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> bool:
+        """The record of a run that wrote nothing: one statement in autocommit."""
+        with connecting("for the run's record"):
+            conn = self.engine.connect()
+        with conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            return self.insert(conn, key, key_hash, fp, data, ttl_ms)
+
+    def check(self) -> str:
+        """Raise SqlRecordsError saying what to change unless the database answers and
+        the table exists with this release's columns; else say where records go."""
+        try:
+            engine = self.engine
+        except ModuleNotFoundError as exc:
+            raise SqlRecordsError(
+                f"goblin-idem records: the database driver {exc.name!r} is not installed: "
+                f"install it (pip install {exc.name}), or name an installed driver in the URL "
+                f"{self.where}"
+            ) from exc
+        except InvalidRequestError as exc:
+            raise SqlRecordsError(
+                f"goblin-idem records: {exc}: name a sync driver in the URL, as in "
+                "postgresql+psycopg:// or sqlite://"
+            ) from exc
+        if engine.dialect.is_async:
+            raise SqlRecordsError(
+                f"goblin-idem records: {self.where} names an async driver "
+                f"({engine.dialect.driver}), which a sync app cannot write through: name a "
+                "sync one, as in postgresql+psycopg:// or sqlite://"
+            )
+        try:
+            with engine.connect() as conn:
+                columns = _shape(conn, self.table.name)
+        except Exception as exc:
+            raise SqlRecordsError(
+                f"goblin-idem records: cannot use the database at {self.where} "
+                f"({describe(exc)}); start it, or fix the URL"
+            ) from exc
+        return self._shaped(columns, "records.create_table()")
+
+    def unavailable(self, exc: Exception) -> DatabaseUnavailableError | None:
+        return unavailable_as(exc, "for the run's writes")
+
+    # -- for the application --
+
+    def create_table(self) -> None:
+        """Create the table and its index unless they exist (safe to repeat)."""
+        with self.engine.begin() as conn:
+            self.metadata.create_all(conn, checkfirst=True)
+
+    def forget(self, key: bytes) -> bool:
+        """Delete `key`'s record, expired or not: the next run of the key is a new one
+        (`goblin_idem.forget`, which also clears the store). True if there was a row."""
+        t = self.table
+        with self.engine.begin() as conn:
+            return bool(conn.execute(delete(t).where(t.c.key == key)).rowcount)
+
+    def purge_expired(self, batch: int = PURGE_BATCH) -> int:
+        """Delete the expired rows, `batch` per transaction; how many were deleted."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
+        t = self.table
+        total = 0
+        while True:
+            keys = select(t.c.key).where(t.c.expires_at <= _utcnow()).limit(batch)
+            with self.engine.begin() as conn:
+                deleted = conn.execute(delete(t).where(t.c.key.in_(keys.scalar_subquery())))
+            total += deleted.rowcount
+            if deleted.rowcount < batch:
+                return total
+
+    def close(self) -> None:
+        """Dispose of the engine's pool (the engine stays usable: it reconnects)."""
+        if self._engine is not None:
+            self._engine.dispose()
