@@ -17,6 +17,7 @@ from __future__ import annotations
 from . import _options as options
 from ._keys import KeyNames, hop_key
 from ._recording import Records
+from ._threaded import outside_requests
 from .exceptions import InFlightError
 from .inspection import names_given
 from .store import KeyT, Store
@@ -43,7 +44,7 @@ async def forget(
     shows. Raises InFlightError, removing nothing, while a run holds the key.
     """
     store = options.store(store)
-    records = options.records(records)
+    records = options.records(outside_requests(records))
     if records is not None and not callable(getattr(records, "forget", None)):
         raise TypeError("records must be SqlRecords(engine) from goblin_idem.sql, with forget()")
     names = names_given(key, scope, namespace, names)

@@ -40,6 +40,7 @@ __all__ = [
     "ThreadedRecords",
     "ThreadedTransaction",
     "for_sync_apps",
+    "outside_requests",
     "pending",
 ]
 
@@ -219,11 +220,40 @@ def pending() -> ThreadedTransaction | None:
     return _pending.get()
 
 
+class InWorkerThread:
+    """A `ThreadRecords` backend's lookup and forget for code outside any request (an
+    operator's `forget`): each call in a worker thread of the running loop, on a connection
+    of its own. No transaction: a run's commit belongs to its request's thread."""
+
+    def __init__(self, backend: ThreadRecords) -> None:
+        self.backend = backend
+
+    def transaction(self, where: Callable[[], str] | None = None) -> ThreadedTransaction:
+        return ThreadedTransaction(self.backend, where, _exchange("records"))
+
+    async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
+        return await asyncio.to_thread(self.backend.lookup, key)
+
+    async def check(self) -> str:
+        return await asyncio.to_thread(self.backend.check)
+
+    async def forget(self, key: bytes) -> bool:
+        return await asyncio.to_thread(self.backend.forget, key)
+
+
+def outside_requests(records: object) -> object:
+    """`records` for code that runs outside any request (`goblin_idem.forget`): a backend
+    that keeps its transaction in the request's thread, called in worker threads."""
+    return InWorkerThread(records) if _is_thread_backend(records) else records  # type: ignore[arg-type]
+
+
+def _is_thread_backend(records: object) -> bool:
+    return callable(getattr(records, "work", None)) and not callable(
+        getattr(records, "transaction", None)
+    )
+
+
 def for_sync_apps(records: object) -> object:
     """`records` as the sync adapters give them to the middleware: a backend that keeps
     its transaction in the request's thread (it has `work`), adapted; else as given."""
-    if callable(getattr(records, "work", None)) and not callable(
-        getattr(records, "transaction", None)
-    ):
-        return ThreadedRecords(records)  # type: ignore[arg-type]
-    return records
+    return ThreadedRecords(records) if _is_thread_backend(records) else records  # type: ignore[arg-type]

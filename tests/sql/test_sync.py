@@ -18,7 +18,7 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import create_engine, insert, text
 
-from goblin_idem import MemoryStore, RedisStore, SqlRecordsError
+from goblin_idem import MemoryStore, RedisStore, SqlRecordsError, forget
 from goblin_idem._loop import loop_thread
 from goblin_idem.exceptions import CommitRefusedError, NotInRunError
 from goblin_idem.flask import Idempotency
@@ -339,3 +339,17 @@ def test_a_keyed_request_run_unprotected_with_the_store_down_commits_its_writes(
         assert sync_setup.payment_count("open-500") == 0
     finally:
         loop_thread().run(down.aclose())
+
+
+def test_forget_removes_a_sync_run_s_record_and_the_key_runs_again(
+    app: Any, sync_setup: SyncSetup, store: RedisStore
+) -> None:
+    """`goblin_idem.forget` with sync records, outside any request: their own calls, in a
+    worker thread."""
+    first = pay(app, "forgotten", key="k-forget")
+    assert first.code == 201 and len(sync_setup.rows()) == 1
+    removed = loop_thread().run(forget(store, "k-forget", records=sync_setup.records))
+    assert removed is True and sync_setup.rows() == []
+    again = pay(app, "forgotten", key="k-forget")
+    assert again.code == 201 and not replayed(again)
+    assert sync_setup.payment_count("forgotten") == 2
