@@ -143,8 +143,9 @@ async def wait_for(
 async def test_mutual_exclusion_across_processes(redis_server: Server) -> None:
     client = redis_server.client()
     await client.flushall()
-    # a 300 ms lease and 700 ms of work each: without renewal the holders would overlap
-    procs = [lock_holder(redis_server, "shared", 300, 700, "log") for _ in range(3)]
+    # a 1 s lease and 1.5 s of work each: without renewal the holders would overlap. (A
+    # 300 ms lease let a holder starved of CPU for 200 ms on a loaded machine lose it.)
+    procs = [lock_holder(redis_server, "shared", 1000, 1500, "log") for _ in range(3)]
     try:
         log = await wait_for(client, "log", 6)
         for i in range(0, 6, 2):  # enter/exit strictly paired: never two holders at once
