@@ -45,6 +45,7 @@ ROOT = BENCH.parent
 VENV = BENCH / ".venv"
 REQUIREMENTS = BENCH / "requirements.txt"
 SCENARIOS = ("new", "replay", "inflight", "nokey")
+BASELINE = "@baseline"  # a variant served by --baseline's checkout
 SCENARIO_TITLES = {
     "new": "new key",
     "replay": "replay",
@@ -114,6 +115,12 @@ class Variant:
     redis: Any = None  # tests.support.servers.Server, or a Cluster for the cluster variants
     broken: str = ""  # why this variant could not be measured
     prefill: dict[str, float] = field(default_factory=dict)  # used memory before and after
+    tree: Path | None = None  # NAME@baseline: served by --baseline's checkout, its own serve.py
+
+    @property
+    def kind(self) -> str:
+        """The variant as serve.py names it (without @baseline)."""
+        return self.name.removesuffix(BASELINE)
 
     def stats(self) -> dict[str, int]:
         _, _, body = fetch(self.port, "GET", serve.STATS_PATH)
@@ -124,7 +131,8 @@ def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
     from tests.support.procs import wait_http
 
     v.port = free_port()
-    cmd = ["taskset", "-c", "0", sys.executable, str(BENCH / "serve.py"), v.name]
+    tree = v.tree or ROOT
+    cmd = ["taskset", "-c", "0", sys.executable, str(tree / "bench" / "serve.py"), v.kind]
     cmd += ["--port", str(v.port), "--app", args.app]
     if v.redis is not None:
         cmd += ["--redis-url", nodes(v.redis)[0].url]
@@ -134,13 +142,16 @@ def start_app(v: Variant, args: argparse.Namespace, free_port: Any) -> None:
         cmd.append("--gc-freeze")
     if args.gc_threshold is not None:
         cmd += ["--gc-threshold", str(args.gc_threshold)]
-    cmd += ["--body-bytes", str(args.body_bytes), "--compression", args.compression]
+    if v.tree is None:  # a baseline's serve.py may not know these (parse_args refuses them)
+        cmd += ["--body-bytes", str(args.body_bytes), "--compression", args.compression]
     if args.handler in ("pg", "sql", "session"):
         cmd += ["--handler", args.handler, "--pg-dsn", args.pg_dsn]
-    if args.prefill_keys and v.name == "goblin-memory":
+    if args.prefill_keys and v.kind == "goblin-memory":
         cmd += ["--prefill-keys", str(args.prefill_keys)]
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
+    if v.tree is not None:  # its own package, whatever PYTHONPATH names
+        path = []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(tree)])}
     v.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait = 30 + args.prefill_keys / 20_000  # a MemoryStore fills as it starts
@@ -525,6 +536,13 @@ def parse_args() -> argparse.Namespace:
         "before the runs",
     )
     p.add_argument("--cluster-primaries", type=int, default=3, help="for goblin-cluster-*")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of the project (a git worktree of an older commit): a variant "
+        f"named NAME{BASELINE} is NAME served by that checkout's bench/serve.py and package, "
+        "in the same run as this one's",
+    )
     p.add_argument("--json", type=Path, help="also write every run's figures here")
     p.add_argument(
         "--results",
@@ -537,8 +555,20 @@ def parse_args() -> argparse.Namespace:
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     args.variants = ["bare", *(v for v in args.variants if v != "bare")]
     for name in args.variants:
-        if name not in serve.ALL_VARIANTS:
+        if name.removesuffix(BASELINE) not in serve.ALL_VARIANTS or name == "bare" + BASELINE:
             p.error(f"unknown variant {name!r}")
+        if name.endswith(BASELINE) and args.baseline is None:
+            p.error(f"{name} needs --baseline DIR (the checkout that serves it)")
+    if args.baseline is not None:
+        if not (args.baseline / "bench" / "serve.py").is_file():
+            p.error(f"--baseline {args.baseline}: no bench/serve.py there (name a checkout)")
+        if (args.body_bytes, args.compression, args.handler, args.prefill_keys) != (
+            0, "zlib", "json", 0,
+        ):  # fmt: skip
+            p.error(
+                "--baseline measures the default workload only: drop --body-bytes, "
+                "--compression, --handler and --prefill-keys"
+            )
     for s in args.scenarios:
         if s not in SCENARIOS:
             p.error(f"unknown scenario {s!r}")
@@ -567,6 +597,14 @@ def labels(primaries: int = 3) -> dict[str, str]:
     }
 
 
+def baseline_name(tree: Path) -> str:
+    """The baseline checkout's commit and date, for its variants' labels."""
+    out = subprocess.run(
+        ["git", "-C", str(tree), "log", "-1", "--format=%h %cs"], capture_output=True, text=True
+    ).stdout.strip()
+    return f"baseline {out or tree.name}"
+
+
 def main() -> None:
     args = parse_args()
     for tool in ("wrk", "taskset", "redis-server", "redis-cli"):
@@ -577,7 +615,11 @@ def main() -> None:
     from tests.support.servers import free_port, start_cluster, start_server
 
     names = labels(args.cluster_primaries)
-    variants = [Variant(n, names[n]) for n in args.variants]
+    variants = [Variant(n, names[n.removesuffix(BASELINE)]) for n in args.variants]
+    for v in variants:
+        if v.name.endswith(BASELINE):
+            v.tree = args.baseline.resolve()
+            v.label += f" [{baseline_name(v.tree)}]"
     per_run = (2 * len(variants) - 1) * len(args.scenarios) * args.reps
     estimate = per_run * (args.duration + 0.5) + len(variants) * (args.warmup + 3)
     print(f"{per_run} wrk runs of {args.duration:g} s, about {estimate / 60:.0f} min", flush=True)
@@ -591,11 +633,12 @@ def main() -> None:
         if args.handler in ("pg", "sql", "session"):
             pg = start_postgres()
             args.pg_dsn = pg.url()
-        module = build_module() if serve.NATIVE_VARIANTS & set(args.variants) else None
+        kinds = {v.kind for v in variants}
+        module = build_module() if serve.NATIVE_VARIANTS & kinds else None
         for v in variants:
-            if v.name in serve.REDIS_VARIANTS:
-                mods = [str(module)] if v.name in serve.NATIVE_VARIANTS and module else []
-                if v.name in serve.CLUSTER_VARIANTS:  # no replicas
+            if v.kind in serve.REDIS_VARIANTS:
+                mods = [str(module)] if v.kind in serve.NATIVE_VARIANTS and module else []
+                if v.kind in serve.CLUSTER_VARIANTS:  # no replicas
                     masters = args.cluster_primaries
                     v.redis = start_cluster("redis", masters=masters, modules=mods)
                 else:

@@ -11,9 +11,11 @@ instructions one request costs, start-up and warm-up cancelled. The collector's 
 the inclusive count of CPython's `gc_collect_main`, taken the same way. The store's share
 is a loop of the same two calls a first run makes (`claim_unless_done`, then `publish`) on
 fresh keys, at the same concurrency, with no app around them. As in http_bench.py,
-`PYTHONPATH=<other checkout>` measures another version of goblin-idem. The time columns are the same
-workloads run natively (no valgrind): the measured requests' time (after the warm-up) over
-their number, median of `--reps` runs of the larger count.
+`PYTHONPATH=<other checkout>` measures another version of goblin-idem, and `--baseline DIR`
+measures another checkout (its own bench/serve.py and package) beside this one, as
+variants named `NAME@baseline` (`--variants goblin-native,goblin-native@baseline`). The
+time columns are the same workloads run natively (no valgrind): the measured requests' time
+(after the warm-up) over their number, median of `--reps` runs of the larger count.
 
 Instructions are counted for this process only: a Redis store's server (a throwaway
 redis-server on a free loopback port, with the goblin module for native mode) and the
@@ -41,6 +43,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VARIANTS = ("bare", "goblin-memory", "goblin-script", "goblin-native")
+BASELINE = "@baseline"  # a variant served by --baseline's checkout
 RESULT = b'{"status":201,"body":"{\\"id\\":1,\\"status\\":\\"created\\"}"}'
 
 
@@ -105,8 +108,12 @@ async def workload(variant: str, part: str, url: str, n: int, concurrency: int) 
 
 
 async def first_run_calls(store: Any, key: bytes) -> None:
-    from goblin_idem._keys import key_names
     from goblin_idem.store import CLAIMED
+
+    try:
+        from goblin_idem._keys import key_names
+    except ImportError:  # a baseline from before the package's layers (goblin_idem.keys)
+        from goblin_idem.keys import key_names  # type: ignore[no-redef]
 
     names = key_names(b"idem", b"", key)
     token = b"t-" + key
@@ -118,13 +125,28 @@ async def first_run_calls(store: Any, key: bytes) -> None:
 def child(args: argparse.Namespace) -> None:
     import uvloop
 
-    sys.path.insert(0, str(BENCH))
-    sys.path.append(str(ROOT))  # after PYTHONPATH, which may name another copy
+    tree = Path(args.tree)
+    sys.path.insert(0, str(tree / "bench"))
+    if tree == ROOT:
+        sys.path.append(str(ROOT))  # after PYTHONPATH, which may name another copy
+    else:
+        sys.path.insert(0, str(tree))  # a baseline: its own package, before PYTHONPATH's
     elapsed = uvloop.run(workload(args.variant, args.part, args.url, args.n, args.concurrency))
     print(f"elapsed {elapsed:.6f} gc {gc.get_count()}", flush=True)
 
 
 # -- the driver ------------------------------------------------------------------------------
+
+
+def child_args(variant: str, part: str, url: str, n: int, concurrency: int) -> list[str]:
+    """The command line of one child process; a NAME@baseline runs in --baseline's tree."""
+    tree = BASELINE_TREE[0] if variant.endswith(BASELINE) else ROOT
+    kind = variant.removesuffix(BASELINE)
+    script = str(Path(__file__).resolve())
+    return [sys.executable, script, "--child", kind, part, url, str(n), str(concurrency), str(tree)]
+
+
+BASELINE_TREE: list[Path] = [ROOT]  # --baseline's checkout
 
 
 def callgrind(variant: str, part: str, url: str, n: int, concurrency: int) -> tuple[int, int]:
@@ -135,14 +157,7 @@ def callgrind(variant: str, part: str, url: str, n: int, concurrency: int) -> tu
             "valgrind",
             "--tool=callgrind",
             f"--callgrind-out-file={out}",
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--child",
-            variant,
-            part,
-            url,
-            str(n),
-            str(concurrency),
+            *child_args(variant, part, url, n, concurrency),
         ]
         subprocess.run(cmd, check=True, capture_output=True)
         annotate = subprocess.run(
@@ -162,10 +177,8 @@ def callgrind(variant: str, part: str, url: str, n: int, concurrency: int) -> tu
 
 
 def timed(variant: str, part: str, url: str, n: int, concurrency: int) -> float:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, part, url]
-    out = subprocess.run(
-        [*cmd, str(n), str(concurrency)], check=True, capture_output=True, text=True
-    ).stdout
+    cmd = child_args(variant, part, url, n, concurrency)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return float(re.search(r"elapsed ([\d.]+)", out).group(1))  # type: ignore[union-attr]
 
 
@@ -193,6 +206,7 @@ def main() -> None:
             url=sys.argv[4],
             n=int(sys.argv[5]),
             concurrency=int(sys.argv[6]),
+            tree=sys.argv[7],
         )
         child(a)
         return
@@ -201,7 +215,17 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (32)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per figure (3)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of the project: variants named NAME@baseline run its "
+        "bench/serve.py and package",
+    )
     args = p.parse_args()
+    if args.baseline is not None:
+        if not (args.baseline / "bench" / "serve.py").is_file():
+            p.error(f"--baseline {args.baseline}: no bench/serve.py there (name a checkout)")
+        BASELINE_TREE[0] = args.baseline.resolve()
     low, high = (int(x) for x in args.requests.split(","))
     variants = [v for v in args.variants.split(",") if v]
     sys.path.insert(0, str(ROOT))
@@ -212,11 +236,14 @@ def main() -> None:
     rows = []
     started = time.monotonic()
     try:
-        if "goblin-script" in variants:
-            servers["goblin-script"] = start_server("redis")
-        if "goblin-native" in variants:
-            servers["goblin-native"] = start_server("redis", modules=[str(build_module())])
+        for v in variants:  # a server of its own for each Redis variant
+            if v.removesuffix(BASELINE) == "goblin-script":
+                servers[v] = start_server("redis")
+            elif v.removesuffix(BASELINE) == "goblin-native":
+                servers[v] = start_server("redis", modules=[str(build_module())])
         for v in variants:
+            if v.endswith(BASELINE) and args.baseline is None:
+                raise SystemExit(f"{v} needs --baseline DIR (the checkout that serves it)")
             url = servers[v].url if v in servers else "-"
             parts = ["app"] if v == "bare" else ["app", "store"]
             figures: dict[str, float] = {}

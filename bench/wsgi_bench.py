@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from http_bench import cpu_seconds, ensure_env, fetch, pin
+from http_bench import baseline_name, cpu_seconds, ensure_env, fetch, pin
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -49,10 +49,14 @@ BARE = {
 }
 
 
+BASELINE = "@baseline"  # a variant served by --baseline's checkout
+
+
 @dataclass
 class App:
     variant: str
     label: str
+    tree: Path = ROOT  # the checkout whose wsgi_serve.py and package serve it
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     broken: str = ""
@@ -95,8 +99,10 @@ def labels() -> dict[str, str]:
         "flasksql-bare": f"Flask-SQLAlchemy {version('flask-sqlalchemy')} on PostgreSQL, bare",
         "flasksql-goblin": "Flask-SQLAlchemy, goblin-idem (Redis)",
         "flasksql-records": "Flask-SQLAlchemy, goblin-idem (Redis) + SQL records",
+        "flask-goblin-cache": "Flask, goblin-idem (Redis), replay cache (4 MiB)",
         "django-bare": f"Django {version('django')}, bare",
         "django-goblin": "Django, goblin-idem (Redis)",
+        "django-goblin-cache": "Django, goblin-idem (Redis), replay cache (4 MiB)",
         "django-peer": f"Django, django-idempotency-key {version('django-idempotency-key')}"
         " (Redis cache and lock)",
         "djangodb-bare": "Django + PostgreSQL INSERT, bare",
@@ -113,10 +119,12 @@ def start(app: App, args: argparse.Namespace, redis_url: str, databases: dict[st
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "gunicorn", "wsgi_serve:app"]
     cmd += ["--bind", f"127.0.0.1:{app.port}", "--worker-class", "gthread", "--workers", "1"]
     cmd += ["--threads", str(args.threads), "--log-level", "warning"]
-    env = {**os.environ, "WSGI_VARIANT": app.variant, "REDIS_URL": redis_url}
+    variant = app.variant.removesuffix(BASELINE)
+    env = {**os.environ, "WSGI_VARIANT": variant, "REDIS_URL": redis_url}
     env.update(databases)  # DATABASE_URL, DJANGO_DB
-    env["PYTHONPATH"] = os.pathsep.join([str(BENCH), str(ROOT)])
-    app.proc = subprocess.Popen(cmd, cwd=BENCH, env=env, stdin=subprocess.DEVNULL)
+    env["PYTHONPATH"] = os.pathsep.join([str(app.tree / "bench"), str(app.tree)])
+    cwd = app.tree / "bench"
+    app.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL)
     try:
         wait_http(app.proc, app.port, path="/__stats", name=app.variant, timeout=30)
     except RuntimeError as exc:
@@ -225,6 +233,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=8, help="gunicorn gthread threads (8)")
     p.add_argument("--replay-keys", type=int, default=100, help="completed keys to replay")
     p.add_argument("--variants", default="flask-goblin,django-goblin,django-peer")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of the project: a variant named NAME@baseline is NAME served "
+        "by its bench/wsgi_serve.py and package, in the same run",
+    )
     args = p.parse_args()
     from importlib.metadata import version
 
@@ -235,7 +249,13 @@ def main() -> None:
     wanted = [v for v in args.variants.split(",") if v]
     frameworks = sorted({v.split("-")[0] for v in wanted})
     apps = [App(BARE[f], names[BARE[f]]) for f in frameworks]
-    apps += [App(v, names[v]) for v in wanted]
+    apps += [App(v, names[v.removesuffix(BASELINE)]) for v in wanted]
+    for app in apps:
+        if app.variant.endswith(BASELINE):
+            if args.baseline is None:
+                raise SystemExit(f"{app.variant} needs --baseline DIR (the checkout serving it)")
+            app.tree = args.baseline.resolve()
+            app.label += f" [{baseline_name(app.tree)}]"
     bare = {a.framework: a for a in apps if a.variant.endswith("bare")}
     started = time.monotonic()
     redis = start_server("redis")

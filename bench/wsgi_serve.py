@@ -21,19 +21,32 @@ from urllib.parse import urlsplit
 VARIANTS = (
     "flask-bare",
     "flask-goblin",
+    "flask-goblin-cache",
     "flasksql-bare",
     "flasksql-goblin",
     "flasksql-records",
     "django-bare",
     "django-goblin",
+    "django-goblin-cache",
     "django-peer",
+    "django-answer",
     "djangodb-bare",
     "djangodb-goblin",
     "djangodb-records",
 )
+REPLAY_CACHE_BYTES = 4 << 20  # the -cache variants': replays from memory, 4 MiB
 STATS = {"handler_calls": 0}
 VARIANT = os.environ.get("WSGI_VARIANT", "flask-bare")
 REDIS_URL = os.environ.get("REDIS_URL", "")
+
+
+def store() -> Any:
+    """The goblin variants' store: Redis, with the replay cache for the -cache variants."""
+    from goblin_idem import RedisStore
+
+    if VARIANT.endswith("-cache"):
+        return RedisStore.from_url(REDIS_URL, replay_cache_bytes=REPLAY_CACHE_BYTES)
+    return RedisStore.from_url(REDIS_URL)
 
 
 def flask_app() -> Any:
@@ -51,11 +64,10 @@ def flask_app() -> Any:
     def stats() -> Any:
         return jsonify(STATS)
 
-    if VARIANT == "flask-goblin":
-        from goblin_idem import RedisStore
+    if VARIANT.startswith("flask-goblin"):
         from goblin_idem.flask import Idempotency
 
-        Idempotency(app, store=RedisStore.from_url(REDIS_URL))
+        Idempotency(app, store=store())
     return app
 
 
@@ -115,13 +127,15 @@ def django_app() -> Any:
 
     middleware: list[str] = []
     extra: dict[str, Any] = {"DATABASES": {}, "INSTALLED_APPS": []}
-    if VARIANT in ("django-goblin", "djangodb-goblin"):
+    if VARIANT.startswith("django-goblin") or VARIANT == "djangodb-goblin":
         middleware = ["goblin_idem.django.IdempotencyMiddleware"]
-        extra["GOBLIN_IDEM"] = {"STORE": REDIS_URL}
+        extra["GOBLIN_IDEM"] = {"STORE": store()}
     elif VARIANT == "djangodb-records":
         middleware = ["goblin_idem.django.IdempotencyMiddleware"]
-        extra["GOBLIN_IDEM"] = {"STORE": REDIS_URL, "RECORDS": "django"}
+        extra["GOBLIN_IDEM"] = {"STORE": store(), "RECORDS": "django"}
         extra["INSTALLED_APPS"] = ["goblin_idem.django"]
+    elif VARIANT == "django-answer":
+        middleware = [f"{__name__}.Answer"]
     if VARIANT.startswith("djangodb"):
         url = urlsplit(os.environ["DJANGO_DB"])
         extra["DATABASES"] = {
@@ -168,6 +182,25 @@ def django_app() -> Any:
         call_command("migrate", "goblin_idem", verbosity=0)  # the records' table
     globals()["urlpatterns"] = _urlpatterns()  # before the app: goblin-idem's loads them
     return get_wsgi_application()
+
+
+class Answer:
+    """django-answer: a middleware that answers every keyed request at once with a response
+    it makes (no store, no view), which no replay inside MIDDLEWARE can beat: Django's own
+    handling of a request and a response, for wsgi_instructions.py."""
+
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: Any) -> Any:
+        from django.http import HttpResponse
+
+        if "HTTP_IDEMPOTENCY_KEY" not in request.META:
+            return self.get_response(request)
+        return HttpResponse(b'{"id": 1, "sku": "A-1"}', status=201, headers=ANSWERED)
+
+
+ANSWERED = {"Content-Type": "application/json", "Idempotent-Replayed": "true"}
 
 
 def _orders(request: Any) -> Any:

@@ -183,3 +183,29 @@ def test_a_fork_while_the_loop_thread_is_starting_leaves_the_child_a_loop_thread
         starter.join(10)
         for thread in started:
             thread.loop.call_soon_threadsafe(thread.loop.stop)
+
+
+def test_the_loop_thread_runs_uvloop_when_installed_else_asyncio(
+    redis_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop thread's loop is uvloop's where uvloop is installed (the test environment
+    has it), and asyncio's where it is not; a store works from either."""
+    import sys
+
+    import uvloop
+
+    assert isinstance(_loop.new_loop(), uvloop.Loop)
+    assert isinstance(_loop.loop_thread().loop, uvloop.Loop)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # what `import uvloop` finds if absent
+    plain = _loop.new_loop()
+    assert not isinstance(plain, uvloop.Loop)
+    plain.close()
+    monkeypatch.setattr(_loop, "_current", None)
+    thread = _loop.loop_thread()
+    try:
+        assert not isinstance(thread.loop, uvloop.Loop)
+        store = RedisStore.from_url(redis_server.url)
+        assert thread.run(exercise(store, "asyncio"), 5) == EXPECTED
+        thread.run(store.aclose(), 5)
+    finally:
+        thread.loop.call_soon_threadsafe(thread.loop.stop)

@@ -50,21 +50,30 @@ def start_message(response: HttpResponseBase) -> Message:
 
 
 def response_of(start: Message, body: bytes | Iterable[bytes]) -> HttpResponseBase:
-    """A response the middleware wrote, as Django's."""
-    response: HttpResponseBase
-    if isinstance(body, bytes):
-        response = HttpResponse(body, status=start["status"])
-    else:
-        response = StreamingHttpResponse(body, status=start["status"])
-    del response.headers["Content-Type"]  # Django's default; the message has its own
+    """A response the middleware wrote (a replay, a refusal), as Django's. Its headers are
+    gathered first (by lowercased name) and given to the constructor at once: setting them
+    one by one, after Django's default Content-Type, took nearly twice as long."""
+    gathered: dict[str, tuple[str, str]] = {}
+    cookies: list[str] = []
     for raw_name, raw_value in start.get("headers", ()):
         name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
-        if name == "set-cookie":
-            response.cookies.load(value)
-        elif name in response.headers:
-            response.headers[name] = f"{response.headers[name]}, {value}"
+        folded = name.lower()
+        if folded == "set-cookie":
+            cookies.append(value)
+        elif folded in gathered:
+            gathered[folded] = (name, f"{gathered[folded][1]}, {value}")
         else:
-            response.headers[name] = value
+            gathered[folded] = (name, value)
+    headers = dict(gathered.values())
+    response: HttpResponseBase
+    if isinstance(body, bytes):
+        response = HttpResponse(body, status=start["status"], headers=headers)
+    else:
+        response = StreamingHttpResponse(body, status=start["status"], headers=headers)
+    if "content-type" not in gathered:
+        del response.headers["Content-Type"]  # Django's default: the message has none
+    for cookie in cookies:
+        response.cookies.load(cookie)
     return response
 
 

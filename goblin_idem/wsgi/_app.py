@@ -30,10 +30,11 @@ FILE_BLOCK_BYTES = 64 * 1024  # wsgi.file_wrapper's block, at least: one crossin
 
 
 def scope_of(environ: dict[str, Any]) -> Scope:
+    names = _HEADER_NAMES
     headers = [
-        (name[5:].replace("_", "-").lower().encode("latin-1"), value.encode("latin-1"))
+        (names.get(name) or _header_name(name), value.encode("latin-1"))
         for name, value in environ.items()
-        if name.startswith("HTTP_")
+        if name[:5] == "HTTP_"
     ]
     if environ.get("CONTENT_TYPE"):
         headers.append((b"content-type", environ["CONTENT_TYPE"].encode("latin-1")))
@@ -58,8 +59,24 @@ def scope_of(environ: dict[str, Any]) -> Scope:
     return scope
 
 
+# An environ's header names as ASGI names them (HTTP_X_REQUEST_ID -> b"x-request-id"), made
+# once per name: a request's scope is made for every keyed request, and most of its time
+# went to renaming the same few headers. Bounded: the names come from clients.
+_HEADER_NAMES: dict[str, bytes] = {}
+_HEADER_NAMES_KEPT = 512
+
+
+def _header_name(name: str) -> bytes:
+    renamed = name[5:].replace("_", "-").lower().encode("latin-1")
+    if len(_HEADER_NAMES) < _HEADER_NAMES_KEPT:
+        _HEADER_NAMES[name] = renamed
+    return renamed
+
+
 def _decoded(path: str) -> str:
     """A PEP 3333 string (the bytes as latin-1) as ASGI carries it (the bytes as UTF-8)."""
+    if path.isascii():  # the same either way
+        return path
     return path.encode("latin-1").decode("utf-8", "replace")
 
 

@@ -339,3 +339,23 @@ def test_a_replay_keeps_every_value_of_a_repeated_header(redis_server: Server) -
     assert again["Link"] == "</a>; rel=preload, </b>; rel=preload, </c>; rel=preload"
     assert again["X-Trace"] == "t1"
     assert {n: c.value for n, c in again.cookies.items()} == {"session": "s1", "theme": "dark"}
+
+
+def test_a_replay_without_a_content_type_has_none(redis_server: Server) -> None:
+    """A record with no Content-Type (an ASGI service's 201 with an empty body) is
+    replayed without one: Django's default (text/html) is not added, and a header whose
+    name differs in case from another's is joined with it, as Django holds one per name."""
+    k = key()
+    with override_settings(GOBLIN_IDEM={"STORE": redis_server.url}):
+        assert post(Client(), "/cookie", k).status_code == 201
+        result = key_names(b"idem", b"", k.encode()).result
+        with redis_server.sync_client() as r:
+            record = decode(r.get(result))
+            headers = [(n, v) for n, v in record.headers if n != b"content-type"]
+            headers += [(b"X-Trace", b"t1"), (b"x-trace", b"t2")]
+            shared = encode(dataclasses.replace(record, headers=headers))
+            assert r.set(result, shared, keepttl=True, xx=True)
+        again = post(Client(), "/cookie", k)
+    assert again["Idempotent-Replayed"] == "true"
+    assert "Content-Type" not in again
+    assert again["X-Trace"] == "t1, t2"

@@ -530,3 +530,21 @@ def test_the_body_is_read_as_content_length_bytes_never_to_eof(redis_server: Ser
             getattr(iterable, "close", lambda: None)()
         assert bodies[-1] == body and env["wsgi.input"].at == size  # the next request's left
     loop_thread().run(store.aclose())
+
+
+def test_scope_names_every_header_and_keeps_few_names() -> None:
+    """An environ's headers are named as an ASGI server names them, however many distinct
+    names clients send; the names kept for the next request stay bounded."""
+    from goblin_idem.wsgi import _app
+
+    for i in range(3 * _app._HEADER_NAMES_KEPT):
+        environ = {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": "/caf\xc3\xa9",
+            f"HTTP_X_CUSTOM_{i}": "v",
+            "HTTP_IDEMPOTENCY_KEY": "k",
+        }
+        scope = _app.scope_of(environ)
+        assert scope["headers"] == [(b"x-custom-%d" % i, b"v"), (b"idempotency-key", b"k")]
+        assert scope["path"] == "/caf\u00e9"
+    assert len(_app._HEADER_NAMES) <= _app._HEADER_NAMES_KEPT
