@@ -21,6 +21,7 @@ import weakref
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.conf import settings  # type: ignore[import-untyped]
 from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-untyped]
 from django.http import HttpRequest, HttpResponse  # type: ignore[import-untyped]
 from django.http.response import HttpResponseBase  # type: ignore[import-untyped]
@@ -93,7 +94,7 @@ class IdempotencyMiddleware:
                 f"{key}: {records!r} commits the records with the ORM's writes in the "
                 "request's thread, which sync views under a WSGI server (gunicorn) have, and "
                 "this Django app is served under ASGI: serve it with its WSGI application "
-                "(gunicorn myproject.wsgi), or, for async views, set RECORDS to "
+                f"({_serving_wsgi()}), or, for async views, set RECORDS to "
                 "goblin_idem.sql.SqlRecords(async_engine) and write through `await "
                 "goblin_idem.sql.connection()`"
             )
@@ -320,3 +321,11 @@ def _policy(request: HttpRequest) -> RoutePolicy | None:
         actions = getattr(view, "actions", None)  # a REST framework viewset's
         handler = getattr(cls, actions.get(method, method) if actions else method, None)
     return policy_of(handler, view, cls)
+
+
+def _serving_wsgi() -> str:
+    """The gunicorn command of the project's WSGI application (settings.WSGI_APPLICATION),
+    for a message that says to serve it."""
+    path = getattr(settings, "WSGI_APPLICATION", None) or "myproject.wsgi.application"
+    module, _, name = str(path).rpartition(".")
+    return f"gunicorn {module}" if name == "application" else f"gunicorn {module}:{name}"

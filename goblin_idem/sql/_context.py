@@ -17,7 +17,9 @@ not lost at the commit (a stored response would describe rows that do not exist)
 No silent gap: while a run under a won claim is under way, a commit on the same database
 from another connection (a session the app made itself) is not covered by the run, and the
 engine's ``commit`` event, seen in the run's context, logs a WARNING once per route that
-says so and how to move the writes into the run.
+says so and how to move the writes into the run. A transaction the work began beside the
+run and commits after it settled (FastAPI runs a session dependency's teardown after the
+response) is warned of too; one begun after the response (a background task's) is not.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ ADVICE = (
     "Depends(session) or await session() / await connection() from goblin_idem.sql, in "
     "place of a session or connection of the app's own, and do not commit (the run commits "
     "with its record)"
+)
+# A commit in the request after its run committed and sent the response: FastAPI runs a
+# `yield` dependency's teardown then, so a session dependency that commits lands here.
+LATE = (
+    ", after the run had committed and the response was sent (FastAPI runs a dependency's "
+    "code after its yield then: a session dependency that commits there commits after the "
+    "client got its answer)"
 )
 _REFUSED = (
     "this run's transaction commits with its idempotency record when the run ends "
@@ -98,6 +107,10 @@ class RunTransaction:
         self.sessions: list[RunSession] = []
         self.adopted: list[Session] = []  # the app's own sessions on this connection
         self.ended = False  # committed or rolled back: connection() refuses
+        self.settled = False  # ended, and its connection given back: what commits now is late
+        # What the work began beside the run (connections, sessions given objects): their
+        # commits after the run settled are the work's, late (a dependency's teardown).
+        self.beside: weakref.WeakSet[object] = weakref.WeakSet()
         self.advice = ADVICE  # what the WARNING of a commit outside the run says to use
         self.opening: asyncio.Lock | None = None  # two first uses at once open one connection
 
@@ -223,6 +236,12 @@ class RunTransaction:
 
     async def rollback(self) -> None:
         self.ended = True
+        try:
+            await self._give_back()
+        finally:
+            self.settled = True
+
+    async def _give_back(self) -> None:
         if self.conn is None and not self.sessions:  # never used, or given back already
             return
         conn, self.conn = self.conn, None
@@ -253,7 +272,10 @@ def _committed(conn: Connection) -> None:
     The run is an async `RunTransaction` or a sync app's (`goblin_idem.sql.sync.SyncRun`):
     each says which connection is its own, which route it serves and what to use instead."""
     run: Any = _current.get()
-    if run is None or run.where is None or run.ended or run.owns(conn):
+    if run is None or run.where is None or run.owns(conn):
+        return
+    late = getattr(run, "settled", False)  # only an async run's request goes on after it
+    if run.ended and not (late and conn in run.beside):
         return
     if _database(conn.engine.url) != _database(run.engine.url):
         return
@@ -264,11 +286,12 @@ def _committed(conn: Connection) -> None:
     told.add(where)
     logger.warning(
         "%s: a commit on the records' database (%s) from a connection that is not the "
-        "run's: those writes are not covered by the idempotency key (a claim lost mid-run "
+        "run's%s: those writes are not covered by the idempotency key (a claim lost mid-run "
         "can make them twice, and they stay when the run fails). Write through the run's "
         "transaction instead: %s. Logged once for this route.",
         where,
         run.records.where,
+        LATE if late else "",
         run.advice,
     )
 
@@ -281,13 +304,36 @@ def _database(url: URL) -> tuple[object, ...]:
 @event.listens_for(Session, "after_attach")
 def _attached(own: Session, _: object) -> None:
     """An object added to a session: if the session is bound to the current run's
-    connection, the run flushes it before it commits. (One context variable read for the
-    sessions of everything else.)"""
+    connection, the run flushes it before it commits; else, in a keyed run, the session is
+    the work's own, beside the run. (One context variable read for the sessions of
+    everything else.)"""
     run = _current.get()
-    if isinstance(run, RunTransaction) and run.conn is not None:
-        bind: Any = own.bind
-        if bind is not None and bind is run.conn.sync_connection:
-            run.adopt(own)
+    if not isinstance(run, RunTransaction):
+        return
+    bind: Any = own.bind
+    if run.conn is not None and bind is not None and bind is run.conn.sync_connection:
+        run.adopt(own)
+    elif run.where is not None and not run.ended:
+        run.beside.add(own)
+
+
+@event.listens_for(Engine, "begin")
+def _begun(conn: Connection) -> None:
+    """A transaction begun in a keyed async run, not the run's: the work's own, whose commit
+    after the run settled (a session dependency's teardown) is warned of as late."""
+    run = _current.get()
+    if isinstance(run, RunTransaction) and run.where is not None and not run.ended:
+        if not run.owns(conn):
+            run.beside.add(conn)
+
+
+@event.listens_for(Session, "after_begin")
+def _session_begun(own: Session, _: object, conn: Connection) -> None:
+    """A session given objects in a keyed run that begins its transaction later (its
+    commit's flush, after the run settled): that transaction is the work's too."""
+    run = _current.get()
+    if isinstance(run, RunTransaction) and run.settled and own in run.beside:
+        run.beside.add(conn)
 
 
 def _running() -> RunTransaction:

@@ -11,6 +11,8 @@ refuse async records, which a sync app cannot write through.
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,23 @@ from .sync import SyncRun
 
 __all__ = ["SyncSqlRecords"]
 
+# The engines of sync records: a forked child gets a new pool in each (below).
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """A forked child (gunicorn --preload's worker) drops the pools it inherited: the
+    records' startup check, run in the master, leaves a pooled connection that every worker
+    would otherwise take as its own (one database session for several processes: one's
+    statements in another's transaction). ``dispose(close=False)``, SQLAlchemy's way for a
+    child, leaves the parent's connections open for the parent."""
+    for engine in list(_engines):
+        engine.dispose(close=False)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
 
 class SyncSqlRecords(RecordsTable):
     """Records for the WSGI and Flask middlewares (``records=``), written through a sync
@@ -37,6 +56,7 @@ class SyncSqlRecords(RecordsTable):
             self._url = engine
         elif isinstance(engine, Engine):
             self._engine = engine
+            _engines.add(engine)
             self._url = engine.url.render_as_string(hide_password=True)
         else:
             raise TypeError(
@@ -56,6 +76,7 @@ class SyncSqlRecords(RecordsTable):
 
                 configure_sqlite(engine)
             self._engine = engine
+            _engines.add(engine)
         return self._engine
 
     def __repr__(self) -> str:

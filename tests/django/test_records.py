@@ -417,6 +417,18 @@ def test_records_in_django_are_refused_under_asgi() -> None:
         pytest.raises(ImproperlyConfigured, match=r"served under ASGI: serve it with its WSGI"),
     ):
         IdempotencyMiddleware(view)
+    # The project's own WSGI application, to serve (it said "gunicorn myproject.wsgi").
+    for setting, command in [
+        ("shop.wsgi.application", "gunicorn shop.wsgi"),
+        ("shop.serving.app", "gunicorn shop.serving:app"),
+    ]:
+        with (
+            override_settings(
+                GOBLIN_IDEM={"STORE": "memory", "RECORDS": "django"}, WSGI_APPLICATION=setting
+            ),
+            pytest.raises(ImproperlyConfigured, match=rf"application \({re.escape(command)}\)"),
+        ):
+            IdempotencyMiddleware(view)
 
 
 IN_A_TEST_CASE = """

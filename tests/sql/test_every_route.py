@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
-from fastapi import Depends, FastAPI
+from fastapi import BackgroundTasks, Depends, FastAPI
 from fastapi.responses import JSONResponse
 from sqlalchemy import Table, insert, text
 from sqlalchemy.ext.asyncio import (
@@ -241,6 +241,52 @@ async def test_a_commit_outside_the_run_on_its_database_is_a_warning_once_per_ro
     assert told[0].startswith("POST /shops/{shop}/orders: a commit on the records' database")
     assert "Depends(session)" in told[0]
     assert await setup.payment_count() == 3
+
+
+async def test_a_session_dependency_that_commits_after_the_response_is_a_warning(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The usual FastAPI session dependency (commit after its yield) commits when the run
+    has committed and the response was sent: not covered, and said so, naming the route
+    (a commit after the run was not watched at all). A background task's own transaction,
+    begun after the response as the docs say, is not the route's and is not warned of."""
+    kind = mapped(setup.payments)
+    own = async_sessionmaker(setup.engine, expire_on_commit=False)
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=setup.store, records=setup.records)
+
+    async def get_session() -> AsyncIterator[AsyncSession]:
+        async with own() as s:
+            yield s
+            await s.commit()
+
+    async def audit(ref: str) -> None:
+        async with setup.engine.begin() as conn:
+            await conn.execute(insert(setup.payments).values(ref=f"audit-{ref}", amount=0))
+
+    @app.post("/orders", status_code=201)
+    async def order(ref: str, s: AsyncSession = Depends(get_session)) -> Any:  # noqa: B008
+        s.add(kind(ref, 1))  # flushed by the dependency's commit, after the response
+        return {"ref": ref}
+
+    @app.post("/audited", status_code=201)
+    async def audited(
+        ref: str, tasks: BackgroundTasks, s: Annotated[AsyncSession, Depends(session)]
+    ) -> Any:
+        s.add(kind(ref, 1))
+        tasks.add_task(audit, ref)
+        return {"ref": ref}
+
+    with caplog.at_level(logging.WARNING, logger="goblin_idem"):
+        assert (await post(app, "/audited", "a1", key="k1")).status == 201
+        assert (await post(app, "/orders", "o1", key="k2")).status == 201
+        assert (await post(app, "/orders", "o2", key="k3")).status == 201
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(told) == 1, told
+    assert told[0].startswith("POST /orders: a commit on the records' database"), told
+    assert "after the run had committed" in told[0] and "Depends(session)" in told[0]
+    for ref in ("a1", "audit-a1", "o1", "o2"):  # the dependency's writes did commit, uncovered
+        assert await setup.payment_count(ref) == 1, ref
 
 
 async def test_the_run_s_own_commit_and_another_database_are_not_warned_of(

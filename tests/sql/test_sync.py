@@ -311,6 +311,37 @@ def test_the_warning_names_flask_s_url_rule_not_the_path(
     assert told[0].startswith("POST /shops/<int:shop>/orders: a commit on the records'")
 
 
+def test_flask_sqlalchemy_initialised_after_the_extension_is_told_to_swap_them(
+    sync_setup: SyncSetup, store: RedisStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An app factory that initialises Idempotency (records on an engine of its own) before
+    db.init_app: db.session cannot join the run, its commits are its own, and the WARNING
+    says which order makes db.session join (it said only records=SqlRecords(db.engine),
+    which cannot be made before db.init_app)."""
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = sync_setup.url
+    db = SQLAlchemy()
+    records = SqlRecords(create_engine(sync_setup.url), table=sync_setup.records.table.name)
+    Idempotency().init_app(app, store=store, records=records)
+    db.init_app(app)
+    payments = sync_setup.payments
+
+    @app.post("/payments")
+    def pay_view() -> Any:
+        db.session.execute(insert(payments).values(ref="own", amount=1))
+        db.session.commit()
+        raise RuntimeError("failed after its commit")
+
+    with caplog.at_level(logging.WARNING, logger="goblin_idem"):
+        assert call(app, "POST", "/payments", key="k-order").code == 500
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(told) == 1, told
+    assert told[0].startswith("POST /payments: a commit on the records' database"), told
+    assert "call db.init_app(app) first, then Idempotency's init_app" in told[0], told
+    assert sync_setup.payment_count("own") == 1  # not covered: the failed run left it
+    records.close()
+
+
 def test_sync_records_on_an_async_driver_are_refused_at_startup(tmp_path: Path) -> None:
     records = SqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}", sync=True)
 

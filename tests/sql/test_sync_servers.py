@@ -185,3 +185,29 @@ def test_a_flask_view_committing_through_its_own_connection_is_named_in_the_log(
     assert "WARNING" in told[0] and "goblin_idem.sql: POST /payments: a commit" in told[0]
     assert "db.session joins the run" in told[0]
     assert sync_setup.payment_count() == 2
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_preloaded_workers_do_not_share_the_masters_connection(
+    sync_setup: SyncSetup, gates: Path, app: str
+) -> None:
+    """gunicorn --preload: the records' startup check (and Flask-SQLAlchemy's) runs in the
+    master and leaves a connection in the engine's pool, which every forked worker would
+    take as its own: one database session for two processes, one worker's statements in
+    the other's transaction (a 500, or another run's writes committed). Each worker opens
+    its own."""
+    env = {**sync_setup.env(), "GATE_DIR": str(gates)}
+    server = Gunicorn(APPS[app], free_port(), env, workers=2, preload=True).wait_ready()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(post, server.port, "held", "k-held", "gate")
+            wait_for(gates / "reached-held-0")  # one worker, in its run's transaction
+            others = [post(server.port, "other", "k-other"), post(server.port, "nokey")]
+            (gates / "go-held-0").touch()
+            done = held.result(timeout=30)
+    finally:
+        server.stop()
+    assert [done[0]] + [status for status, _, _ in others] == [201, 201, 201], (done, others)
+    for ref in ("held", "other", "nokey"):
+        assert sync_setup.payment_count(ref) == 1, ref
+    assert len(sync_setup.rows()) == 2
