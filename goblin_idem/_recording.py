@@ -116,15 +116,22 @@ class Lookup:
         """The claim step's reply, with the database's word on a won claim: its committed
         record (published to the store for the duplicates that follow, under this claim's
         token, for the time the row has left) instead of CLAIMED. A lookup that fails frees
-        the claim and raises: the middleware answers 503 and nothing runs, as for a store
-        that is down."""
+        the claim and raises DatabaseUnavailableError, whatever it met: the middleware
+        answers 503 database-unavailable and nothing runs, even with fail_open."""
         if reply is not CLAIMED:
             self.forget()
             return reply
         try:
             found = await self.task
-        except BaseException:
+        except BaseException as exc:
             await free_claim(store, names, token)
+            if isinstance(exc, Exception) and not isinstance(exc, DatabaseUnavailableError):
+                # Any failure of the database's answer (a table gone, a bug) is the
+                # database's: the key may have a committed record, so nothing runs, and
+                # never as a store that is down (which fail_open would run unprotected).
+                raise DatabaseUnavailableError(
+                    f"the records' lookup failed: {describe(exc)}"
+                ) from exc
             raise
         if found is None:
             return CLAIMED

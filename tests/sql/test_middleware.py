@@ -412,3 +412,25 @@ async def test_a_response_too_large_to_hold_streams_on_after_its_early_commit(
     assert rows_at_first_bytes == [1]  # committed before any byte went out
     again = await request(mw, "POST", "/stream", key="s1", body=b"{}")
     assert again.status == 409 and problem(again)["type"].endswith("not-replayable")
+
+
+async def test_a_lookup_that_fails_is_the_database_s_and_runs_nothing_even_fail_open(
+    setup: Setup,
+) -> None:
+    """The records' table gone (a migration gone wrong): the lookup's error is answered 503
+    database-unavailable and counted as the database's, never as the store's, which
+    fail_open would answer by running the request unprotected."""
+    app = build(setup.store, setup.records, setup.payments, fail_open=True)
+    assert (await pay(app, "k1", "p1")).status == 201
+    table = setup.records.table.name
+    async with setup.engine.begin() as conn:
+        await conn.exec_driver_sql(f"ALTER TABLE {table} RENAME TO {table}_gone")
+    try:
+        reply = await pay(app, "k2", "p2")
+    finally:
+        async with setup.engine.begin() as conn:
+            await conn.exec_driver_sql(f"ALTER TABLE {table}_gone RENAME TO {table}")
+    assert reply.status == 503 and problem(reply)["type"].endswith(":database-unavailable")
+    assert await setup.payment_count("p2") == 0
+    counters = IdempotencyMiddleware.of(app).counters.as_dict()
+    assert counters["database_errors"] == 1 and counters["store_errors"] == 0
