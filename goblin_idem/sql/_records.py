@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from sqlalchemy import (
     Column,
@@ -65,6 +65,9 @@ UPSERT_SQL = (
     "expires_at = EXCLUDED.expires_at WHERE {table}.expires_at <= EXCLUDED.created_at "
     "RETURNING key"
 )
+
+
+E = TypeVar("E")  # an engine, sync or async
 
 
 def _utcnow() -> datetime.datetime:
@@ -169,6 +172,32 @@ class RecordsTable:
             return None
         expires = row[1] if row[1].tzinfo else row[1].replace(tzinfo=datetime.timezone.utc)
         return bytes(row[0]), max(1, int((expires - now).total_seconds() * 1000))
+
+    def _engine_made(self, make: Callable[[], E], drivers: str) -> E:
+        """The engine `make` returns, made now (which imports its driver); SqlRecordsError
+        saying what to install, or which driver to name (`drivers`), if it cannot be."""
+        try:
+            return make()
+        except ModuleNotFoundError as exc:
+            raise SqlRecordsError(
+                f"goblin-idem records: the database driver {exc.name!r} is not installed: "
+                f"install it (pip install {exc.name}), or name an installed driver in the URL "
+                f"{self.where}"
+            ) from exc
+        except InvalidRequestError as exc:
+            raise SqlRecordsError(f"goblin-idem records: {exc}: name {drivers}") from exc
+
+    def _unreachable(self, exc: Exception) -> SqlRecordsError:
+        """What check() says of a database it could not ask."""
+        return SqlRecordsError(
+            f"goblin-idem records: cannot use the database at {self.where} "
+            f"({describe(exc)}); start it, or fix the URL"
+        )
+
+    def _taken(self, exc: Any) -> bool:
+        """Whether psycopg's UniqueViolation `exc` is this table's key (another run committed
+        the key first), not an app's own constraint checked at COMMIT (its error stands)."""
+        return bool(exc.diag.table_name == self.table.name)
 
     def _shaped(self, columns: tuple[set[str], list[str]] | None, create: str) -> str:
         """What check() says: raise SqlRecordsError unless the table exists with this
@@ -393,8 +422,8 @@ class SqlRecords(RecordsTable):
                 for sql, params in statements:
                     await cursor.execute(sql, params)
         except UniqueViolation as exc:
-            if exc.diag.table_name != self.table.name:
-                raise  # the app's own constraint, checked at COMMIT: its error, not the key's
+            if not self._taken(exc):
+                raise
             return False
         await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
         return True
@@ -402,29 +431,17 @@ class SqlRecords(RecordsTable):
     async def check(self) -> str:
         """Raise SqlRecordsError saying what to change unless the database answers and
         the table exists with this release's columns; else say where records go."""
-        name = self.table.name
-        try:
-            engine = self.engine
-        except ModuleNotFoundError as exc:
-            raise SqlRecordsError(
-                f"goblin-idem records: the database driver {exc.name!r} is not installed: "
-                f"install it (pip install {exc.name}), or name an installed driver in the URL "
-                f"{self.where}"
-            ) from exc
-        except InvalidRequestError as exc:
-            raise SqlRecordsError(
-                f"goblin-idem records: {exc}: name an async driver in the URL, as in "
-                "postgresql+asyncpg://, postgresql+psycopg:// or sqlite+aiosqlite:// (for a "
-                "WSGI or Flask app: SqlRecords(url, sync=True), or a sync Engine)"
-            ) from exc
+        engine = self._engine_made(
+            lambda: self.engine,
+            "an async driver in the URL, as in postgresql+asyncpg://, postgresql+psycopg:// or "
+            "sqlite+aiosqlite:// (for a WSGI or Flask app: SqlRecords(url, sync=True), or a "
+            "sync Engine)",
+        )
         try:
             async with engine.connect() as conn:
-                columns = await conn.run_sync(_shape, name)
+                columns = await conn.run_sync(_shape, self.table.name)
         except Exception as exc:
-            raise SqlRecordsError(
-                f"goblin-idem records: cannot use the database at {self.where} "
-                f"({describe(exc)}); start it, or fix the URL"
-            ) from exc
+            raise self._unreachable(exc) from exc
         return self._shaped(columns, "await records.create_table()")
 
     # -- for the application --

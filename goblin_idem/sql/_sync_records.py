@@ -18,7 +18,6 @@ from typing import Any
 
 from sqlalchemy import create_engine, delete, select
 from sqlalchemy.engine import Connection, Engine, RootTransaction
-from sqlalchemy.exc import InvalidRequestError
 
 from .._log import describe
 from ..exceptions import DatabaseUnavailableError, SqlRecordsError
@@ -141,8 +140,8 @@ class SyncSqlRecords(RecordsTable):
                 for sql, params in statements:
                     cursor.execute(sql, params)
         except UniqueViolation as exc:
-            if exc.diag.table_name != self.table.name:
-                raise  # the app's own constraint, checked at COMMIT: its error, not the key's
+            if not self._taken(exc):
+                raise
             return False
         except Exception as exc:
             if not (raw.closed or raw.broken):
@@ -168,19 +167,10 @@ class SyncSqlRecords(RecordsTable):
     def check(self) -> str:
         """Raise SqlRecordsError saying what to change unless the database answers and
         the table exists with this release's columns; else say where records go."""
-        try:
-            engine = self.engine
-        except ModuleNotFoundError as exc:
-            raise SqlRecordsError(
-                f"goblin-idem records: the database driver {exc.name!r} is not installed: "
-                f"install it (pip install {exc.name}), or name an installed driver in the URL "
-                f"{self.where}"
-            ) from exc
-        except InvalidRequestError as exc:
-            raise SqlRecordsError(
-                f"goblin-idem records: {exc}: name a sync driver in the URL, as in "
-                "postgresql+psycopg:// or sqlite://"
-            ) from exc
+        engine = self._engine_made(
+            lambda: self.engine,
+            "a sync driver in the URL, as in postgresql+psycopg:// or sqlite://",
+        )
         if engine.dialect.is_async:
             raise SqlRecordsError(
                 f"goblin-idem records: {self.where} names an async driver "
@@ -191,10 +181,7 @@ class SyncSqlRecords(RecordsTable):
             with engine.connect() as conn:
                 columns = _shape(conn, self.table.name)
         except Exception as exc:
-            raise SqlRecordsError(
-                f"goblin-idem records: cannot use the database at {self.where} "
-                f"({describe(exc)}); start it, or fix the URL"
-            ) from exc
+            raise self._unreachable(exc) from exc
         return self._shaped(columns, "records.create_table()")
 
     def unavailable(self, exc: Exception) -> DatabaseUnavailableError | None:

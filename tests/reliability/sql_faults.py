@@ -25,7 +25,6 @@ Every request, answer and fault is logged as a JSON line; every process is stopp
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import http.client
 import json
@@ -43,8 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from goblin_idem.sql import SqlRecords
-from tests.support.apps.sql_app import payments_table
+from tests.support.apps.sql_app import create_tables
 from tests.support.postgres import Postgres, start_postgres
 from tests.support.procs import alive, children, spawn, stop, uvicorn_args, wait_http
 from tests.support.servers import Server, free_port, start_server
@@ -326,17 +324,9 @@ class Faults:
 
 
 def _prepare(postgres: Postgres, driver: str) -> str:
-    url = postgres.url(postgres.new_database(), driver)
-
-    async def create() -> None:
-        records = SqlRecords(postgres.url(url.rsplit("/", 1)[1]), table=RECORDS_TABLE)
-        await records.create_table()
-        async with records.engine.begin() as conn:
-            await conn.run_sync(payments_table(PAYMENTS_TABLE).metadata.create_all)
-        await records.aclose()
-
-    asyncio.run(create())
-    return url
+    database = postgres.new_database()
+    create_tables(postgres.url(database), RECORDS_TABLE, PAYMENTS_TABLE)
+    return postgres.url(database, driver)
 
 
 def _database(postgres: Postgres, database: str) -> tuple[dict[str, list[int]], list[bytes]]:

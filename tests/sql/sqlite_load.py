@@ -7,7 +7,6 @@ tests/sql/test_sqlite_workers.py and bench/sqlite_workers.py."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import secrets
@@ -16,9 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from goblin_idem.sql import SqlRecords
 from tests.sql.test_crash import post
-from tests.support.apps.sql_app import payments_table
+from tests.support.apps.sql_app import create_tables
 from tests.support.procs import spawn, stop, uvicorn_args, wait_http
 from tests.support.servers import free_port
 
@@ -55,20 +53,11 @@ def run(
 ) -> Outcome:
     path = directory / f"app-{secrets.token_hex(4)}.db"
     url = f"sqlite+aiosqlite:///{path}"
-    records = SqlRecords(url)
-    payments = payments_table("payments")
-
-    async def create() -> None:
-        await records.create_table()
-        async with records.engine.begin() as conn:
-            await conn.run_sync(payments.metadata.create_all)
-        await records.aclose()
-
-    asyncio.run(create())
+    create_tables(url, "goblin_idem_records", "payments")
     env = {
         "DATABASE_URL": url,
         "REDIS_URL": redis_url,
-        "RECORDS_TABLE": records.table.name,
+        "RECORDS_TABLE": "goblin_idem_records",
         "PAYMENTS_TABLE": "payments",
     }
     port = free_port()

@@ -13,36 +13,19 @@ from typing import Annotated, Any
 import pytest
 from fastapi import BackgroundTasks, Depends, FastAPI
 from fastapi.responses import JSONResponse
-from sqlalchemy import Table, insert, text
+from sqlalchemy import insert, text
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.orm import registry
 
 from goblin_idem import IdempotencyMiddleware, once
 from goblin_idem.sql import connection, session
 from tests.sql.conftest import Setup, on_postgres
+from tests.support.apps.sync_sql_app import mapped
 from tests.support.asgi import Reply, problem, request
-
-
-class Payment:
-    """A payment row, mapped per test onto its table (`mapped`)."""
-
-    id: int | None
-    ref: str
-    amount: int
-
-    def __init__(self, ref: str, amount: int) -> None:
-        self.ref, self.amount = ref, amount
-
-
-def mapped(payments: Table) -> type[Payment]:
-    kind = type("Payment", (Payment,), {})
-    registry().map_imperatively(kind, payments)
-    return kind
 
 
 def session_app(setup: Setup, gate: Callable[[str], Awaitable[None]] | None = None) -> FastAPI:
@@ -96,6 +79,20 @@ async def post(app: Any, path: str, ref: str, key: str | None = None, mode: str 
 
 def replayed(reply: Reply) -> bool:
     return reply.header("idempotent-replayed") == b"true"
+
+
+async def ref_taken(setup: Setup) -> None:
+    """A payment of ref "taken", and a unique ref checked at COMMIT (deferred): a run that
+    pays "taken" again fails at its commit, on the app's constraint, not the key's."""
+    table = setup.payments.name
+    async with setup.engine.begin() as conn:
+        await conn.execute(
+            text(
+                f"ALTER TABLE {table} ADD CONSTRAINT {table}_ref UNIQUE (ref) "
+                "DEFERRABLE INITIALLY DEFERRED"
+            )
+        )
+        await conn.execute(insert(setup.payments).values(ref="taken", amount=1))
 
 
 async def test_a_request_without_a_key_commits_through_the_session(setup: Setup) -> None:
@@ -193,15 +190,7 @@ async def test_objects_added_to_a_session_bound_to_the_run_are_committed(
 async def test_a_commit_that_fails_is_a_503_and_nothing_happened(
     setup: Setup, key: str | None
 ) -> None:
-    table = setup.payments.name
-    async with setup.engine.begin() as conn:
-        await conn.execute(
-            text(
-                f"ALTER TABLE {table} ADD CONSTRAINT {table}_ref UNIQUE (ref) "
-                "DEFERRABLE INITIALLY DEFERRED"
-            )
-        )
-        await conn.execute(insert(setup.payments).values(ref="taken", amount=1))
+    await ref_taken(setup)
     app = session_app(setup)
     reply = await post(app, "/payments", "taken", key=key)
     assert reply.status == 503 and problem(reply)["type"].endswith("not-committed")
@@ -332,17 +321,9 @@ async def test_a_constraint_failing_at_commit_is_logged_as_itself(
 ) -> None:
     """A deferred constraint of the app's table failing at COMMIT is the app's error, not
     the key's row: the log names it (it said the record had expired meanwhile)."""
-    table = setup.payments.name
-    async with setup.engine.begin() as conn:
-        await conn.execute(
-            text(
-                f"ALTER TABLE {table} ADD CONSTRAINT {table}_ref UNIQUE (ref) "
-                "DEFERRABLE INITIALLY DEFERRED"
-            )
-        )
-        await conn.execute(insert(setup.payments).values(ref="taken", amount=1))
+    await ref_taken(setup)
     app = session_app(setup)
     with caplog.at_level(logging.ERROR, logger="goblin_idem"):
         assert (await post(app, "/payments", "taken", key="k-c")).status == 503
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert f"{table}_ref" in line and "expired" not in line, line
+    assert f"{setup.payments.name}_ref" in line and "expired" not in line, line

@@ -5,7 +5,6 @@ and never a reason for ``fail_open`` to run the request unprotected."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import secrets
@@ -14,9 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from goblin_idem.sql import SqlRecords
 from tests.sql.test_crash import post
-from tests.support.apps.sql_app import payments_table
+from tests.support.apps.sql_app import create_tables
 from tests.support.postgres import Postgres, start_postgres
 from tests.support.procs import output_of, spawn, uvicorn_args, wait_http
 from tests.support.servers import Server, free_port
@@ -28,20 +26,12 @@ NEW_KEYS = 40
 def prepare(url: str) -> dict[str, str]:
     """The tables of a fresh app in the database at `url`; the app's environment."""
     suffix = secrets.token_hex(4)
-    records = SqlRecords(url, table=f"records_{suffix}")
-    payments = payments_table(f"payments_{suffix}")
-
-    async def create() -> None:
-        await records.create_table()
-        async with records.engine.begin() as conn:
-            await conn.run_sync(payments.metadata.create_all)
-        await records.aclose()
-
-    asyncio.run(create())
+    records, payments = f"records_{suffix}", f"payments_{suffix}"
+    create_tables(url, records, payments)
     return {
         "DATABASE_URL": url,
-        "RECORDS_TABLE": records.table.name,
-        "PAYMENTS_TABLE": payments.name,
+        "RECORDS_TABLE": records,
+        "PAYMENTS_TABLE": payments,
     }
 
 

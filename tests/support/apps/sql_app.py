@@ -76,6 +76,20 @@ class Gate:
         await go.wait()
 
 
+def create_tables(url: str, records_table: str, payments: str) -> None:
+    """The records' table and a payments table in the database at `url` (an async URL),
+    as a fresh app's deployment makes them."""
+
+    async def create() -> None:
+        records = SqlRecords(url, table=records_table)
+        await records.create_table()
+        async with records.engine.begin() as conn:
+            await conn.run_sync(payments_table(payments).metadata.create_all)
+        await records.aclose()
+
+    asyncio.run(create())
+
+
 def build(
     store: Store,
     records: SqlRecords,
