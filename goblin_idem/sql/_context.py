@@ -110,7 +110,8 @@ class RunTransaction:
         self.settled = False  # ended, and its connection given back: what commits now is late
         # What the work began beside the run (connections, sessions given objects): their
         # commits after the run settled are the work's, late (a dependency's teardown).
-        self.beside: weakref.WeakSet[object] = weakref.WeakSet()
+        # Made on first use: most runs begin nothing beside them.
+        self.beside: weakref.WeakSet[object] | None = None
         self.advice = ADVICE  # what the WARNING of a commit outside the run says to use
         self.opening: asyncio.Lock | None = None  # two first uses at once open one connection
 
@@ -213,6 +214,15 @@ class RunTransaction:
             )
         return conn
 
+    def add_beside(self, begun: object) -> None:
+        """`begun` (a connection or session) is the work's own, beside the run."""
+        if self.beside is None:
+            self.beside = weakref.WeakSet()
+        self.beside.add(begun)
+
+    def began_beside(self, begun: object) -> bool:
+        return self.beside is not None and begun in self.beside
+
     def adopt(self, own: Session) -> None:
         """`own`, a session the app made on this run's connection, is flushed with it."""
         if own not in self.adopted and all(s.sync_session is not own for s in self.sessions):
@@ -275,7 +285,7 @@ def _committed(conn: Connection) -> None:
     if run is None or run.where is None or run.owns(conn):
         return
     late = getattr(run, "settled", False)  # only an async run's request goes on after it
-    if run.ended and not (late and conn in run.beside):
+    if run.ended and not (late and run.began_beside(conn)):
         return
     if _database(conn.engine.url) != _database(run.engine.url):
         return
@@ -314,7 +324,7 @@ def _attached(own: Session, _: object) -> None:
     if run.conn is not None and bind is not None and bind is run.conn.sync_connection:
         run.adopt(own)
     elif run.where is not None and not run.ended:
-        run.beside.add(own)
+        run.add_beside(own)
 
 
 @event.listens_for(Engine, "begin")
@@ -324,7 +334,7 @@ def _begun(conn: Connection) -> None:
     run = _current.get()
     if isinstance(run, RunTransaction) and run.where is not None and not run.ended:
         if not run.owns(conn):
-            run.beside.add(conn)
+            run.add_beside(conn)
 
 
 @event.listens_for(Session, "after_begin")
@@ -332,8 +342,8 @@ def _session_begun(own: Session, _: object, conn: Connection) -> None:
     """A session given objects in a keyed run that begins its transaction later (its
     commit's flush, after the run settled): that transaction is the work's too."""
     run = _current.get()
-    if isinstance(run, RunTransaction) and run.settled and own in run.beside:
-        run.beside.add(conn)
+    if isinstance(run, RunTransaction) and run.settled and run.began_beside(own):
+        run.add_beside(conn)
 
 
 def _running() -> RunTransaction:
