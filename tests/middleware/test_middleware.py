@@ -980,7 +980,17 @@ async def test_round_trips_per_request(
     server: Server = request_.getfixturevalue(fixture)
     store = RedisStore.from_url(server.url, replay_cache_bytes=4 << 20 if cache else 0)
     assert await store.detect() == mode  # detection loads the scripts: no NOSCRIPT below
-    mw = IdempotencyMiddleware(Handler(delay=0.3), store=store)
+    handler, started, go_on = Handler(), asyncio.Event(), asyncio.Event()
+    go_on.set()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        # The first "slow" run is held until its duplicate was answered, however loaded
+        # the machine: a fixed delay let the run finish first under load.
+        started.set()
+        await go_on.wait()
+        await handler(scope, receive, send)
+
+    mw = IdempotencyMiddleware(app, store=store)
     client = store.client
     trips = RoundTrips(store, monkeypatch)
     try:
@@ -992,8 +1002,10 @@ async def test_round_trips_per_request(
         assert await commands_during(client, lambda: request(mw)) == {}  # no key: nothing
         trips.during(0)
 
+        go_on.clear()
+        started.clear()
         first = asyncio.create_task(request(mw, key="slow"))
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(started.wait(), 10)
         trips.during(1)
 
         async def duplicate() -> None:
@@ -1001,6 +1013,7 @@ async def test_round_trips_per_request(
 
         assert await commands_during(client, duplicate) == in_flight
         trips.during(1)
+        go_on.set()
         await first
     finally:
         await store.aclose()
