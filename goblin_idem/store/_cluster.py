@@ -227,7 +227,7 @@ class ClusterPipelined(Clustered):
     The slot table is the cluster client's (`get_node_from_key`, no network call); redis-py
     keeps it current for its own commands, `_together` refreshes it on MOVED or a lost
     connection. A primary that left the slot table has its pipeline closed at the refresh
-    that saw it go."""
+    that saw it go. With a replay cache budget every pipeline tracks (`ClusterReplays`)."""
 
     def __init__(self, client: RedisCluster, settings: dict[str, Any]) -> None:
         super().__init__(client, None)
