@@ -26,7 +26,7 @@ from tests.store.test_cluster_pipeline import (
     server_at,
 )
 from tests.store.test_replay_cache import BUDGET, claim_key, commands_served, completed, until
-from tests.support.servers import KINDS, Cluster, start_cluster
+from tests.support.servers import KINDS, Cluster, running, start_cluster
 
 MODES = ("script", "native")
 PAIRS = [(k, m) for k in KINDS for m in MODES]
@@ -311,5 +311,30 @@ async def test_a_failed_over_primary_still_reports_keys_that_replication_changes
             assert await store.claim_unless_done(claim_key(r), r, "u", 30) is CLAIMED
             assert node_of(store, r) == new.port  # MOVED refreshed the table ...
             assert old_pipeline._conn is None  # ... and closed the demoted primary's pipeline
+        finally:
+            await store.aclose()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_primary_resynced_from_another_history_drops_everything(kind: str) -> None:
+    """A primary that comes back as the replica of one with another history (a failover
+    it did not take part in) loads that dataset whole: its connection's invalidation of
+    everything drops every result it had kept."""
+    with running(kind) as old, running(kind) as new:
+        store = RedisStore.from_url(old.url, replay_cache_bytes=BUDGET)
+        try:
+            r = await completed(store)
+            pipeline = store._executor.replays
+            assert isinstance(pipeline, AutoPipeline) and pipeline.cached(r.encode()) == b"done"
+            with new.sync_client() as plain:
+                plain.config_set("repl-diskless-sync-delay", 0)
+                plain.set(r, b"another history")
+            with old.sync_client() as plain:
+                plain.replicaof(new.host, new.port)
+            conn = pipeline._conn
+            assert conn is not None
+            await until(lambda: conn.cache is None or r.encode() not in conn.cache.entries)
+            with old.sync_client() as plain:
+                assert plain.get(r) == b"another history"
         finally:
             await store.aclose()
