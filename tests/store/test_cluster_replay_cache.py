@@ -2,8 +2,8 @@
 tracks and keeps what was read on it, a duplicate is answered from memory with no command
 sent to any node, and never once the node that held the key said it changed (deleted by
 another client, expired, FLUSHALL on that node, the node restarted, the slot migrated to
-another primary, the primary failed over and the key deleted on the new one). Redis and
-Valkey, native and script mode."""
+another primary, the primary failed over and the key deleted on the new one, or the
+primary resynced from another history). Redis and Valkey, native and script mode."""
 
 from __future__ import annotations
 
