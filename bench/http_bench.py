@@ -590,6 +590,8 @@ def labels(primaries: int = 3) -> dict[str, str]:
         "goblin-cluster-script": f"goblin-idem, Redis Cluster ({primaries} primaries), script mode",
         "goblin-cluster-direct": f"goblin-idem, Redis Cluster ({primaries} primaries), native, "
         "autopipeline=False",
+        "goblin-cluster-native-cache": f"goblin-idem, Redis Cluster ({primaries} primaries), "
+        "native, replay cache (4 MiB per primary)",
         "asgi-idempotency-header": f"asgi-idempotency-header {version('asgi-idempotency-header')}"
         " (Redis)",
         "fastapi-idempotency": f"fastapi-idempotency {version('fastapi-idempotency')}"

@@ -35,14 +35,20 @@ VARIANTS = (
 # On a local 3-primary Redis Cluster (--redis-url names one of its nodes); not in the
 # default run, which would take too long with them (name them in --variants).
 # goblin-cluster-direct: native mode through redis-py (autopipeline=False), for comparison.
-CLUSTER_VARIANTS = ("goblin-cluster-native", "goblin-cluster-script", "goblin-cluster-direct")
+CLUSTER_VARIANTS = (
+    "goblin-cluster-native",
+    "goblin-cluster-script",
+    "goblin-cluster-direct",
+    "goblin-cluster-native-cache",
+)
 # goblin-sql: goblin-native with SQL records (`records=`) in the handler's PostgreSQL; with
 # `--handler sql` only, where the other variants' handler commits its own transaction.
 SQL_VARIANTS = ("goblin-sql",)
-# goblin-native-cache: goblin-native with its replay cache on (replay_cache_bytes 4 MiB), so
-# that one run shows what the cache changes (name it in --variants).
-CACHE_VARIANTS = ("goblin-native-cache",)
-ALL_VARIANTS = (*VARIANTS, *CLUSTER_VARIANTS, *SQL_VARIANTS, *CACHE_VARIANTS)
+# goblin-native-cache, goblin-cluster-native-cache: goblin-native and goblin-cluster-native
+# with the replay cache on (replay_cache_bytes 4 MiB), so that one run shows what the cache
+# changes (name them in --variants).
+CACHE_VARIANTS = ("goblin-native-cache", "goblin-cluster-native-cache")
+ALL_VARIANTS = tuple(dict.fromkeys((*VARIANTS, *CLUSTER_VARIANTS, *SQL_VARIANTS, *CACHE_VARIANTS)))
 REDIS_VARIANTS = frozenset(
     {"goblin-script", "goblin-native", "goblin-native-direct", "asgi-idempotency-header"}
 ) | frozenset((*CLUSTER_VARIANTS, *SQL_VARIANTS, *CACHE_VARIANTS))
@@ -118,6 +124,7 @@ def count_store_calls(store: Any) -> None:
             return pipeline
 
         executor._pipeline_for = counted_pipeline  # type: ignore[method-assign]
+        count_tracked_sends()
         return
     if store._pipeline is not None:
         STATS["store_calls"] = 0

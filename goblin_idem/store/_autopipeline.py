@@ -550,7 +550,7 @@ class AutoPipeline:
         cache = conn.cache
         if cache is None or not cache.start(key, claim):
             return None
-        return TrackedSend(conn, cache, key, claim)
+        return TrackedSend(self, conn, cache, key, claim)
 
     async def aclose(self) -> None:
         """Close the connection; calls still in flight fail, a later call opens a new one."""
@@ -563,18 +563,29 @@ class AutoPipeline:
 
 
 class TrackedSend:
-    """Commands sent on one connection, whose tracked read of `key` lets its cache keep
-    `key`'s result (a publish: its PTTL follows the SET inside one MULTI/EXEC). The caller
-    ends it with `finish` or `cancel`; both may be called again, to no effect."""
+    """Commands sent on one connection of `pipeline`, whose tracked read of `key` lets its
+    cache keep `key`'s result (a publish: its PTTL follows the SET inside one MULTI/EXEC).
+    The caller ends it with `finish` or `cancel`; the first ends it, a later call does
+    nothing (a cancelled send's reply never fills: another fill of `key` may have started
+    since, and its entry is its own)."""
 
-    __slots__ = ("cache", "claim", "conn", "key", "sent")
+    __slots__ = ("cache", "claim", "conn", "ended", "key", "pipeline", "sent")
 
-    def __init__(self, conn: _Connection, cache: ReplayCache, key: bytes, claim: bytes) -> None:
+    def __init__(
+        self,
+        pipeline: AutoPipeline,
+        conn: _Connection,
+        cache: ReplayCache,
+        key: bytes,
+        claim: bytes,
+    ) -> None:
+        self.pipeline = pipeline
         self.conn = conn
         self.cache = cache
         self.key = key
         self.claim = claim
         self.sent = conn.loop.time()
+        self.ended = False
 
     def send(self, commands: Sequence[Sequence[Any]]) -> asyncio.Future[list[Any]]:
         return self.conn.send(pack(commands), len(commands))
@@ -582,10 +593,14 @@ class TrackedSend:
     def finish(self, value: bytes, ttl_ms: int) -> None:
         """The result stored, `ttl_ms` left (the shorter of its and its claim's) when it
         was read: keep it."""
-        self.cache.finish(self.key, self.claim, value, ttl_ms, self.sent)
+        if not self.ended:
+            self.ended = True
+            self.cache.finish(self.key, self.claim, value, ttl_ms, self.sent)
 
     def cancel(self) -> None:
-        self.cache.cancel(self.key, self.claim)
+        if not self.ended:
+            self.ended = True
+            self.cache.cancel(self.key, self.claim)
 
 
 async def _ignore(error: Exception) -> None:

@@ -1,6 +1,7 @@
 """The executors of a Redis Cluster: over one shared connection per primary
-(`ClusterPipelined`, the default), or through redis-py (`Clustered`); `Clustered._together`
-is the one redirect loop of both (MOVED, ASK, TRYAGAIN, a lost connection)."""
+(`ClusterPipelined`, the default, with the primaries' replay caches: `ClusterReplays`), or
+through redis-py (`Clustered`); `Clustered._together` is the one redirect loop of both (MOVED,
+ASK, TRYAGAIN, a lost connection)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from redis.exceptions import (
 )
 
 from . import _scripts as scripts
-from ._autopipeline import AutoPipeline
+from ._autopipeline import PUSHES, AutoPipeline, TrackedSend
 from ._executor import LOST, Address, Command, Executor, Outcome, Wait, Where, no_script, pipelined
 from ._redis_compat import (
     drop_cluster_nodes,
@@ -34,7 +35,7 @@ from ._redis_compat import (
     slots_stale,
 )
 
-__all__ = ["ClusterPipelined", "Clustered"]
+__all__ = ["ClusterPipelined", "ClusterReplays", "Clustered"]
 
 logger = logging.getLogger("goblin_idem.store")
 
@@ -226,22 +227,30 @@ class ClusterPipelined(Clustered):
     The slot table is the cluster client's (`get_node_from_key`, no network call); redis-py
     keeps it current for its own commands, `_together` refreshes it on MOVED or a lost
     connection. A primary that left the slot table has its pipeline closed at the refresh
-    that saw it go."""
+    that saw it go. With a replay cache budget every pipeline tracks (`ClusterReplays`)."""
 
     def __init__(self, client: RedisCluster, settings: dict[str, Any]) -> None:
         super().__init__(client, None)
         self.settings = settings
         self.pipelines: dict[Address, AutoPipeline] = {}
+        if settings.get("replay_cache_bytes") and PUSHES:
+            self.replays = ClusterReplays(self)
 
     @classmethod
-    def for_client(cls, client: RedisCluster) -> ClusterPipelined | None:
+    def for_client(
+        cls, client: RedisCluster, replay_cache_bytes: int = 0
+    ) -> ClusterPipelined | None:
         """One for `client`, or None where a shared pipeline cannot honour its connection
-        settings (TLS, a credential provider, a custom connection class, no hiredis)."""
+        settings (TLS, a credential provider, a custom connection class, no hiredis); each
+        primary's pipeline with a replay cache of `replay_cache_bytes` (0: none)."""
         kwargs = client.get_connection_kwargs()
         if kwargs.get("connection_class", redis.asyncio.Connection) is not redis.asyncio.Connection:
             return None  # TLS, or a connection class of the application's
         settings = AutoPipeline.settings_of(kwargs)
-        return None if settings is None else cls(client, settings)
+        if settings is None:
+            return None
+        settings["replay_cache_bytes"] = replay_cache_bytes
+        return cls(client, settings)
 
     async def send(self, key: bytes, commands: Sequence[Command]) -> list[Any]:
         """`commands` back to back on the shared connection of the primary that serves
@@ -264,6 +273,31 @@ class ClusterPipelined(Clustered):
             if _clean(replies):
                 return replies
             outcome = replies
+        return await self._after(key, commands, address, outcome)
+
+    async def send_tracked(
+        self, key: bytes, commands: Sequence[Command], tracked: TrackedSend
+    ) -> list[Any]:
+        """`send`, its first attempt on `tracked`'s connection (a replay cache's, of the
+        primary the slot table named); anything but a clean reply cancels `tracked` and
+        goes on as `send` does from there (a redirect, TRYAGAIN, a lost connection)."""
+        pipeline = tracked.pipeline
+        try:
+            replies = await tracked.send(commands)
+        except LOST as exc:
+            outcome: Outcome = exc
+        else:
+            if _clean(replies):
+                return replies
+            outcome = replies
+        tracked.cancel()
+        return await self._after(key, commands, (pipeline.host, pipeline.port), outcome)
+
+    async def _after(
+        self, key: bytes, commands: Sequence[Command], address: Address, outcome: Outcome
+    ) -> list[Any]:
+        """A first attempt that did not end clean, through the redirect loop; NOSCRIPT then
+        as in `Executor.send`."""
         replies, where = await self._together(key, commands, (address, outcome))
         if no_script(replies):
             return await self._again(key, commands, where)
@@ -347,6 +381,71 @@ class ClusterPipelined(Clustered):
         for pipeline in pipelines:
             await pipeline.aclose()
         await super().aclose()
+
+
+class ClusterReplays:
+    """The replay caches of a cluster store: each primary's shared connection tracks, and
+    keeps, what was read on it (`_replay_cache`); a key's result is looked up, filled and
+    published through the pipeline of the primary its slot has in the slot table, read in
+    place (no network call; nothing while the table is stale), and forgotten in all of them.
+
+    An entry holds the bytes that one node held for the key when that node's connection read
+    them, and ends when that node reports the key changed, the connection is lost or closed,
+    or it is not consulted any more. A key leaves a node in one of these ways, each reported
+    on that node's connection, or ending it:
+
+    - deleted, expired, evicted or written on the node: its invalidation;
+    - FLUSHALL on the node: an invalidation of everything, for that node's connection
+      alone (the other primaries' keys stand);
+    - its slot migrated: MIGRATE deletes the key on the source, whose invalidation drops the
+      entry there; the copy on the target is not tracked until read there. A slot table
+      that still names the source sends the lookup to the source's cache, which no longer
+      has the key, so it goes to the store, where MOVED refreshes the table;
+    - the node restarted, or the connection lost: the connection's cache is dropped whole;
+    - a failover: a demoted primary still connected follows the new primary by replication,
+      and reports the keys replication changes (a full resync flushes: everything), checked
+      on Redis 7.0 and Valkey 9 (tests/store/test_cluster_replay_cache.py); its pipeline is
+      closed, with its cache, at the table refresh that sees it demoted (the first MOVED,
+      or a lost connection).
+
+    The window is the single server's (the invalidation's way to this process's event
+    loop), plus, while the table names a demoted primary, the replication delay from the
+    new one. A primary cut off from its cluster but not from this process answers from
+    memory what a read of it would answer."""
+
+    __slots__ = ("executor",)
+
+    def __init__(self, executor: ClusterPipelined) -> None:
+        self.executor = executor
+
+    def _pipeline(self, key: bytes) -> AutoPipeline | None:
+        """The pipeline of the primary the slot table names for `key`, if it has one yet."""
+        executor = self.executor
+        if slots_stale(executor.client):
+            return None
+        try:
+            address = executor._address_of(key)
+        except (RedisClusterException, ResponseError):  # not covered: the store will say
+            return None
+        return executor.pipelines.get(address)
+
+    def cached(self, key: bytes) -> bytes | None:
+        pipeline = self._pipeline(key)
+        return None if pipeline is None else pipeline.cached(key)
+
+    def fill(self, key: bytes, claim: bytes) -> None:
+        pipeline = self._pipeline(key)
+        if pipeline is not None:
+            pipeline.fill(key, claim)
+
+    def tracked(self, key: bytes, claim: bytes) -> TrackedSend | None:
+        pipeline = self._pipeline(key)
+        return None if pipeline is None else pipeline.tracked(key, claim)
+
+    def discard(self, key: bytes) -> None:
+        """Forget `key` in every primary's cache (any thread may call it)."""
+        for pipeline in tuple(self.executor.pipelines.values()):
+            pipeline.discard(key)
 
 
 def _redirect(key: bytes, replies: Sequence[Any]) -> AskError | None:

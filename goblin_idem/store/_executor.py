@@ -35,7 +35,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -46,7 +46,7 @@ from . import _scripts as scripts
 from ._redis_compat import drop_pool, shut_down
 
 if TYPE_CHECKING:
-    from ._autopipeline import AutoPipeline
+    from ._autopipeline import TrackedSend
 
 __all__ = [
     "NOT_WAITED",
@@ -55,6 +55,7 @@ __all__ = [
     "Command",
     "Executor",
     "Outcome",
+    "Replays",
     "Wait",
     "Where",
     "no_script",
@@ -79,6 +80,20 @@ LOST: Final = (RedisConnectionError, RedisTimeoutError, OSError)
 # garbage collector, whose cleanup would unregister their sockets from the epoll instance
 # the child shares with its parent (and so stall the parent's own reads).
 _inherited: list[object] = []
+
+
+class Replays(Protocol):
+    """Where an executor's replay caches are (`_replay_cache`): a single server's shared
+    connection (`AutoPipeline`), or the one of the primary that serves each key in a cluster
+    (`ClusterReplays`)."""
+
+    def cached(self, key: bytes) -> bytes | None: ...
+
+    def fill(self, key: bytes, claim: bytes) -> None: ...
+
+    def tracked(self, key: bytes, claim: bytes) -> TrackedSend | None: ...
+
+    def discard(self, key: bytes) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -126,8 +141,8 @@ class Executor:
     connections. `detecting` is the lock the loop's first calls wait on while detection
     runs (an asyncio lock belongs to one loop too)."""
 
-    #: The shared connection whose replay cache serves this executor's duplicates, if any.
-    replays: AutoPipeline | None = None
+    #: The replay caches that serve this executor's duplicates, if any.
+    replays: Replays | None = None
 
     def __init__(self, client: Any, wait: Wait | None) -> None:
         self.client = client
@@ -152,6 +167,18 @@ class Executor:
         """After NOSCRIPT: load the scripts where it came from, send once more."""
         await self._load_scripts(key, where)
         replies, _ = await self._send(key, commands)
+        return replies
+
+    async def send_tracked(
+        self, key: bytes, commands: Sequence[Command], tracked: TrackedSend
+    ) -> list[Any]:
+        """`commands` on `tracked`'s connection, whose reply may fill its cache; where they
+        must be sent again (NOSCRIPT here), they go through `send` and `tracked` is
+        cancelled: the read that counts is then another connection's, or a later one."""
+        replies = await tracked.send(commands)
+        if no_script(replies):
+            tracked.cancel()
+            return await self.send(key, commands)
         return replies
 
     async def send_durably(

@@ -37,7 +37,7 @@ from ._arguments import (
 from ._autopipeline import AutoPipeline, TrackedSend
 from ._cluster import Clustered, ClusterPipelined
 from ._detection import Detection, Mode, node_name
-from ._executor import NOT_WAITED, Acked, Command, Executor, Wait, no_script
+from ._executor import NOT_WAITED, Acked, Command, Executor, Wait
 from ._protocol import CLAIMED, ClaimReply, KeyT, Published
 from ._redis_compat import copy_client, startup_nodes
 from ._replay_cache import DEFAULT_REPLAY_CACHE_BYTES
@@ -106,7 +106,8 @@ class _StoreConnection:
 
     def _executor_for(self, client: AnyRedis) -> Executor:
         if isinstance(client, RedisCluster):
-            fast = ClusterPipelined.for_client(client) if self._shared else None
+            shared = self._shared
+            fast = ClusterPipelined.for_client(client, self.replay_cache_bytes) if shared else None
             return fast or Clustered(client, self._wait)
         shared = self._shared
         pipeline = AutoPipeline.for_client(client, self.replay_cache_bytes) if shared else None
@@ -360,7 +361,10 @@ class RedisStore(_StoreConnection):
     loop's shared connection keeps the results it published or read in memory and answers
     their duplicates from there, kept coherent by the server's invalidations (RESP3 client
     tracking on that connection, `_replay_cache`); `forget_cached` drops a key at once.
-    Single server only (a cluster, or a store that does not auto-pipeline, has none).
+    In a cluster each primary's shared connection has its own, and a key is looked up in
+    the one of its slot's primary (`executors.ClusterReplays`, which says what keeps it
+    coherent through migrations and failovers). A store that does not auto-pipeline has
+    none.
 
     Detection (`detect`, or the first command): the mode, the ACL user's permission for
     every command the store sends (`StorePermissionError` names what is refused), the
@@ -570,10 +574,7 @@ class RedisStore(_StoreConnection):
             ("PTTL", ck),
             ("EXEC",),
         ]
-        replies = await tracked.send(transaction)
-        if no_script(replies):
-            tracked.cancel()
-            replies = await executor.send(ck, transaction)
+        replies = await executor.send_tracked(ck, transaction, tracked)
         caching, *replies = replies  # refused (an ACL changed): the PTTL was not tracked
         written, renewed = self._published(replies, NOT_WAITED)
         if not written:

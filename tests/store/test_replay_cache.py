@@ -400,3 +400,26 @@ async def test_forget_drops_the_answer_kept_in_memory_at_once(
     assert commands_served(server) == before  # from memory
     assert await forget(store, key) is True
     assert await store.claim_unless_done(names.claim, names.result, "u", 30) is CLAIMED
+
+
+async def test_a_cancelled_tracked_send_never_fills_in_place_of_a_later_fill(
+    redis_server: Server,
+) -> None:
+    """A tracked publish sent again elsewhere (NOSCRIPT, a cluster redirect) is cancelled;
+    its `finish` afterwards must not take the place of a fill of the key started since,
+    whose tracked read is the one that counts."""
+    pipeline = AutoPipeline(
+        host=redis_server.host, port=redis_server.port, replay_cache_bytes=BUDGET
+    )
+    try:
+        await pipeline.execute([("PING",)])
+        tracked = pipeline.tracked(b"r", b"c")
+        assert tracked is not None
+        tracked.cancel()
+        cache = tracked.cache
+        assert cache.start(b"r", b"c")  # another fill of the key, on the wire
+        tracked.finish(b"not read by that fill", 60_000)
+        assert cache.get(b"r", asyncio.get_running_loop().time()) is None
+        assert cache.pending == {b"r": False}  # that fill still counts
+    finally:
+        await pipeline.aclose()
