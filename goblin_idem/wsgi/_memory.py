@@ -8,7 +8,9 @@ Here the request's thread does what the middleware would do for it, in the same 
 key checked, the route's settings, the key names and fingerprint (`Identity.identify`), the
 cache's entry, then the record read and checked by the middleware's own `Answers.replay`,
 its event reported and its start message made by `replay_start`. So the answer is the one
-the middleware would send, byte for byte, and it is counted as one.
+the middleware would send, byte for byte, and it is counted and told to `on_event` as one
+(with ``otel``, on the span current in the request's thread; no store call is timed, since
+none is made).
 
 Only the plainest case is taken: a claim step that asks the store alone (no records, no
 waiting, no 0.1.0 names) and a record that replays as it stands. Anything else (no entry,
@@ -37,7 +39,7 @@ from .._loop import loop_thread
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._responses import replay_start
 from ..store import RedisStore
-from ..store._autopipeline import HEARD_SECONDS, STALL_FACTOR, STALL_SECONDS
+from ..store._autopipeline import HEARD_SECONDS, STALL_FACTOR, STALL_SECONDS, AutoPipeline
 
 __all__ = ["MemoryReplays"]
 
@@ -86,7 +88,9 @@ class MemoryReplays:
         `AutoPipeline.cached` would serve it there."""
         executor = self.store._loops.get(loop_thread().loop)
         pipeline = None if executor is None else executor.replays
-        conn = None if pipeline is None else pipeline._conn
+        if not isinstance(pipeline, AutoPipeline):
+            return None  # none, or a cluster's: the loop thread looks it up
+        conn = pipeline._conn
         cache = None if conn is None else conn.cache
         if conn is None or cache is None:
             return None
