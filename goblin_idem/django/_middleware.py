@@ -37,6 +37,7 @@ from ..middleware import _routes
 from ..middleware._routes import RESOLVED_POLICY, RoutePolicy, policy_of
 from ..wsgi._app import body_cut, body_reader, scope_of
 from ..wsgi._bridge import HANDOFF, ClientGone, Handoff, Outer, thread_app
+from ..wsgi._memory import MemoryReplays
 from ..wsgi._middleware import check_store
 from . import _settings
 from ._responses import (
@@ -77,6 +78,7 @@ class IdempotencyMiddleware:
         self.methods = self.core.methods
         self.max_body_bytes = self.core.max_body_bytes
         self.key_name = "HTTP_" + self.core.header_name.upper().replace("-", "_")
+        self.memory = None if self.is_async else MemoryReplays.of(self.core)
         self._check(self.core)
         get_resolver().url_patterns  # noqa: B018  # see _covered
 
@@ -184,6 +186,11 @@ class IdempotencyMiddleware:
             body = self._body(request)
         except ClientGone:
             return HttpResponse(status=400)  # nobody reads it: nothing run, nothing claimed
+        key = request.META.get(self.key_name)
+        if body is not None and key is not None and self.memory is not None:
+            replay = self.memory.answer(scope, key, body)
+            if replay is not None:  # from memory, as the bridged path would answer it
+                return response_of(*replay)
         exchange = Exchange(loop_thread())
         responder = DjangoResponder(self.get_response, request)
         handoff = Handoff(exchange, responder, body, None if body is not None else _reader(request))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from starlette.types import Send
+from starlette.types import Message, Send
 
 from .._keys import KeyNames, hop_key
 from .._log import describe
@@ -22,7 +22,7 @@ from . import _hops
 from . import _problems as problems
 from ._events import Events
 
-__all__ = ["REPLAYED", "Answers"]
+__all__ = ["REPLAYED", "Answers", "replay_start"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -118,12 +118,30 @@ class Answers:
             [(b"retry-after", self.retry_after)],
         )
 
+    def replay(self, data: bytes, fp: bytes, names: KeyNames) -> Record | None:
+        """The record a duplicate is answered with as it stands: readable here, of this
+        very request (its fingerprint), replayable. None for any other, which `stored`
+        answers; the sync adapters' replays from memory (goblin_idem.wsgi._memory) then
+        take the ASGI middleware's path."""
+        try:
+            record = decode(
+                data, sealer=self.sealer, name=names.result, require_sealed=self.require_sealed
+            )
+        except RecordError:
+            return None
+        return record if record.fingerprint == fp and record.replayable else None
+
     async def stored(self, data: bytes, fp: bytes, send: Send, names: KeyNames) -> None:
         """The stored response replayed, byte for byte; or why it is not (422 for another
         request under the same key, 409 for a response too large to have been stored,
         503 for a record this process cannot read). A request that the key's runs once
         redirected gets that redirect replayed instead of 422 (`_hops`)."""
-        try:
+        record = self.replay(data, fp, names)
+        if record is not None:
+            self.report("replayed", names.hash)
+            await _send_record(send, record)
+            return
+        try:  # the rarer answers: the record read again, to say why it is not replayed
             record = decode(
                 data, sealer=self.sealer, name=names.result, require_sealed=self.require_sealed
             )
@@ -149,9 +167,6 @@ class Answers:
                 f"The first request completed with status {record.status}. "
                 "Do not retry it with this key.",
             )
-            return
-        self.report("replayed", names.hash)
-        await _send_record(send, record)
 
     async def _redirected(self, fp: bytes, send: Send, names: KeyNames) -> bool:
         """Whether a redirect that answered this very request was found, and replayed (or,
@@ -196,17 +211,22 @@ class Answers:
         )
 
 
-async def _send_record(send: Send, record: Record) -> None:
-    """The stored response, as the app sent it: with trailers if it declared them (the
-    server then frames and delivers them as it did the first time)."""
-    start = {
+def replay_start(record: Record) -> Message:
+    """The start of a replay of `record`: its status and headers, and the replay's mark."""
+    start: Message = {
         "type": "http.response.start",
         "status": record.status,
         "headers": [*record.headers, REPLAYED],
     }
     if record.trailers is not None:
         start["trailers"] = True
-    await send(start)
+    return start
+
+
+async def _send_record(send: Send, record: Record) -> None:
+    """The stored response, as the app sent it: with trailers if it declared them (the
+    server then frames and delivers them as it did the first time)."""
+    await send(replay_start(record))
     await send({"type": "http.response.body", "body": record.body, "more_body": False})
     if record.trailers is not None:
         await send(

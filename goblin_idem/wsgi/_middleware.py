@@ -25,6 +25,7 @@ from ..middleware._routes import RESOLVED_POLICY, RoutePolicy
 from ..store import Store
 from ._app import WSGIApp, WSGIResponder, body_reader, read_whole, scope_of
 from ._bridge import HANDOFF, ClientGone, Handoff, Outer, latin1, status_line, thread_app
+from ._memory import MemoryReplays
 from ._unkeyed import UnkeyedApp
 
 PolicyOf: TypeAlias = Callable[[dict[str, Any]], RoutePolicy | None]
@@ -60,6 +61,7 @@ class IdempotencyMiddleware:
         self.max_body_bytes = self.core.max_body_bytes
         self.key_name = "HTTP_" + self.core.header_name.upper().replace("-", "_")
         self.policy_of: PolicyOf | None = None  # a framework's route marks (Flask's)
+        self.memory = MemoryReplays.of(self.core)
         check_store(self.core)  # raises for an unusable store, as a lifespan's startup
 
     @property
@@ -97,6 +99,12 @@ class IdempotencyMiddleware:
             body = read_whole(environ, self.max_body_bytes) if keyed else None
         except ClientGone:
             return client_left(start_response)
+        if body is not None and self.memory is not None:
+            replay = self.memory.answer(scope, environ[self.key_name], body)
+            if replay is not None:  # from memory, as the bridged path would answer it
+                start, data = replay
+                start_response(status_line(start["status"]), latin1(start["headers"]))
+                return [data]
         exchange = Exchange(loop_thread())
         responder = WSGIResponder(self.app, environ)
         handoff = Handoff(exchange, responder, body, body_reader(environ) if body is None else None)

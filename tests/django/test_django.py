@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,13 @@ from django.urls import path
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from goblin_idem import MemoryStore
+from goblin_idem import MemoryStore, RedisStore
 from goblin_idem._keys import key_names
 from goblin_idem._loop import loop_thread
 from goblin_idem.django import IdempotencyMiddleware
 from goblin_idem.records._format import decode, encode
 from goblin_idem.sql import SqlRecords, connection
+from tests.store.test_replay_cache import commands_served
 from tests.support.servers import Server
 from tests.support.wsgi import run_until_exit
 
@@ -359,3 +361,31 @@ def test_a_replay_without_a_content_type_has_none(redis_server: Server) -> None:
     assert again["Idempotent-Replayed"] == "true"
     assert "Content-Type" not in again
     assert again["X-Trace"] == "t1, t2"
+
+
+def test_a_replay_kept_in_memory_is_answered_in_the_request_thread(redis_server: Server) -> None:
+    """With a replay cache, a duplicate is answered in the request's thread (its event
+    reported there), with no command sent: the same response, cookies included, as a
+    replay read from the store."""
+    store = RedisStore.from_url(redis_server.url, replay_cache_bytes=4 << 20)
+    seen: list[tuple[str, threading.Thread]] = []
+
+    def hook(event: str, key_hash: str) -> None:
+        seen.append((event, threading.current_thread()))
+
+    k = key()
+    try:
+        with override_settings(GOBLIN_IDEM={"STORE": store, "ON_EVENT": hook}):
+            assert post(Client(), "/cookie", k).status_code == 201
+            before = commands_served(redis_server)
+            again = post(Client(), "/cookie", k)
+            assert commands_served(redis_server) == before
+        with override_settings(GOBLIN_IDEM={"STORE": redis_server.url}):
+            from_store = post(Client(), "/cookie", k)
+    finally:
+        loop_thread().run(store.aclose())
+    assert seen[-1] == ("replayed", threading.current_thread())
+    assert again.status_code == from_store.status_code == 201
+    assert list(again.items()) == list(from_store.items())
+    assert again.content == from_store.content
+    assert again.cookies.output() == from_store.cookies.output() != ""

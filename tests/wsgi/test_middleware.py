@@ -6,6 +6,7 @@ the loop thread across a fork. Served in process by tests/support/wsgi.py; the s
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -30,6 +31,7 @@ from goblin_idem import (
 from goblin_idem._keys import key_names
 from goblin_idem._loop import loop_thread
 from goblin_idem.wsgi import IdempotencyMiddleware
+from tests.store.test_replay_cache import commands_served
 from tests.support.asgi import request as asgi_request
 from tests.support.backends import (
     sync_store,  # noqa: F401
@@ -548,3 +550,96 @@ def test_scope_names_every_header_and_keeps_few_names() -> None:
         assert scope["headers"] == [(b"x-custom-%d" % i, b"v"), (b"idempotency-key", b"k")]
         assert scope["path"] == "/caf\u00e9"
     assert len(_app._HEADER_NAMES) <= _app._HEADER_NAMES_KEPT
+
+
+# -- replays from the replay cache, answered in the request's thread ------------------------
+
+
+class Seen:
+    """An on_event hook: each event and the thread it was reported in."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, threading.Thread]] = []
+
+    def __call__(self, event: str, key_hash: str) -> None:
+        self.events.append((event, threading.current_thread()))
+
+
+def never(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+    raise AssertionError("the app ran for a key that was completed")
+
+
+def cached_store(server: Server) -> RedisStore:
+    with server.sync_client() as client:
+        client.flushall()
+    return RedisStore.from_url(server.url, replay_cache_bytes=4 << 20)
+
+
+def test_a_replay_kept_in_memory_is_answered_in_the_request_thread_as_the_store_s(
+    redis_server: Server,
+) -> None:
+    """No round trip, no hand-over to the loop thread; the same status line, headers and
+    body as a replay read from the store by a process without the cache, and as the ASGI
+    middleware's; counted and told to on_event as a replay."""
+    store, plain = cached_store(redis_server), RedisStore.from_url(redis_server.url)
+    seen, app = Seen(), App()
+    mw = IdempotencyMiddleware(app, store=store, on_event=seen)
+    assert mw.memory is not None and IdempotencyMiddleware(app, store=plain).memory is None
+    first = call(mw, "POST", "/pay", b'{"n": 1}', key="k")
+    before = commands_served(redis_server)
+    again = call(mw, "POST", "/pay", b'{"n": 1}', key="k")
+    assert commands_served(redis_server) == before
+    assert seen.events[-1] == ("replayed", threading.current_thread())
+    assert app.runs == 1 and mw.counters.replayed == 1 and again.body == first.body
+    from_store = call(
+        IdempotencyMiddleware(never, store=plain), "POST", "/pay", b'{"n": 1}', key="k"
+    )
+    assert (again.status, again.headers, again.chunks) == (
+        from_store.status,
+        from_store.headers,
+        from_store.chunks,
+    )
+
+    async def asgi_replay() -> Any:
+        async def never_run(scope: Any, receive: Any, send: Any) -> None:
+            raise AssertionError("the ASGI app ran for a key that was completed")
+
+        asgi_store = RedisStore.from_url(redis_server.url)
+        try:
+            mw = ASGIMiddleware(never_run, store=asgi_store)
+            return await asgi_request(mw, path="/pay", body=b'{"n": 1}', key="k")
+        finally:
+            await asgi_store.aclose()
+
+    asgi = asyncio.run(asgi_replay())
+    assert asgi.status == again.code and asgi.body == again.body
+    assert asgi.headers == [(n.encode("latin-1"), v.encode("latin-1")) for n, v in again.headers]
+    for s in (store, plain):
+        loop_thread().run(s.aclose())
+
+
+def test_what_memory_no_longer_holds_or_does_not_match_takes_the_bridged_path(
+    redis_server: Server,
+) -> None:
+    """Another body under the key: 422 as before, the replay still from memory after; the
+    key deleted by another client: never answered from memory once the server's
+    invalidation has arrived (the key is run again)."""
+    store, seen, app = cached_store(redis_server), Seen(), App()
+    mw = IdempotencyMiddleware(app, store=store, on_event=seen)
+    call(mw, "POST", "/pay", b'{"n": 1}', key="k")
+    reused = call(mw, "POST", "/pay", b'{"n": 2}', key="k")
+    assert reused.code == 422 and reused.header("Content-Type") == PROBLEM
+    assert seen.events[-1][0] == "mismatch" and seen.events[-1][1] is not threading.current_thread()
+    assert call(mw, "POST", "/pay", b'{"n": 1}', key="k").json()["run"] == 1
+    assert seen.events[-1] == ("replayed", threading.current_thread())
+    names = key_names(b"idem", b"", b"k")
+    assert mw.memory is not None and mw.memory._kept(names.result) is not None
+    with redis_server.sync_client() as client:
+        client.delete(names.result, names.claim)
+    deadline = time.monotonic() + 5
+    while mw.memory._kept(names.result) is not None:
+        assert time.monotonic() < deadline, "the invalidation never arrived"
+        time.sleep(0.001)
+    assert call(mw, "POST", "/pay", b'{"n": 1}', key="k").json()["run"] == 2
+    assert app.runs == 2 and seen.events[-1][0] == "claimed" and mw.counters.replayed == 1
+    loop_thread().run(store.aclose())

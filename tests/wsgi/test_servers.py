@@ -7,6 +7,7 @@ server (tests.support.apps.counting), and the lease is one second."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -15,10 +16,13 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 
+from goblin_idem._keys import key_names
+from tests.store.test_replay_cache import commands_served
 from tests.support.procs import spawn, start_uvicorn, stop, uvicorn_args, wait_http
 from tests.support.servers import Server, free_port
 from tests.support.wsgi import Gunicorn
@@ -79,6 +83,26 @@ def plain_wsgi(redis_server: Server) -> Iterator[Served]:
     env = {"REDIS_URL": redis_server.url, **LEASE}
     server = Gunicorn(PLAIN_WSGI, free_port(), env, worker_class="sync", workers=2).wait_ready()
     yield Served("wsgi, gunicorn sync", server.url, redis_server)
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def flask_cached(redis_server: Server) -> Iterator[Served]:
+    """Flask with a replay cache, one gthread process, on flask_sync's store."""
+    env = {"REDIS_URL": redis_server.url, "REPLAY_CACHE_BYTES": str(4 << 20), **LEASE}
+    server = Gunicorn(FLASK, free_port(), env, worker_class="gthread", workers=1, threads=4)
+    yield Served("flask, gunicorn gthread, replay cache", server.wait_ready().url, redis_server)
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def django_cached(valkey_native_server: Server) -> Iterator[Served]:
+    """Django with a replay cache, one gthread process, on django_gthread's store."""
+    env = {"REDIS_URL": valkey_native_server.url, "REPLAY_CACHE_BYTES": str(4 << 20), **LEASE}
+    server = Gunicorn(DJANGO_WSGI, free_port(), env, worker_class="gthread", workers=1, threads=4)
+    yield Served(
+        "django, gunicorn gthread, replay cache", server.wait_ready().url, valkey_native_server
+    )
     server.stop()
 
 
@@ -310,3 +334,61 @@ def test_an_unreachable_store_stops_uvicorn_serving_django() -> None:
             wait_http(proc, port, timeout=20)
     finally:
         stop(proc)
+
+
+def exchange(url: str, key: str, body: bytes = b'{"amount": 5}') -> tuple[Any, ...]:
+    """POST /work as answered on the wire: status, reason, every header (in order, as
+    sent) but Date, and the body."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+        conn.request("POST", "/work", body=body, headers=headers)
+        reply = conn.getresponse()
+        data = reply.read()
+    finally:
+        conn.close()
+    kept = [(n, v) for n, v in reply.getheaders() if n.lower() != "date"]
+    return reply.status, reply.reason, kept, data
+
+
+def named(answer: tuple[Any, ...]) -> dict[str, str]:
+    return {name.lower(): value for name, value in answer[2]}
+
+
+@pytest.mark.parametrize(
+    ("cached", "other"), [("flask_cached", "flask_sync"), ("django_cached", "django_gthread")]
+)
+def test_a_replay_from_memory_under_gunicorn_sends_no_command_and_the_same_bytes(
+    request: pytest.FixtureRequest, cached: str, other: str
+) -> None:
+    """A key run by another process: its first duplicate here is read from the store (and
+    kept), the next ones are answered from memory with no command sent, byte for byte the
+    same; another body under the key is 422; deleted by another client, the key runs
+    again."""
+    memory: Served = request.getfixturevalue(cached)
+    elsewhere: Served = request.getfixturevalue(other)
+    assert memory.store is not None
+    key = uuid.uuid4().hex
+    assert exchange(elsewhere.url, key)[0] == 201
+    from_store = exchange(memory.url, key)
+    assert from_store[0] == 201 and named(from_store)["idempotent-replayed"] == "true"
+    sent = []
+    for _ in range(20):  # the store's read is kept once its tracked read is answered
+        before = commands_served(memory.store)
+        assert exchange(memory.url, key) == from_store
+        sent.append(commands_served(memory.store) - before)
+        if sent[-1] == 0:
+            break
+        time.sleep(0.05)
+    assert sent[-1] == 0, sent
+    reused = exchange(memory.url, key, b'{"amount": 6}')
+    assert reused[0] == 422 and named(reused)["content-type"] == "application/problem+json"
+    assert exchange(memory.url, key) == from_store and memory.runs(key) == 1
+    names = key_names(b"idem", b"", key.encode())
+    with memory.store.sync_client() as client:
+        client.delete(names.result, names.claim)
+    time.sleep(0.5)  # the server's invalidation reaches the worker's loop thread at once
+    again = exchange(memory.url, key)
+    assert again[0] == 201 and "idempotent-replayed" not in named(again)
+    assert memory.runs(key) == 2

@@ -119,8 +119,10 @@ def create_configured() -> Flask:
 
 
 def _store() -> Store:
+    """REDIS_URL's store, with a replay cache of REPLAY_CACHE_BYTES if set."""
     url = os.environ.get("REDIS_URL")
-    return RedisStore.from_url(url) if url else MemoryStore()
+    budget = int(os.environ.get("REPLAY_CACHE_BYTES", "0"))
+    return RedisStore.from_url(url, replay_cache_bytes=budget) if url else MemoryStore()
 
 
 app = create_app(_store(), lease_seconds=int(os.environ.get("LEASE_SECONDS", "30")))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+_CACHE = os.environ.get("REPLAY_CACHE_BYTES")
 SECRET_KEY = "not a secret: tests only"
 DEBUG = False
 ALLOWED_HOSTS = ["*"]
@@ -24,6 +25,8 @@ REST_FRAMEWORK = {
 }
 GOBLIN_IDEM = {
     "STORE": os.environ.get("REDIS_URL", "memory"),
+    # with REPLAY_CACHE_BYTES, REDIS_URL's store with a replay cache of that budget
+    **({"STORE": "tests.support.apps.django_site.views.cached_store"} if _CACHE else {}),
     "LEASE_SECONDS": int(os.environ.get("LEASE_SECONDS", "30")),
     **json.loads(os.environ.get("GOBLIN_SETTINGS", "{}")),
 }

@@ -116,6 +116,14 @@ def store() -> object:
     return MemoryStore()
 
 
+def cached_store() -> object:
+    """A STORE factory: REDIS_URL's store with a replay cache of REPLAY_CACHE_BYTES."""
+    from goblin_idem import RedisStore
+
+    budget = int(os.environ["REPLAY_CACHE_BYTES"])
+    return RedisStore.from_url(os.environ["REDIS_URL"], replay_cache_bytes=budget)
+
+
 def _hook(request: HttpRequest) -> HttpResponse:
     event = json.loads(request.body)
     run = counting.count(f"hook:{event['ref']}")
