@@ -211,13 +211,14 @@ class _Connection(asyncio.Protocol):
         if cache is not None:
             cache.clear()
 
-    def serving(self) -> ReplayCache | None:
-        """The cache, while its results may be served: the connection is up, has heard from
-        the server within `HEARD_SECONDS`, and is not stalled."""
+    def serving(self, now: float) -> ReplayCache | None:
+        """The cache, while its results may be served at `now` (the loop's clock, or
+        `time.monotonic()` in another thread, never behind it): the connection is up, has
+        heard from the server within `HEARD_SECONDS`, and is not stalled."""
         cache = self.cache
-        if cache is None or self.loop.time() - self.heard > HEARD_SECONDS:
+        if cache is None or now - self.heard > HEARD_SECONDS:
             return None
-        if self.waiting and self.stalled():
+        if self.waiting and self.stalled(now):
             return None
         return cache
 
@@ -241,11 +242,14 @@ class _Connection(asyncio.Protocol):
                 self.timer = loop.call_at(waiter.deadline, self._check_timeout)
         return future
 
-    def stalled(self) -> bool:
-        """Has the oldest unanswered command waited suspiciously long?"""
-        if not self.waiting:
+    def stalled(self, now: float | None = None) -> bool:
+        """Has the oldest unanswered command waited suspiciously long (at `now`, by
+        default the loop's time)?"""
+        try:
+            sent = self.waiting[0].sent
+        except IndexError:  # none, or answered meanwhile by the loop's thread
             return False
-        waited = self.loop.time() - self.waiting[0].sent
+        waited = (self.loop.time() if now is None else now) - sent
         return waited > STALL_SECONDS and waited > STALL_FACTOR * self.reply_time
 
     def retire(self) -> None:
@@ -492,13 +496,19 @@ class AutoPipeline:
             refused[0],
         )
 
-    def cached(self, key: bytes) -> bytes | None:
-        """`key`'s result from the current connection's replay cache, while it serves."""
+    def cached(self, key: bytes, now: float | None = None) -> bytes | None:
+        """`key`'s result from the current connection's replay cache, while it serves.
+        Another thread may ask, with `now` from `time.monotonic()`: the loop's clock reads
+        the same source (uvloop's at the start of each turn, so never ahead of it), so
+        expiries and the server's last word come out sooner there, never later; entries are
+        read without the cache's lock (`_replay_cache`)."""
         conn = self._conn
         if conn is None or conn.cache is None:
             return None
-        cache = conn.serving()
-        return None if cache is None else cache.get(key, conn.loop.time())
+        if now is None:
+            now = conn.loop.time()
+        cache = conn.serving(now)
+        return None if cache is None else cache.get(key, now)
 
     def fill(self, key: bytes, claim: bytes) -> None:
         """Read result `key` into the cache, in the background: its GET and the PTTLs of it

@@ -18,14 +18,8 @@ another request under the key, an unreadable record, a webhook route, a key the 
 refuses) returns None, and the request takes the bridged path, which answers it as before
 and fills the cache.
 
-The cache is read as the loop thread reads it, under the same conditions, from this thread:
-its entries are read without a lock (one dict lookup) and every change takes one
-(_replay_cache), so an entry seen here was valid when read, as it would be on the loop
-thread. The conditions compare `time.monotonic()` with the loop's clock: asyncio's loop
-reads the same clock, uvloop's (libuv's millisecond clock, on the same monotonic source)
-reads it at the start of each turn, so its times are never later than this one, and an
-entry's expiry and the connection's last word from the server come out sooner here, never
-later.
+The cache is read as the loop thread reads it, under the same conditions, from this thread
+(`AutoPipeline.cached` with `time.monotonic()`, which says why that is safe).
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ from .._loop import loop_thread
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._responses import replay_start
 from ..store import RedisStore
-from ..store._autopipeline import HEARD_SECONDS, STALL_FACTOR, STALL_SECONDS, AutoPipeline
+from ..store._autopipeline import AutoPipeline
 
 __all__ = ["MemoryReplays"]
 
@@ -85,24 +79,9 @@ class MemoryReplays:
 
     def _kept(self, result_key: bytes) -> bytes | None:
         """The result kept by the loop thread's connection, on the conditions under which
-        `AutoPipeline.cached` would serve it there."""
+        the loop thread would serve it (`AutoPipeline.cached`, read from this thread)."""
         executor = self.store._loops.get(loop_thread().loop)
         pipeline = None if executor is None else executor.replays
         if not isinstance(pipeline, AutoPipeline):
             return None  # none, or a cluster's: the loop thread looks it up
-        conn = pipeline._conn
-        cache = None if conn is None else conn.cache
-        if conn is None or cache is None:
-            return None
-        now = time.monotonic()
-        if now - conn.heard > HEARD_SECONDS:
-            return None  # a server that stopped answering cannot say a key changed
-        waiting = conn.waiting
-        if waiting:
-            try:
-                waited = now - waiting[0].sent
-            except IndexError:  # answered meanwhile, on the loop thread
-                waited = 0.0
-            if waited > STALL_SECONDS and waited > STALL_FACTOR * conn.reply_time:
-                return None  # stalled: `_Connection.serving`
-        return cache.get(result_key, now)
+        return pipeline.cached(result_key, time.monotonic())
