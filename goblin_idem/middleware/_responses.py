@@ -8,14 +8,14 @@ Built from plain values (Starlette's responder pattern): no reference to the mid
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.types import Send
 
 from .._keys import KeyNames, hop_key
 from .._log import describe
 from ..exceptions import RecordError, WebhookRefusedError
-from ..records._format import Record, decode
+from ..records._format import Decoded, Record, decode
 from ..records._sealing import Sealer
 from ..store import Store
 from . import _hops
@@ -41,6 +41,15 @@ class Answers:
     sealer: Sealer | None
     require_sealed: bool  # a record in the clear is answered as unreadable
     store: Store | None = None  # for the redirects a key answered (_hops)
+    # The records of a store with a replay cache, decoded once per bytes object it hands
+    # back (`Decoded`, within the cache's own budget); None: decoded at each replay.
+    decoded: Decoded | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        budget = getattr(self.store, "replay_cache_bytes", 0)
+        if type(budget) is int and budget > 0:
+            decoded = Decoded(budget, self.sealer, self.require_sealed)
+            object.__setattr__(self, "decoded", decoded)
 
     # -- a request refused: nothing claimed, nothing run --
 
@@ -124,9 +133,12 @@ class Answers:
         503 for a record this process cannot read). A request that the key's runs once
         redirected gets that redirect replayed instead of 422 (`_hops`)."""
         try:
-            record = decode(
-                data, sealer=self.sealer, name=names.result, require_sealed=self.require_sealed
-            )
+            if self.decoded is not None:
+                record = self.decoded(data, names.result)
+            else:
+                record = decode(
+                    data, sealer=self.sealer, name=names.result, require_sealed=self.require_sealed
+                )
         except RecordError as exc:
             await self._unreadable(exc, send, names)
             return
@@ -198,7 +210,9 @@ class Answers:
 
 async def _send_record(send: Send, record: Record) -> None:
     """The stored response, as the app sent it: with trailers if it declared them (the
-    server then frames and delivers them as it did the first time)."""
+    server then frames and delivers them as it did the first time). Fresh messages and
+    lists each time: a record may be kept decoded (`Decoded`), and a layer outside may
+    change the messages it is sent."""
     start = {
         "type": "http.response.start",
         "status": record.status,
@@ -210,5 +224,9 @@ async def _send_record(send: Send, record: Record) -> None:
     await send({"type": "http.response.body", "body": record.body, "more_body": False})
     if record.trailers is not None:
         await send(
-            {"type": "http.response.trailers", "headers": record.trailers, "more_trailers": False}
+            {
+                "type": "http.response.trailers",
+                "headers": list(record.trailers),
+                "more_trailers": False,
+            }
         )
