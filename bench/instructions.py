@@ -294,7 +294,7 @@ def main() -> None:
             if v.endswith(BASELINE) and args.baseline is None:
                 raise SystemExit(f"{v} needs --baseline DIR (the checkout that serves it)")
             url = servers[v].url if v in servers else "-"
-            parts = ["app"] if v == "bare" else ["app", "store"]
+            parts = ["app"] if v in ("bare", "answer-only") else ["app", "store"]
             figures: dict[str, float] = {}
             for part in parts:
                 figures.update(measure(v, part, url, args.concurrency, low, high, args.reps))
