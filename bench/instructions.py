@@ -1,16 +1,21 @@
-"""Where a first run's cost goes, in instructions (callgrind) and in time, in-process.
+"""Where a first run's or a replay's cost goes, in instructions (callgrind) and in time.
 
     python3 bench/instructions.py          # --requests 400,1600 --concurrency 32
+    python3 bench/instructions.py --scenario replay --variants bare,goblin-native-cache
 
 Drives the benchmark's FastAPI app (bench/serve.py, `POST /orders`) straight through ASGI,
 with no server and no HTTP parsing: every request a new key, `--concurrency` of them in
 flight at once (asyncio.gather), on one event loop (uvloop). Each variant runs twice in a
 process of its own under `valgrind --tool=callgrind`, with the two request counts of
 `--requests`; the difference of the two totals, over the difference of the counts, is the
-instructions one request costs, start-up and warm-up cancelled. The collector's share is
+instructions one request costs, start-up and warm-up cancelled. `--scenario replay` sends
+duplicates instead: `REPLAY_KEYS` keys are completed first, then every request repeats one
+of them in turn (goblin-native-cache: answered from its replay cache, filled during the
+warm-up; the bare app runs its handler each time). The collector's share is
 the inclusive count of CPython's `gc_collect_main`, taken the same way. The store's share
 is a loop of the same two calls a first run makes (`claim_unless_done`, then `publish`) on
-fresh keys, at the same concurrency, with no app around them. As in http_bench.py,
+fresh keys, at the same concurrency, with no app around them (for a replay: the one
+`claim_unless_done` of a completed key). As in http_bench.py,
 `PYTHONPATH=<other checkout>` measures another version of goblin-idem, and `--baseline DIR`
 measures another checkout (its own bench/serve.py and package) beside this one, as
 variants named `NAME@baseline` (`--variants goblin-native,goblin-native@baseline`). The
@@ -43,6 +48,8 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VARIANTS = ("bare", "goblin-memory", "goblin-script", "goblin-native")
+SCENARIOS = ("new", "replay")
+REPLAY_KEYS = 64  # completed keys a replay run repeats, in turn
 BASELINE = "@baseline"  # a variant served by --baseline's checkout
 RESULT = b'{"status":201,"body":"{\\"id\\":1,\\"status\\":\\"created\\"}"}'
 
@@ -83,20 +90,34 @@ def store_of(app: Any) -> Any:
     return layer.store
 
 
-async def workload(variant: str, part: str, url: str, n: int, concurrency: int) -> float:
+async def workload(
+    variant: str, scenario: str, part: str, url: str, n: int, concurrency: int
+) -> float:
     app = make_app(variant, url)
     run = f"{os.getpid()}-{time.monotonic_ns()}"
     store: Any = None
+    replay = scenario == "replay"
+    if replay:  # the keys every request repeats, completed through the app
+        await asyncio.gather(
+            *(one_request(app, b"%s-r%d" % (run.encode(), i)) for i in range(REPLAY_KEYS))
+        )
     if part == "store":
         await one_request(app, f"{run}-first".encode())  # builds the middleware stack
         store = store_of(app)
+    calls = replay_calls if replay else first_run_calls
 
     async def batch(start: int, count: int) -> None:
-        keys = [f"{run}-{i}".encode() for i in range(start, start + count)]
+        if replay:
+            keys = [f"{run}-r{i % REPLAY_KEYS}".encode() for i in range(start, start + count)]
+        else:
+            keys = [f"{run}-{i}".encode() for i in range(start, start + count)]
         if part == "app":
             await asyncio.gather(*(one_request(app, k) for k in keys))
+        elif replay:  # a call answered from memory never waits: no task each, which the
+            for k in keys:  # app's requests carry in both columns, counted here as the store's
+                await calls(store, k)
         else:
-            await asyncio.gather(*(first_run_calls(store, k) for k in keys))
+            await asyncio.gather(*(calls(store, k) for k in keys))
 
     warm = 4 * concurrency
     for start in range(0, warm, concurrency):
@@ -122,6 +143,15 @@ async def first_run_calls(store: Any, key: bytes) -> None:
     await store.publish(names.result, RESULT, 86_400_000, names.claim, token)
 
 
+async def replay_calls(store: Any, key: bytes) -> None:
+    from goblin_idem._keys import key_names
+
+    names = key_names(b"idem", b"", key)
+    reply = await store.claim_unless_done(names.claim, names.result, b"t-" + key, 30)
+    if type(reply) is not bytes:
+        raise SystemExit(f"a completed key answered {reply!r}")
+
+
 def child(args: argparse.Namespace) -> None:
     import uvloop
 
@@ -131,8 +161,21 @@ def child(args: argparse.Namespace) -> None:
         sys.path.append(str(ROOT))  # after PYTHONPATH, which may name another copy
     else:
         sys.path.insert(0, str(tree))  # a baseline: its own package, before PYTHONPATH's
-    elapsed = uvloop.run(workload(args.variant, args.part, args.url, args.n, args.concurrency))
-    print(f"elapsed {elapsed:.6f} gc {gc.get_count()}", flush=True)
+    if args.scenario == "replay":
+        # valgrind runs the process some 50 times slower: the second a replay cache serves
+        # after its connection last heard from the server, and the quarter of a second
+        # after which a reply is late, would run out between the few replays that reach
+        # the server, and most replays would read the store
+        from goblin_idem.store import _autopipeline
+
+        _autopipeline.HEARD_SECONDS = _autopipeline.STALL_SECONDS = 3600.0
+    elapsed = uvloop.run(
+        workload(args.variant, args.scenario, args.part, args.url, args.n, args.concurrency)
+    )
+    import serve
+
+    calls = serve.STATS.get("store_calls", 0)
+    print(f"elapsed {elapsed:.6f} gc {gc.get_count()} store_calls {calls}", flush=True)
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -143,10 +186,14 @@ def child_args(variant: str, part: str, url: str, n: int, concurrency: int) -> l
     tree = BASELINE_TREE[0] if variant.endswith(BASELINE) else ROOT
     kind = variant.removesuffix(BASELINE)
     script = str(Path(__file__).resolve())
-    return [sys.executable, script, "--child", kind, part, url, str(n), str(concurrency), str(tree)]
+    return [
+        *(sys.executable, script, "--child", kind, SCENARIO[0], part, url),
+        *(str(n), str(concurrency), str(tree)),
+    ]
 
 
 BASELINE_TREE: list[Path] = [ROOT]  # --baseline's checkout
+SCENARIO: list[str] = ["new"]  # --scenario
 
 
 def callgrind(variant: str, part: str, url: str, n: int, concurrency: int) -> tuple[int, int]:
@@ -202,11 +249,12 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         a = argparse.Namespace(
             variant=sys.argv[2],
-            part=sys.argv[3],
-            url=sys.argv[4],
-            n=int(sys.argv[5]),
-            concurrency=int(sys.argv[6]),
-            tree=sys.argv[7],
+            scenario=sys.argv[3],
+            part=sys.argv[4],
+            url=sys.argv[5],
+            n=int(sys.argv[6]),
+            concurrency=int(sys.argv[7]),
+            tree=sys.argv[8],
         )
         child(a)
         return
@@ -215,6 +263,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (32)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per figure (3)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--scenario", choices=SCENARIOS, default="new", help="new keys, or replays (new)"
+    )
     p.add_argument(
         "--baseline",
         type=Path,
@@ -226,6 +277,7 @@ def main() -> None:
         if not (args.baseline / "bench" / "serve.py").is_file():
             p.error(f"--baseline {args.baseline}: no bench/serve.py there (name a checkout)")
         BASELINE_TREE[0] = args.baseline.resolve()
+    SCENARIO[0] = args.scenario
     low, high = (int(x) for x in args.requests.split(","))
     variants = [v for v in args.variants.split(",") if v]
     sys.path.insert(0, str(ROOT))
@@ -239,13 +291,13 @@ def main() -> None:
         for v in variants:  # a server of its own for each Redis variant
             if v.removesuffix(BASELINE) == "goblin-script":
                 servers[v] = start_server("redis")
-            elif v.removesuffix(BASELINE) == "goblin-native":
+            elif v.removesuffix(BASELINE) in ("goblin-native", "goblin-native-cache"):
                 servers[v] = start_server("redis", modules=[str(build_module())])
         for v in variants:
             if v.endswith(BASELINE) and args.baseline is None:
                 raise SystemExit(f"{v} needs --baseline DIR (the checkout that serves it)")
             url = servers[v].url if v in servers else "-"
-            parts = ["app"] if v == "bare" else ["app", "store"]
+            parts = ["app"] if v in ("bare", "answer-only") else ["app", "store"]
             figures: dict[str, float] = {}
             for part in parts:
                 figures.update(measure(v, part, url, args.concurrency, low, high, args.reps))
@@ -270,22 +322,28 @@ def print_table(
     print()
     print("```")
     print(
-        f"Python {sys.version.split()[0]}, valgrind --tool=callgrind; {high - low} requests "
+        f"Python {sys.version.split()[0]}, valgrind --tool=callgrind; {args.scenario} "
+        f"scenario, {high - low} requests "
         f"(the difference of runs of {low} and {high}), {args.concurrency} in flight; "
         f"time: the {high} requests after the warm-up, median of {args.reps}, without valgrind"
     )
     print(f"total run time {elapsed / 60:.1f} min")
     print("```")
     print()
+    calls, outer = "2 calls", "FastAPI app"
+    if args.scenario == "replay":  # no handler runs: the app's outer layers, as answer-only
+        calls, outer = "1 call", "outer layers (answer-only)"
+        floor = figures.get("answer-only", {"app_ir": float("nan"), "app_gc_ir": 0.0})
+        fastapi = floor["app_ir"] - floor["app_gc_ir"]
     print(
-        "| variant | instructions/req | / bare | FastAPI app | middleware's own work "
-        "| store: 2 calls | collector | us/req | / bare | store us (2 calls) |"
+        f"| variant | instructions/req | / bare | {outer} | middleware's own work "
+        f"| store: {calls} | collector | us/req | / bare | store us ({calls}) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for v, f in rows:
         total, collector = f["app_ir"], f["app_gc_ir"]
         store = f.get("store_ir", 0.0) - f.get("store_gc_ir", 0.0)
-        own = total - fastapi - store - collector if v != "bare" else 0.0
+        own = total - fastapi - store - collector if v not in ("bare", "answer-only") else 0.0
         store_us = f"{f['store_us']:.1f}" if "store_us" in f else "-"
         print(
             f"| {v} | {total:,.0f} | {total / bare['app_ir']:.2f}x | {fastapi:,.0f} "

@@ -17,7 +17,7 @@ import contextlib
 import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 PATH = "/orders"
 STATS_PATH = "/__stats"
@@ -48,7 +48,14 @@ SQL_VARIANTS = ("goblin-sql",)
 # with the replay cache on (replay_cache_bytes 4 MiB), so that one run shows what the cache
 # changes (name them in --variants).
 CACHE_VARIANTS = ("goblin-native-cache", "goblin-cluster-native-cache")
-ALL_VARIANTS = tuple(dict.fromkeys((*VARIANTS, *CLUSTER_VARIANTS, *SQL_VARIANTS, *CACHE_VARIANTS)))
+# answer-only: no idempotency at all, a middleware that answers every request with a key
+# with a fixed 201 once it has read the body: the least a replay can cost in this app (its
+# outer layers, FastAPI's and Starlette's error middleware, and the server), a floor for
+# any middleware's replay (name it in --variants).
+FLOOR_VARIANTS = ("answer-only",)
+ALL_VARIANTS = tuple(
+    dict.fromkeys((*VARIANTS, *CLUSTER_VARIANTS, *SQL_VARIANTS, *CACHE_VARIANTS, *FLOOR_VARIANTS))
+)
 REDIS_VARIANTS = frozenset(
     {"goblin-script", "goblin-native", "goblin-native-direct", "asgi-idempotency-header"}
 ) | frozenset((*CLUSTER_VARIANTS, *SQL_VARIANTS, *CACHE_VARIANTS))
@@ -251,13 +258,39 @@ def fastapi_idempotency() -> tuple[list[Any], Prepare]:
     return [Middleware(IdempotencyMiddleware, store=store, wait_seconds=0)], prepare
 
 
+class AnswerOnly:
+    """The answer-only variant's middleware: a fixed 201 to any request with a key."""
+
+    START: ClassVar[dict[str, Any]] = {
+        "type": "http.response.start",
+        "status": 201,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"27")],
+    }
+    BODY: ClassVar[dict[str, Any]] = {
+        "type": "http.response.body",
+        "body": b'{"id":1,"status":"created"}',
+    }
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or all(n != b"idempotency-key" for n, _ in scope["headers"]):
+            await self.app(scope, receive, send)
+            return
+        await receive()
+        await send({**self.START, "headers": list(self.START["headers"])})
+        await send(dict(self.BODY))
+
+
 def middleware_for(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare]:
-    if variant == "bare":
+    if variant in ("bare", *FLOOR_VARIANTS):
+        from starlette.middleware import Middleware
 
         async def nothing() -> None:
             return None
 
-        return [], nothing
+        return ([Middleware(AnswerOnly)] if variant != "bare" else []), nothing
     if variant.startswith("goblin-"):
         return goblin(variant, url, no_hiredis)
     if variant == "asgi-idempotency-header":

@@ -165,11 +165,10 @@ class KeyNames:
 def key_names(namespace: bytes, scope: bytes, key: bytes) -> KeyNames:
     """``<ns>:{<hash>}:c`` and ``<ns>:{<hash>}:r``: one hash tag, so both keys share a
     cluster slot (GOBLIN.CLAIM and the publish transaction touch both)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(len(scope).to_bytes(4, "big"))  # length-prefixed: (a, bc) != (ab, c)
-    h.update(scope)
-    h.update(key)
-    digest = h.digest()
+    # length-prefixed: (a, bc) != (ab, c)
+    digest = hashlib.blake2b(
+        b"".join((len(scope).to_bytes(4, "big"), scope, key)), digest_size=16
+    ).digest()
     return _names(namespace, digest, digest.hex())
 
 

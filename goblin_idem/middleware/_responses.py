@@ -8,14 +8,14 @@ Built from plain values (Starlette's responder pattern): no reference to the mid
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.types import Message, Send
 
 from .._keys import KeyNames, hop_key
 from .._log import describe
 from ..exceptions import RecordError, WebhookRefusedError
-from ..records._format import Record, decode
+from ..records._format import Decoded, Record, decode
 from ..records._sealing import Sealer
 from ..store import Store
 from . import _hops
@@ -41,6 +41,15 @@ class Answers:
     sealer: Sealer | None
     require_sealed: bool  # a record in the clear is answered as unreadable
     store: Store | None = None  # for the redirects a key answered (_hops)
+    # The records of a store with a replay cache, decoded once per bytes object it hands
+    # back (`Decoded`, within the cache's own budget); None: decoded at each replay.
+    decoded: Decoded | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        budget = getattr(self.store, "replay_cache_bytes", 0)
+        if type(budget) is int and budget > 0:
+            decoded = Decoded(budget, self.sealer, self.require_sealed)
+            object.__setattr__(self, "decoded", decoded)
 
     # -- a request refused: nothing claimed, nothing run --
 
@@ -124,12 +133,17 @@ class Answers:
         answers; the sync adapters' replays from memory (goblin_idem.wsgi._memory) then
         take the ASGI middleware's path."""
         try:
-            record = decode(
-                data, sealer=self.sealer, name=names.result, require_sealed=self.require_sealed
-            )
+            record = self._decode(data, names)
         except RecordError:
             return None
         return record if record.fingerprint == fp and record.replayable else None
+
+    def _decode(self, data: bytes, names: KeyNames) -> Record:
+        if self.decoded is not None:
+            return self.decoded(data, names.result)
+        return decode(
+            data, sealer=self.sealer, name=names.result, require_sealed=self.require_sealed
+        )
 
     async def stored(self, data: bytes, fp: bytes, send: Send, names: KeyNames) -> None:
         """The stored response replayed, byte for byte; or why it is not (422 for another
@@ -142,9 +156,7 @@ class Answers:
             await _send_record(send, record)
             return
         try:  # the rarer answers: the record read again, to say why it is not replayed
-            record = decode(
-                data, sealer=self.sealer, name=names.result, require_sealed=self.require_sealed
-            )
+            record = self._decode(data, names)
         except RecordError as exc:
             await self._unreadable(exc, send, names)
             return
@@ -212,7 +224,9 @@ class Answers:
 
 
 def replay_start(record: Record) -> Message:
-    """The start of a replay of `record`: its status and headers, and the replay's mark."""
+    """The start of a replay of `record`: its status and headers, and the replay's mark.
+    Fresh messages and lists each time: a record may be kept decoded (`Decoded`), and a
+    layer outside may change the messages it is sent."""
     start: Message = {
         "type": "http.response.start",
         "status": record.status,
@@ -230,5 +244,9 @@ async def _send_record(send: Send, record: Record) -> None:
     await send({"type": "http.response.body", "body": record.body, "more_body": False})
     if record.trailers is not None:
         await send(
-            {"type": "http.response.trailers", "headers": record.trailers, "more_trailers": False}
+            {
+                "type": "http.response.trailers",
+                "headers": list(record.trailers),
+                "more_trailers": False,
+            }
         )

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from goblin_idem import IdempotencyMiddleware, MemoryStore
+from goblin_idem import IdempotencyMiddleware, MemoryStore, RedisStore
 from goblin_idem._keys import key_names
 from goblin_idem.exceptions import RecordError
 from goblin_idem.records._format import Record, decode, encode
@@ -265,3 +265,46 @@ def test_only_a_response_with_trailers_gets_the_new_record_version() -> None:
     assert decode(encode(replace(plain, trailers=[]))).trailers == []
     with pytest.raises(RecordError):
         decode(encode(with_trailers)[:-6])  # cut inside the trailers
+
+
+async def test_a_replay_from_the_cache_is_unchanged_by_a_layer_that_edits_messages(
+    redis_server: Server,
+) -> None:
+    """With the replay cache, a record is decoded once and kept (`records._format.Decoded`):
+    a layer outside the middleware that edits the messages it is sent, in place, must not
+    change what the next replay of the key sends."""
+    headers = [(b"content-type", b"text/plain"), (b"trailer", b"x-status")]
+    app = App(
+        {"type": "http.response.start", "status": 200, "headers": headers, "trailers": True},
+        {"type": "http.response.body", "body": b"done", "more_body": False},
+        {
+            "type": "http.response.trailers",
+            "headers": [(b"x-status", b"ok")],
+            "more_trailers": False,
+        },
+    )
+    store = RedisStore.from_url(redis_server.url, replay_cache_bytes=1 << 20)
+    mw = IdempotencyMiddleware(app, store=store)
+
+    async def editing(scope: Scope, receive: Receive, send: Send) -> None:
+        async def edit(message: Message) -> None:
+            if "headers" in message:
+                message["headers"].append((b"x-edited", b"1"))
+            await send(message)
+
+        await mw(scope, receive, edit)
+
+    ext = {"http.response.trailers": {}}
+    key = secrets.token_hex(8)
+    try:
+        await request(mw, key=key, extensions=ext)
+        replays = [await request(editing, key=key, extensions=ext) for _ in range(2)]
+        plain = await request(mw, key=key, extensions=ext)
+        assert mw.answers.decoded is not None and mw.answers.decoded.entries  # kept decoded
+        assert mw.counters.replayed == 3 and app.runs == 1
+        assert replays[0].messages == replays[1].messages  # the edits did not accumulate
+        assert plain.without("idempotent-replayed") == headers
+        assert plain.messages[-1]["headers"] == [(b"x-status", b"ok")]
+        assert (await request(mw, key=key, body=b"other", extensions=ext)).status == 422
+    finally:
+        await store.aclose()
