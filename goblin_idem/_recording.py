@@ -22,7 +22,7 @@ from .store import CLAIMED, ClaimReply, Store
 
 logger = logging.getLogger("goblin_idem.claim")
 
-__all__ = ["Committed", "Lookup", "Records", "RunTransaction", "kept"]
+__all__ = ["Committed", "Lookup", "Records", "RunTransaction", "kept", "let_go"]
 
 
 class Committed(Exception):
@@ -110,12 +110,6 @@ class Lookup:
         keeping = getattr(records, "lookup_for_run", None)
         self.task = asyncio.ensure_future(keeping(key) if keeping else _alone(records, key))
 
-    def again(self) -> Lookup:
-        """A new lookup, for a claim won after a wait: this one's answer predates it (the
-        run that held the claim may have committed meanwhile)."""
-        self.forget()
-        return Lookup(self.records, self.key)
-
     def forget(self) -> None:
         """Not needed (the claim step answered without a won claim, or failed). Left to
         end, not cancelled: a query cut off midway can leave its connection in a
@@ -177,9 +171,14 @@ def _quiet(task: asyncio.Future[Looked]) -> None:
         return  # retrieved: never "exception was never retrieved"
     run = task.result()[1]
     if run is not None:
-        rolled = asyncio.ensure_future(run.rollback())
-        _forgotten.add(rolled)
-        rolled.add_done_callback(_quiet_rollback)
+        let_go(run)
+
+
+def let_go(run: RunTransaction) -> None:
+    """Roll `run` back in the background, which gives its connection back."""
+    rolled = asyncio.ensure_future(run.rollback())
+    _forgotten.add(rolled)
+    rolled.add_done_callback(_quiet_rollback)
 
 
 def _quiet_rollback(task: asyncio.Future[None]) -> None:

@@ -37,7 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, A
 from sqlalchemy.orm import Session
 
 from .._log import describe
-from .._recording import Committed
+from .._recording import Committed, kept, let_go
 from ..exceptions import CommitRefusedError, DatabaseUnavailableError, NotInRunError
 from ._failures import connecting, unavailable_as
 
@@ -117,7 +117,27 @@ class RunTransaction:
         self.opening: asyncio.Lock | None = None  # two first uses at once open one connection
 
     def enter(self) -> contextvars.Token[object]:
+        """Make this the transaction of `connection()`. A run under a won claim that is not
+        its lookup's own (records whose `transaction` makes another) takes the lookup's
+        connection, or has it given back: never left checked out."""
+        if self.where is not None:
+            lookups = kept.get()
+            if lookups is not None and lookups is not self:
+                kept.set(None)
+                self._take_looked(lookups)
         return _current.set(self)
+
+    def _take_looked(self, lookups: object) -> None:
+        if (
+            isinstance(lookups, RunTransaction)
+            and lookups.engine is self.engine
+            and lookups.looked is not None
+            and self.conn is None
+            and self.looked is None
+        ):
+            self.looked, lookups.looked = lookups.looked, None
+        else:
+            let_go(lookups)  # type: ignore[arg-type]
 
     def leave(self, token: contextvars.Token[object]) -> None:
         _current.reset(token)

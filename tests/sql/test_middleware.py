@@ -8,6 +8,7 @@ import datetime
 import json
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +20,8 @@ from goblin_idem import IdempotencyMiddleware, _recording
 from goblin_idem._keys import key_names
 from goblin_idem._recording import Looked
 from goblin_idem.records._format import decode
-from goblin_idem.sql import connection
+from goblin_idem.sql import SqlRecords, connection
+from goblin_idem.sql._context import RunTransaction
 from tests.sql.conftest import Setup
 from tests.support.apps.sql_app import BIG, Gate, build
 from tests.support.asgi import Reply, problem, request
@@ -364,6 +366,28 @@ async def test_a_new_keys_run_writes_on_the_connection_its_lookup_took(setup: Se
     assert setup.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     assert await setup.payment_count() == 2 and len(await setup.rows()) == 2
     assert replayed(await pay(app, "k2", "p2", mode="session"))
+
+
+async def test_records_whose_runs_are_their_own_take_the_lookups_connection(
+    setup: Setup,
+) -> None:
+    """Records whose `transaction` makes a run of their own kind (a subclass's) are not
+    handed the lookup's run: the run takes its connection when it begins, so none is left
+    checked out (the pool would run dry)."""
+
+    class Own(RunTransaction):
+        pass
+
+    class OwnRecords(SqlRecords):
+        def transaction(self, where: Callable[[], str] | None = None) -> RunTransaction:
+            return Own(self, self.engine, where)
+
+    records = OwnRecords(setup.engine, table=setup.records.table.name)
+    app = build(setup.store, records, setup.payments)
+    for i in range(3):
+        assert (await pay(app, f"k{i}", f"p{i}")).status == 201
+    assert setup.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert await setup.payment_count() == 3 and len(await setup.rows()) == 3
 
 
 async def test_a_lookup_a_duplicate_no_longer_needs_is_left_to_finish(
