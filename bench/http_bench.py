@@ -252,7 +252,9 @@ def wrk(args: argparse.Namespace, port: int, scenario: str, prefix: str, seconds
 
 
 def measure(v: Variant, args: argparse.Namespace, scenario: str, rep: int) -> Run:
-    prefix = {"new": f"new-r{rep}", "replay": "replay", "inflight": serve.INFLIGHT_KEY}
+    # New keys of their own per variant (its port: the same length for all), as variants
+    # with SQL records share one database, where another's record would be replayed.
+    prefix = {"new": f"new-r{rep}-{v.port}", "replay": "replay", "inflight": serve.INFLIGHT_KEY}
     assert v.proc is not None
     before_stats = v.stats()
     before = redis_snapshot(v.redis) if v.redis is not None else None

@@ -277,7 +277,9 @@ def main() -> None:
             if v.endswith(BASELINE) and args.baseline is None:
                 raise SystemExit(f"{v} needs --baseline DIR (the checkout that serves it)")
             url = servers[v].url if v in servers else "-"
-            parts = ["app"] if v == "bare" else ["app", "store"]
+            # With a SQL handler, the app only: the store's two calls are the same as with
+            # the JSON handler, measured there.
+            parts = ["app"] if v == "bare" or args.handler != "json" else ["app", "store"]
             figures: dict[str, float] = {}
             for part in parts:
                 figures.update(measure(v, part, url, args.concurrency, low, high, args.reps))
