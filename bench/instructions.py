@@ -58,7 +58,9 @@ def make_app(variant: str, url: str, handler: str, dsn: str) -> Any:
         from sqlalchemy.ext.asyncio import create_async_engine
 
         serve.HANDLER.update(kind=handler, pg_dsn=dsn)
-        serve.ENGINE.append(create_async_engine(dsn, pool_size=16, max_overflow=0))
+        serve.ENGINE.append(  # serve.py's pool, waited on as long as valgrind needs
+            create_async_engine(dsn, pool_size=16, max_overflow=0, pool_timeout=3600)
+        )
     middleware, _ = serve.middleware_for(variant, url, no_hiredis=False)
     return serve.fastapi_app(middleware, serve.middleware_for("bare", "", False)[1])
 
