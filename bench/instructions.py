@@ -31,7 +31,6 @@ import asyncio
 import gc
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,16 +50,9 @@ RESULT = b'{"status":201,"body":"{\\"id\\":1,\\"status\\":\\"created\\"}"}'
 # -- the workload, run in a child process ----------------------------------------------------
 
 
-def make_app(variant: str, url: str, handler: str, dsn: str) -> Any:
+def make_app(variant: str, url: str) -> Any:
     import serve
 
-    if handler != "json":  # the SQL handlers: the engine serve.py's main() would make
-        from sqlalchemy.ext.asyncio import create_async_engine
-
-        serve.HANDLER.update(kind=handler, pg_dsn=dsn)
-        serve.ENGINE.append(  # serve.py's pool, waited on as long as valgrind needs
-            create_async_engine(dsn, pool_size=16, max_overflow=0, pool_timeout=3600)
-        )
     middleware, _ = serve.middleware_for(variant, url, no_hiredis=False)
     return serve.fastapi_app(middleware, serve.middleware_for("bare", "", False)[1])
 
@@ -91,10 +83,8 @@ def store_of(app: Any) -> Any:
     return layer.store
 
 
-async def workload(
-    variant: str, part: str, url: str, n: int, concurrency: int, handler: str, dsn: str
-) -> float:
-    app = make_app(variant, url, handler, dsn)
+async def workload(variant: str, part: str, url: str, n: int, concurrency: int) -> float:
+    app = make_app(variant, url)
     run = f"{os.getpid()}-{time.monotonic_ns()}"
     store: Any = None
     if part == "store":
@@ -141,11 +131,7 @@ def child(args: argparse.Namespace) -> None:
         sys.path.append(str(ROOT))  # after PYTHONPATH, which may name another copy
     else:
         sys.path.insert(0, str(tree))  # a baseline: its own package, before PYTHONPATH's
-    elapsed = uvloop.run(
-        workload(
-            args.variant, args.part, args.url, args.n, args.concurrency, args.handler, args.dsn
-        )
-    )
+    elapsed = uvloop.run(workload(args.variant, args.part, args.url, args.n, args.concurrency))
     print(f"elapsed {elapsed:.6f} gc {gc.get_count()}", flush=True)
 
 
@@ -157,14 +143,10 @@ def child_args(variant: str, part: str, url: str, n: int, concurrency: int) -> l
     tree = BASELINE_TREE[0] if variant.endswith(BASELINE) else ROOT
     kind = variant.removesuffix(BASELINE)
     script = str(Path(__file__).resolve())
-    return [
-        *(sys.executable, script, "--child", kind, part, url, str(n), str(concurrency)),
-        *(str(tree), *HANDLER),
-    ]
+    return [sys.executable, script, "--child", kind, part, url, str(n), str(concurrency), str(tree)]
 
 
 BASELINE_TREE: list[Path] = [ROOT]  # --baseline's checkout
-HANDLER = ["json", "-"]  # --handler, and the throwaway PostgreSQL's URL for the SQL ones
 
 
 def callgrind(variant: str, part: str, url: str, n: int, concurrency: int) -> tuple[int, int]:
@@ -225,26 +207,14 @@ def main() -> None:
             n=int(sys.argv[5]),
             concurrency=int(sys.argv[6]),
             tree=sys.argv[7],
-            handler=sys.argv[8],
-            dsn=sys.argv[9],
         )
         child(a)
         return
-    # SIGTERM raises SystemExit, so the `finally` below stops every server started.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", default="400,1600", help="the two request counts (400,1600)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (32)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per figure (3)")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument(
-        "--handler",
-        choices=("json", "sql", "session"),
-        default="json",
-        help="as in http_bench.py: sql and session insert one row into a throwaway "
-        "PostgreSQL through SQLAlchemy (variant goblin-sql: with records)",
-    )
-    p.add_argument("--pg-driver", choices=("asyncpg", "psycopg"), default="asyncpg")
     p.add_argument(
         "--baseline",
         type=Path,
@@ -265,23 +235,17 @@ def main() -> None:
     servers: dict[str, Any] = {}
     rows = []
     started = time.monotonic()
-    pg: Any = None
     try:
-        if args.handler != "json":
-            pg = start_postgres()
-            HANDLER[:] = [args.handler, pg.url(driver=args.pg_driver)]
         for v in variants:  # a server of its own for each Redis variant
             if v.removesuffix(BASELINE) == "goblin-script":
                 servers[v] = start_server("redis")
-            elif v.removesuffix(BASELINE) in ("goblin-native", "goblin-sql"):
+            elif v.removesuffix(BASELINE) == "goblin-native":
                 servers[v] = start_server("redis", modules=[str(build_module())])
         for v in variants:
             if v.endswith(BASELINE) and args.baseline is None:
                 raise SystemExit(f"{v} needs --baseline DIR (the checkout that serves it)")
             url = servers[v].url if v in servers else "-"
-            # With a SQL handler, the app only: the store's two calls are the same as with
-            # the JSON handler, measured there.
-            parts = ["app"] if v == "bare" or args.handler != "json" else ["app", "store"]
+            parts = ["app"] if v == "bare" else ["app", "store"]
             figures: dict[str, float] = {}
             for part in parts:
                 figures.update(measure(v, part, url, args.concurrency, low, high, args.reps))
@@ -290,32 +254,7 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
-        if pg is not None:
-            pg.remove()
     print_table(rows, args, low, high, time.monotonic() - started)
-
-
-def start_postgres() -> Any:
-    """A throwaway PostgreSQL with the handler's table and the records' (created here, since
-    the app is driven without its lifespan)."""
-    import serve
-
-    from goblin_idem.sql import SqlRecords
-    from tests.support.postgres import start_postgres as start
-
-    pg = start(durable=True)
-    pg.psql(
-        f"CREATE TABLE {serve.PG_TABLE} (id bigserial PRIMARY KEY, sku text NOT NULL, "
-        "qty int NOT NULL, created timestamptz DEFAULT now())"
-    )
-    records = SqlRecords(pg.url())
-
-    async def create() -> None:
-        await records.create_table()
-        await records.aclose()
-
-    asyncio.run(create())
-    return pg
 
 
 def print_table(
@@ -334,7 +273,6 @@ def print_table(
         f"Python {sys.version.split()[0]}, valgrind --tool=callgrind; {high - low} requests "
         f"(the difference of runs of {low} and {high}), {args.concurrency} in flight; "
         f"time: the {high} requests after the warm-up, median of {args.reps}, without valgrind"
-        f"{'' if args.handler == 'json' else f'; handler {args.handler} ({args.pg_driver})'}"
     )
     print(f"total run time {elapsed / 60:.1f} min")
     print("```")
