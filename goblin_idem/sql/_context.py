@@ -3,7 +3,8 @@
 A context variable holds the `RunTransaction` of the request or run this code is part of
 (set by the middleware around every request, or by `once` around the work; tasks the work
 starts inherit it). The connection is taken from the engine's pool and its transaction
-begun on first use, so work that writes nothing through it costs nothing. Neither the
+begun on first use, so work that writes nothing through it costs nothing (on
+PostgreSQL, the connection the key's lookup was made on, kept for the run). Neither the
 connection nor the session commits: only the run does, with its record
 (`RunTransaction.commit`), so no effect can commit without the record that stops a second
 run; a request without a claimed key commits its writes alone (`RunTransaction.commit_work`),
@@ -173,7 +174,7 @@ class RunTransaction:
         """`key`'s unexpired record, looked up on a connection taken now and kept for this
         run, whose `connection()` begins on it: a run takes one pooled connection, not one
         for its lookup and another for its writes. On psycopg the lookup begins the run's
-        transaction too, in the same round trip (`SqlRecords._looked`). Given back by
+        transaction too, in the same round trip (`SqlRecords.looked`). Given back by
         `rollback` (the caller's, if this raises)."""
         with connecting("for the record's lookup"):
             conn = RunConnection(self.engine)

@@ -435,7 +435,8 @@ class SqlRecords(RecordsTable):
     ) -> bool:
         """Insert the record in the run's transaction and commit it, with the work's writes;
         False (nothing committed) if the key's unexpired row exists. On psycopg, the insert
-        and the COMMIT go in one round trip (`_pipelined`); elsewhere one each.
+        and the COMMIT go in one round trip (`_pipelined`), on asyncpg too (`_in_one`);
+        elsewhere one each.
         DatabaseUnavailableError if the connection was lost on the way (`_failures`)."""
         try:
             return await self._commit(conn, tx, key, key_hash, fp, data, ttl_ms)
