@@ -252,7 +252,9 @@ def wrk(args: argparse.Namespace, port: int, scenario: str, prefix: str, seconds
 
 
 def measure(v: Variant, args: argparse.Namespace, scenario: str, rep: int) -> Run:
-    prefix = {"new": f"new-r{rep}", "replay": "replay", "inflight": serve.INFLIGHT_KEY}
+    # New keys of their own per variant (its port: the same length for all), as variants
+    # with SQL records share one database, where another's record would be replayed.
+    prefix = {"new": f"new-r{rep}-{v.port}", "replay": "replay", "inflight": serve.INFLIGHT_KEY}
     assert v.proc is not None
     before_stats = v.stats()
     before = redis_snapshot(v.redis) if v.redis is not None else None
@@ -414,6 +416,8 @@ def environment(args: argparse.Namespace, redis_version: str) -> str:
                 break
     wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()[1]
     parser = "pure-Python parser" if args.no_hiredis else f"hiredis {version('hiredis')}"
+    driver = f"{args.pg_driver} {version(args.pg_driver)}"
+    sql, session = args.handler == "sql", args.handler == "session"
     return (
         f"{os.cpu_count()} x {cpu}, Linux {platform.release()}, Python {platform.python_version()}"
         f"\nuvicorn {version('uvicorn')} (uvloop {version('uvloop')}, httptools "
@@ -425,8 +429,8 @@ def environment(args: argparse.Namespace, redis_version: str) -> str:
         f"{'; compression off' if args.compression == 'none' else ''}"
         f"{f'; {args.prefill_keys:,} completed keys in Redis' if args.prefill_keys else ''}"
         f"{'; handler: one INSERT into PostgreSQL (asyncpg)' if args.handler == 'pg' else ''}"
-        f"{'; handler: one INSERT into PostgreSQL (SQLAlchemy)' if args.handler == 'sql' else ''}"
-        f"{'; handler: one INSERT, session dependency' if args.handler == 'session' else ''}"
+        f"{f'; handler: one INSERT into PostgreSQL (SQLAlchemy, {driver})' if sql else ''}"
+        f"{f'; handler: one INSERT, session dependency ({driver})' if session else ''}"
         f"\nwrk -t{args.threads} -c{args.connections} -d{args.duration}s per run, "
         f"{args.reps} repetitions, scenarios then variants in turn, the bare app between "
         "each two (bare A bare B bare), medians"
@@ -529,6 +533,13 @@ def parse_args() -> argparse.Namespace:
         "session: the same through FastAPI's session dependency (goblin-sql: Depends(session))",
     )
     p.add_argument(
+        "--pg-driver",
+        choices=("asyncpg", "psycopg"),
+        default="asyncpg",
+        help="the SQLAlchemy driver of --handler sql and session (the handler's engine and "
+        "the records'); --handler pg is asyncpg's own",
+    )
+    p.add_argument(
         "--prefill-keys",
         type=int,
         default=0,
@@ -562,13 +573,13 @@ def parse_args() -> argparse.Namespace:
     if args.baseline is not None:
         if not (args.baseline / "bench" / "serve.py").is_file():
             p.error(f"--baseline {args.baseline}: no bench/serve.py there (name a checkout)")
-        if (args.body_bytes, args.compression, args.handler, args.prefill_keys) != (
-            0, "zlib", "json", 0,
-        ):  # fmt: skip
+        if (args.body_bytes, args.compression, args.prefill_keys) != (0, "zlib", 0):
             p.error(
-                "--baseline measures the default workload only: drop --body-bytes, "
-                "--compression, --handler and --prefill-keys"
+                "--baseline measures the default body only: drop --body-bytes, "
+                "--compression and --prefill-keys"
             )
+    if args.handler == "pg" and args.pg_driver != "asyncpg":
+        p.error("--handler pg is asyncpg's own: --pg-driver names the SQLAlchemy driver")
     for s in args.scenarios:
         if s not in SCENARIOS:
             p.error(f"unknown scenario {s!r}")
@@ -634,7 +645,7 @@ def main() -> None:
     try:
         if args.handler in ("pg", "sql", "session"):
             pg = start_postgres()
-            args.pg_dsn = pg.url()
+            args.pg_dsn = pg.url(driver=args.pg_driver)
         kinds = {v.kind for v in variants}
         module = build_module() if serve.NATIVE_VARIANTS & kinds else None
         for v in variants:

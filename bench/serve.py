@@ -431,7 +431,10 @@ def main() -> None:
     parser.add_argument("--body-bytes", type=int, default=0, help="answer this many bytes")
     parser.add_argument("--handler", choices=("json", "pg", "sql", "session"), default="json")
     parser.add_argument(
-        "--pg-dsn", default="", help="PostgreSQL (postgresql+asyncpg://...) for --handler pg, sql"
+        "--pg-dsn",
+        default="",
+        help="PostgreSQL for --handler pg (postgresql+asyncpg://...), sql and session (its "
+        "SQLAlchemy URL: +asyncpg or +psycopg)",
     )
     parser.add_argument("--compression", choices=("zlib", "none"), default="zlib")
     parser.add_argument("--prefill-keys", type=int, default=0, help="MemoryStore: keys held")

@@ -80,12 +80,13 @@ class ClaimStep:
                 names.claim, names.result, token, claim_seconds
             )
             if reply is None and self.wait_seconds > 0:
+                if lookup is not None:  # its answer would predate the wait: asked again after
+                    lookup.forget()  # (and its connection is not held through the wait)
+                    lookup = None
                 step = functools.partial(
                     self.store.claim_unless_done, names.claim, names.result, token, claim_seconds
                 )
                 reply = await poll_claim(step, self.wait_seconds, self.poll_interval)
-                if lookup is not None and reply is CLAIMED:
-                    lookup = lookup.again()  # the first answer predates the wait
             if reply is CLAIMED and self.previous is not None:
                 reply = await self.previous(names, token)
         except BaseException:

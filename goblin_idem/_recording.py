@@ -22,7 +22,7 @@ from .store import CLAIMED, ClaimReply, Store
 
 logger = logging.getLogger("goblin_idem.claim")
 
-__all__ = ["Committed", "Lookup", "Records", "RunTransaction"]
+__all__ = ["Committed", "Lookup", "Records", "RunTransaction", "kept", "let_go"]
 
 
 class Committed(Exception):
@@ -87,21 +87,28 @@ class Records(Protocol):
         ...
 
 
+# The transaction a won claim's lookup opened (its connection kept for the run), set in the
+# request's context by `Lookup.settle` for the run that follows there: records that keep
+# their lookup's connection (`lookup_for_run`) take it in `transaction(where)`.
+kept: contextvars.ContextVar[RunTransaction | None] = contextvars.ContextVar(
+    "goblin_idem_kept", default=None
+)
+Looked = tuple[tuple[bytes, int] | None, RunTransaction | None]
+
+
 class Lookup:
-    """The database's record of a key, asked for alongside the claim step."""
+    """The database's record of a key, asked for alongside the claim step. Records with a
+    ``lookup_for_run(key)`` (`goblin_idem.sql.SqlRecords`) ask it on the connection a run of
+    the key would use, and keep that connection for the run (one pooled connection per
+    run, not two): handed to the run by `settle`, given back otherwise."""
 
     __slots__ = ("key", "records", "task")
 
     def __init__(self, records: Records, key: bytes) -> None:
         self.records, self.key = records, key
-        self.task: asyncio.Future[tuple[bytes, int] | None]
-        self.task = asyncio.ensure_future(records.lookup(key))
-
-    def again(self) -> Lookup:
-        """A new lookup, for a claim won after a wait: this one's answer predates it (the
-        run that held the claim may have committed meanwhile)."""
-        self.forget()
-        return Lookup(self.records, self.key)
+        self.task: asyncio.Future[Looked]
+        keeping = getattr(records, "lookup_for_run", None)
+        self.task = asyncio.ensure_future(keeping(key) if keeping else _alone(records, key))
 
     def forget(self) -> None:
         """Not needed (the claim step answered without a won claim, or failed). Left to
@@ -122,8 +129,9 @@ class Lookup:
             self.forget()
             return reply
         try:
-            found = await self.task
+            found, run = await self.task
         except BaseException as exc:
+            self.forget()  # cancelled here: a kept connection is given back when it ends
             await free_claim(store, names, token)
             if isinstance(exc, Exception) and not isinstance(exc, DatabaseUnavailableError):
                 # Any failure of the database's answer (a table gone, a bug) is the
@@ -134,7 +142,11 @@ class Lookup:
                 ) from exc
             raise
         if found is None:
+            if run is not None:
+                kept.set(run)  # for this request's run, which begins next in this context
             return CLAIMED
+        if run is not None:
+            await run.rollback()  # nothing runs: its connection goes back
         data, ttl_ms = found
         try:
             await store.publish(names.result, data, ttl_ms, names.claim, token)
@@ -145,10 +157,31 @@ class Lookup:
         return data
 
 
+async def _alone(records: Records, key: bytes) -> Looked:
+    return await records.lookup(key), None
+
+
 _forgotten: set[asyncio.Future[Any]] = set()  # lookups left to end, kept from the collector
 
 
-def _quiet(task: asyncio.Future[Any]) -> None:
+def _quiet(task: asyncio.Future[Looked]) -> None:
+    """A forgotten lookup ended: its kept connection (if any) given back."""
+    _forgotten.discard(task)
+    if task.cancelled() or task.exception() is not None:
+        return  # retrieved: never "exception was never retrieved"
+    run = task.result()[1]
+    if run is not None:
+        let_go(run)
+
+
+def let_go(run: RunTransaction) -> None:
+    """Roll `run` back in the background, which gives its connection back."""
+    rolled = asyncio.ensure_future(run.rollback())
+    _forgotten.add(rolled)
+    rolled.add_done_callback(_quiet_rollback)
+
+
+def _quiet_rollback(task: asyncio.Future[None]) -> None:
     _forgotten.discard(task)
     if not task.cancelled():
-        task.exception()  # retrieved: never "exception was never retrieved"
+        task.exception()

@@ -3,7 +3,8 @@
 A context variable holds the `RunTransaction` of the request or run this code is part of
 (set by the middleware around every request, or by `once` around the work; tasks the work
 starts inherit it). The connection is taken from the engine's pool and its transaction
-begun on first use, so work that writes nothing through it costs nothing. Neither the
+begun on first use, so work that writes nothing through it costs nothing (on
+PostgreSQL, the connection the key's lookup was made on, kept for the run). Neither the
 connection nor the session commits: only the run does, with its record
 (`RunTransaction.commit`), so no effect can commit without the record that stops a second
 run; a request without a claimed key commits its writes alone (`RunTransaction.commit_work`),
@@ -37,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, A
 from sqlalchemy.orm import Session
 
 from .._log import describe
-from .._recording import Committed
+from .._recording import Committed, kept, let_go
 from ..exceptions import CommitRefusedError, DatabaseUnavailableError, NotInRunError
 from ._failures import connecting, unavailable_as
 
@@ -103,6 +104,7 @@ class RunTransaction:
         self.engine = engine
         self.where = where
         self.conn: RunConnection | None = None
+        self.looked: RunConnection | None = None  # the lookup's, kept: conn on first use
         self.tx: AsyncTransaction | None = None
         self.sessions: list[RunSession] = []
         self.adopted: list[Session] = []  # the app's own sessions on this connection
@@ -116,7 +118,27 @@ class RunTransaction:
         self.opening: asyncio.Lock | None = None  # two first uses at once open one connection
 
     def enter(self) -> contextvars.Token[object]:
+        """Make this the transaction of `connection()`. A run under a won claim that is not
+        its lookup's own (records whose `transaction` makes another) takes the lookup's
+        connection, or has it given back: never left checked out."""
+        if self.where is not None:
+            lookups = kept.get()
+            if lookups is not None and lookups is not self:
+                kept.set(None)
+                self._take_looked(lookups)
         return _current.set(self)
+
+    def _take_looked(self, lookups: object) -> None:
+        if (
+            isinstance(lookups, RunTransaction)
+            and lookups.engine is self.engine
+            and lookups.looked is not None
+            and self.conn is None
+            and self.looked is None
+        ):
+            self.looked, lookups.looked = lookups.looked, None
+        else:
+            let_go(lookups)  # type: ignore[arg-type]
 
     def leave(self, token: contextvars.Token[object]) -> None:
         _current.reset(token)
@@ -136,8 +158,10 @@ class RunTransaction:
             async with self.opening:
                 if self.conn is None:
                     with connecting("for the run's connection()"):
-                        conn = RunConnection(self.engine)
-                        await conn.start()
+                        conn, self.looked = self.looked, None
+                        if conn is None:
+                            conn = RunConnection(self.engine)
+                            await conn.start()
                         try:
                             self.tx = await AsyncConnection.begin(conn)  # the one begin allowed
                         except BaseException:
@@ -145,6 +169,18 @@ class RunTransaction:
                             raise
                     self.conn = conn
         return self.conn
+
+    async def looked_up(self, key: bytes) -> tuple[bytes, int] | None:
+        """`key`'s unexpired record, looked up on a connection taken now and kept for this
+        run, whose `connection()` begins on it: a run takes one pooled connection, not one
+        for its lookup and another for its writes. On psycopg the lookup begins the run's
+        transaction too, in the same round trip (`SqlRecords.looked`). Given back by
+        `rollback` (the caller's, if this raises)."""
+        with connecting("for the record's lookup"):
+            conn = RunConnection(self.engine)
+            await conn.start()
+        self.looked = conn
+        return await self.records.looked(conn, key, begin=True)
 
     async def session(self) -> RunSession:
         s = RunSession(bind=await self.connection(), expire_on_commit=False)
@@ -158,9 +194,12 @@ class RunTransaction:
         atomic, and a round trip instead of a transaction's two or three)."""
         try:
             try:
-                if self.conn is None and not self.ended:
+                looked = self.looked
+                if self.conn is None and not self.ended and not self.records.begun(looked):
                     self.ended = True  # connection() refuses from here on
-                    committed = await self.records.insert_alone(key, key_hash, fp, data, ttl_ms)
+                    committed = await self.records.insert_alone(
+                        key, key_hash, fp, data, ttl_ms, looked
+                    )
                 else:
                     committed = await self._commit_with_writes(key, key_hash, fp, data, ttl_ms)
             except Exception as exc:
@@ -188,7 +227,7 @@ class RunTransaction:
         """Commit the work's writes without a record: a request without a claimed key (or
         on a route the middleware does not cover), whose response is sent after this.
         Raises the database's error if the commit fails (nothing was committed)."""
-        if self.conn is None:  # wrote nothing through it: nothing to commit
+        if self.conn is None and self.looked is None:  # wrote nothing: nothing to commit
             self.ended = True
             return
         try:
@@ -252,9 +291,9 @@ class RunTransaction:
             self.settled = True
 
     async def _give_back(self) -> None:
-        if self.conn is None and not self.sessions:  # never used, or given back already
-            return
-        conn, self.conn = self.conn, None
+        if self.conn is None and self.looked is None and not self.sessions:
+            return  # never used, or given back already
+        conn, self.conn, self.looked = self.conn or self.looked, None, None
         for s in self.sessions:
             await s.close()
         self.sessions.clear()

@@ -38,6 +38,7 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from .._log import describe
+from .._recording import kept
 from ..exceptions import DatabaseUnavailableError, SqlRecordsError
 from ._context import RunTransaction
 from ._failures import connecting, unavailable, unavailable_as
@@ -57,6 +58,18 @@ PURGE_BATCH = 1000  # rows deleted per transaction: short locks on a busy table
 # The lookup and the upsert as asyncpg takes them (the statements `SqlRecords` builds, in
 # PostgreSQL's words): a row only if the key had none, or an expired one.
 LOOKUP_SQL = "SELECT record, expires_at FROM {table} WHERE key = $1 AND expires_at > $2"
+LOOKUP_SQL_PSYCOPG = LOOKUP_SQL.replace("$1", "%s").replace("$2", "%s")
+# asyncpg's commit in one round trip (`SqlRecords._in_one`): placeholders filled with hex
+# digits and ISO timestamps only; {{table}} is the quoted table name, filled first.
+IN_ONE_SQL = (
+    "DELETE FROM {table} WHERE key = decode('{{key}}', 'hex') "
+    "AND expires_at <= '{{now}}'::timestamptz; "
+    "INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, expires_at) "
+    "VALUES (decode('{{key}}', 'hex'), '{{key_hash}}', decode('{{fp}}', 'hex'), "
+    "decode('{{record}}', 'hex'), '{{now}}'::timestamptz, '{{expires}}'::timestamptz); "
+    "COMMIT"
+)
+IN_ONE_MAX = 256 * 1024  # a larger record goes as a parameter (its hex text is twice its size)
 UPSERT_SQL = (
     "INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, expires_at) "
     "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (key) DO UPDATE SET "
@@ -66,6 +79,9 @@ UPSERT_SQL = (
     "RETURNING key"
 )
 
+
+# The drivers whose lookup runs on the connection kept for the run (`lookup_for_run`).
+KEPT_DRIVERS = ("asyncpg", "psycopg")
 
 E = TypeVar("E")  # an engine, sync or async
 
@@ -286,7 +302,38 @@ class SqlRecords(RecordsTable):
     # -- what the middleware and once use (goblin_idem._recording) --
 
     def transaction(self, where: Callable[[], str] | None = None) -> RunTransaction:
+        """A new run's transaction; for a run under a won claim, the one its lookup opened
+        in this context (`lookup_for_run`), with the lookup's connection."""
+        if where is not None:
+            run = kept.get()
+            if isinstance(run, RunTransaction) and run.records is self:
+                kept.set(None)
+                run.where = where
+                return run
         return RunTransaction(self, self.engine, where)
+
+    async def lookup_for_run(
+        self, key: bytes
+    ) -> tuple[tuple[bytes, int] | None, RunTransaction | None]:
+        """The key's unexpired record, and the transaction of a run of the key, whose
+        connection made the lookup (`RunTransaction.looked_up`); the caller hands it to the
+        run or rolls it back. DatabaseUnavailableError as `lookup`. On a driver not in
+        `KEPT_DRIVERS`, the lookup on a connection of its own, and no transaction yet."""
+        if self.engine.dialect.driver not in KEPT_DRIVERS:
+            return await self.lookup(key), None
+        run = RunTransaction(self, self.engine)
+        try:
+            return await run.looked_up(key), run
+        except BaseException as exc:
+            await run.rollback()
+            failure = (
+                unavailable_as(exc, "for the record's lookup")
+                if isinstance(exc, Exception)
+                else None
+            )
+            if failure is None:
+                raise
+            raise failure from exc
 
     async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
         """The key's unexpired record; DatabaseUnavailableError if the database could not
@@ -300,28 +347,51 @@ class SqlRecords(RecordsTable):
             raise failure from exc
 
     async def _lookup_row(self, key: bytes) -> tuple[bytes, int] | None:
-        now = _utcnow()
         started = self.engine.connect()
         with connecting("for the record's lookup"):
             await started.start()
         try:
-            conn = started
-            if conn.dialect.driver == "asyncpg":
+            return await self.looked(started, key, begin=False)
+        finally:
+            await started.close()
+
+    async def looked(
+        self, conn: AsyncConnection, key: bytes, begin: bool
+    ) -> tuple[bytes, int] | None:
+        """The key's unexpired record, looked up on `conn` in one round trip. `begin`: on
+        psycopg, the run's transaction begins with the lookup (`begun`), in the same round
+        trip (its pipeline), so that the run's first write does not wait for a BEGIN. The
+        connection is invalidated if it was lost (`_drop_if_broken`)."""
+        now = _utcnow()
+        try:
+            driver = conn.dialect.driver
+            if driver == "asyncpg":
                 # The driver's own call: SQLAlchemy's layer cost more CPU than the round
                 # trip. No BEGIN before it (the adapter begins on its own first use only),
                 # so no ROLLBACK after it either: one round trip.
                 raw: Any = (await conn.get_raw_connection()).driver_connection
                 row = await raw.fetchrow(self._sql(conn, LOOKUP_SQL), key, now)
+            elif driver == "psycopg" and begin:
+                # BEGIN (psycopg's own, the connection not in autocommit) and the SELECT,
+                # sent together and answered together.
+                raw = (await conn.get_raw_connection()).driver_connection
+                async with raw.pipeline():
+                    cursor = await raw.execute(self._sql(conn, LOOKUP_SQL_PSYCOPG), (key, now))
+                row = await cursor.fetchone()
             else:
                 # Autocommit: the SELECT alone, one round trip.
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
                 row = (await conn.execute(self._lookup, {"wanted": key, "now": now})).first()
         except Exception as exc:
-            await _drop_if_broken(started, exc)
+            await _drop_if_broken(conn, exc)
             raise
-        finally:
-            await started.close()
         return self._found(row, now)
+
+    @staticmethod
+    def begun(conn: AsyncConnection | None) -> bool:
+        """Whether `conn`, a run's lookup's (`looked`, begin=True), is in the run's
+        transaction already (psycopg's)."""
+        return conn is not None and conn.dialect.driver == "psycopg"
 
     async def insert(
         self, conn: AsyncConnection, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
@@ -334,9 +404,21 @@ class SqlRecords(RecordsTable):
         return result.first() is not None
 
     async def insert_alone(
-        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
+        self,
+        key: bytes,
+        key_hash: str,
+        fp: bytes,
+        data: bytes,
+        ttl_ms: int,
+        conn: AsyncConnection | None = None,
     ) -> bool:
-        """The record of a run that wrote nothing: one statement in autocommit."""
+        """The record of a run that wrote nothing: one statement in autocommit, on `conn`
+        (the run's lookup's, in no transaction; its owner gives it back) or a pooled one."""
+        if conn is not None:  # asyncpg's (in `KEPT_DRIVERS`, not `begun`): its own call
+            raw: Any = (await conn.get_raw_connection()).driver_connection
+            values = self._row(key, key_hash, fp, data, ttl_ms)
+            upsert = self._sql(conn, UPSERT_SQL)
+            return await raw.fetchval(upsert, *values.values()) is not None
         async with self.engine.connect() as conn:
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             return await self.insert(conn, key, key_hash, fp, data, ttl_ms)
@@ -353,7 +435,8 @@ class SqlRecords(RecordsTable):
     ) -> bool:
         """Insert the record in the run's transaction and commit it, with the work's writes;
         False (nothing committed) if the key's unexpired row exists. On psycopg, the insert
-        and the COMMIT go in one round trip (`_pipelined`); elsewhere one each.
+        and the COMMIT go in one round trip (`_pipelined`), on asyncpg too (`_in_one`);
+        elsewhere one each.
         DatabaseUnavailableError if the connection was lost on the way (`_failures`)."""
         try:
             return await self._commit(conn, tx, key, key_hash, fp, data, ttl_ms)
@@ -384,7 +467,13 @@ class SqlRecords(RecordsTable):
         if conn.dialect.driver == "asyncpg":
             # The driver's own call on the run's connection, inside the transaction the
             # work's writes began (SQLAlchemy's layer cost more CPU than the round trip).
-            raw: Any = (await conn.get_raw_connection()).driver_connection
+            adapter: Any = (await conn.get_raw_connection()).dbapi_connection
+            raw: Any = adapter.driver_connection
+            committed = await self._in_one(conn, adapter, key, key_hash, fp, data, ttl_ms)
+            if committed is not None:
+                if committed:
+                    await tx.commit()  # SQLAlchemy's side: nothing left to send
+                return committed
             now = _utcnow()
             expires = now + datetime.timedelta(milliseconds=ttl_ms)
             upsert = self._sql(conn, UPSERT_SQL)
@@ -393,6 +482,57 @@ class SqlRecords(RecordsTable):
         elif not await self.insert(conn, key, key_hash, fp, data, ttl_ms):
             return False
         await tx.commit()
+        return True
+
+    async def _in_one(
+        self,
+        conn: AsyncConnection,
+        adapter: Any,
+        key: bytes,
+        key_hash: str,
+        fp: bytes,
+        data: bytes,
+        ttl_ms: int,
+    ) -> bool | None:
+        """asyncpg's commit in one round trip: the key's expired row deleted, the row
+        inserted and COMMIT, sent as one text (asyncpg has no pipeline, and its
+        transaction's COMMIT is a query of its own). The insert raises on an unexpired row
+        (the primary key), which aborts the rest, the COMMIT included: False, nothing of
+        the run committed. The values go in the text as literals made of hex digits and
+        ISO timestamps only (`_literals`), never text from outside. None, having sent
+        nothing, unless the transaction is the one SQLAlchemy's asyncpg adapter began (its
+        asyncpg Transaction the connection's top one, which are then ended without a
+        second COMMIT), or the record is too large to send as hex."""
+        raw = adapter.driver_connection
+        xact = getattr(adapter, "_transaction", None)
+        if xact is None or getattr(raw, "_top_xact", None) is not xact or len(data) > IN_ONE_MAX:
+            return None
+        if not key_hash.isascii() or not key_hash.isalnum():
+            return None  # never the case (a hex digest), but a literal must hold no quote
+        now = _utcnow()
+        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        table = conn.dialect.identifier_preparer.format_table(self.table)
+        text = IN_ONE_SQL.format(table=table.replace("{", "{{").replace("}", "}}")).format(
+            key=key.hex(),
+            key_hash=key_hash,
+            fp=fp.hex(),
+            record=data.hex(),
+            now=now.isoformat(),
+            expires=expires.isoformat(),
+        )
+        try:
+            await raw.execute(text)
+        except Exception as exc:
+            if getattr(exc, "sqlstate", None) == "23505" and (
+                getattr(exc, "table_name", None) == self.table.name
+            ):
+                return False  # the key's row: another run committed it first
+            raise
+        # The server committed: asyncpg's and the adapter's transaction end here too.
+        raw._top_xact = None
+        adapter._transaction = None
+        if getattr(adapter, "_started", None) is not None:
+            adapter._started = False  # SQLAlchemy 2.0's adapter: commit() would use the None
         return True
 
     def _sql(self, conn: AsyncConnection, text: str) -> str:

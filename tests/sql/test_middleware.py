@@ -8,17 +8,20 @@ import datetime
 import json
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import insert, update
+from sqlalchemy import event, insert, update
 from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, _recording
 from goblin_idem._keys import key_names
+from goblin_idem._recording import Looked
 from goblin_idem.records._format import decode
-from goblin_idem.sql import connection
+from goblin_idem.sql import SqlRecords, connection
+from goblin_idem.sql._context import RunTransaction
 from tests.sql.conftest import Setup
 from tests.support.apps.sql_app import BIG, Gate, build
 from tests.support.asgi import Reply, problem, request
@@ -316,13 +319,13 @@ async def test_replays_ask_the_database_nothing_once_duplicates_are_most_of_the_
     traffic, a replay makes no query and a new key's lookup follows its won claim. Either
     way, a key the store lost is still answered from the database."""
     asked: list[bytes] = []
-    lookup = setup.records.lookup
+    lookup = setup.records.lookup_for_run
 
-    async def counted(key: bytes) -> tuple[bytes, int] | None:
+    async def counted(key: bytes) -> Looked:
         asked.append(key)
         return await lookup(key)
 
-    monkeypatch.setattr(setup.records, "lookup", counted)
+    monkeypatch.setattr(setup.records, "lookup_for_run", counted)
     app = build(setup.store, setup.records, setup.payments)
     first = await pay(app, "k1", "p1")
     assert len(asked) == 1  # a new key: asked alongside the claim step
@@ -341,6 +344,52 @@ async def test_replays_ask_the_database_nothing_once_duplicates_are_most_of_the_
     assert await setup.payment_count("p1") == 1
 
 
+async def test_a_new_keys_run_writes_on_the_connection_its_lookup_took(setup: Setup) -> None:
+    """On PostgreSQL a new key's lookup is made on the connection its run then writes and
+    commits on: one pooled connection per run, not two (SQLite's lookup has its own). The
+    effects and the record still commit together, and the connection goes back."""
+    taken: list[object] = []
+    sync_engine = setup.engine.sync_engine
+
+    def checkout(*_: object) -> None:
+        taken.append(None)
+
+    event.listen(sync_engine, "checkout", checkout)
+    try:
+        app = build(setup.store, setup.records, setup.payments)
+        first = await pay(app, "k1", "p1")
+        session = await pay(app, "k2", "p2", mode="session")
+    finally:
+        event.remove(sync_engine, "checkout", checkout)
+    assert (first.status, session.status) == (201, 201)
+    assert len(taken) == (4 if setup.name.startswith("sqlite") else 2)
+    assert setup.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert await setup.payment_count() == 2 and len(await setup.rows()) == 2
+    assert replayed(await pay(app, "k2", "p2", mode="session"))
+
+
+async def test_records_whose_runs_are_their_own_take_the_lookups_connection(
+    setup: Setup,
+) -> None:
+    """Records whose `transaction` makes a run of their own kind (a subclass's) are not
+    handed the lookup's run: the run takes its connection when it begins, so none is left
+    checked out (the pool would run dry)."""
+
+    class Own(RunTransaction):
+        pass
+
+    class OwnRecords(SqlRecords):
+        def transaction(self, where: Callable[[], str] | None = None) -> RunTransaction:
+            return Own(self, self.engine, where)
+
+    records = OwnRecords(setup.engine, table=setup.records.table.name)
+    app = build(setup.store, records, setup.payments)
+    for i in range(3):
+        assert (await pay(app, f"k{i}", f"p{i}")).status == 201
+    assert setup.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert await setup.payment_count() == 3 and len(await setup.rows()) == 3
+
+
 async def test_a_lookup_a_duplicate_no_longer_needs_is_left_to_finish(
     setup: Setup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -349,18 +398,18 @@ async def test_a_lookup_a_duplicate_no_longer_needs_is_left_to_finish(
     in a transaction), and the database then takes another writer."""
     app = build(setup.store, setup.records, setup.payments)
     first = await pay(app, "k1", "p1")
-    lookup = setup.records.lookup
+    lookup = setup.records.lookup_for_run
     asked, gate = asyncio.Event(), asyncio.Event()
     ended: list[tuple[bytes, int] | None] = []
 
-    async def slow(key: bytes) -> tuple[bytes, int] | None:
+    async def slow(key: bytes) -> Looked:
         asked.set()
         await gate.wait()  # still going when the store answers the duplicate
-        found = await lookup(key)
+        found, run = await lookup(key)
         ended.append(found)
-        return found
+        return found, run
 
-    monkeypatch.setattr(setup.records, "lookup", slow)
+    monkeypatch.setattr(setup.records, "lookup_for_run", slow)
     again = await pay(app, "k1", "p1")
     assert replayed(again) and again.body == first.body
     assert asked.is_set() and _recording._forgotten, "no lookup alongside the claim step"
@@ -369,6 +418,9 @@ async def test_a_lookup_a_duplicate_no_longer_needs_is_left_to_finish(
     await asyncio.wait(pending, timeout=10)
     assert not any(task.cancelled() for task in pending)
     assert len(ended) == 1 and ended[0] is not None and decode(ended[0][0]).body == first.body
+    if _recording._forgotten:  # its kept connection being given back
+        await asyncio.wait(list(_recording._forgotten), timeout=10)
+    assert setup.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     other = create_async_engine(setup.url)
     try:
         async with other.begin() as conn:

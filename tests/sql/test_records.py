@@ -139,6 +139,43 @@ async def test_once_two_runs_after_a_lost_claim_commit_one(setup: Setup) -> None
     assert runs == 2 and await setup.payment_count("o3") == 1
 
 
+async def test_records_in_a_table_whose_name_holds_quotes_and_braces(setup: Setup) -> None:
+    """The table's name is quoted wherever a statement is made as text (asyncpg's commit in
+    one round trip writes its values into one): a run commits, and its record, not a
+    second run, answers the key once the store lost it."""
+    odd = f"odd {{key}} 'name\" {setup.records.table.name}"  # the test's own table
+    records = SqlRecords(setup.engine, table=odd)
+    await records.create_table()
+    runs = 0
+
+    @once(setup.store, key=lambda ref: ref, records=records)
+    async def charge(ref: str) -> int:
+        nonlocal runs
+        runs += 1
+        await (await connection()).execute(insert(setup.payments).values(ref=ref, amount=1))
+        return runs
+
+    assert await charge("q1") == 1
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    assert await charge("q1") == 1 and runs == 1
+    assert await setup.payment_count("q1") == 1 and len(await keys(records)) == 1
+
+
+async def test_a_savepoint_left_open_commits_with_the_run(setup: Setup) -> None:
+    """A savepoint the work began and never ended is released by the run's commit, which
+    commits the work's write and the record together."""
+
+    @once(setup.store, key=lambda ref: ref, records=setup.records)
+    async def charge(ref: str) -> str:
+        conn = await connection()
+        await conn.begin_nested()
+        await conn.execute(insert(setup.payments).values(ref=ref, amount=1))
+        return ref
+
+    assert await charge("s1") == "s1"
+    assert await setup.payment_count("s1") == 1 and len(await setup.rows()) == 1
+
+
 async def test_a_run_that_wrote_nothing_commits_its_record_alone(setup: Setup) -> None:
     """One statement in autocommit: the row still stops a second run of the key."""
     first = setup.records.transaction()

@@ -48,13 +48,19 @@ async def test_the_middleware_asks_again_after_a_wait(setup: Setup) -> None:
     async def counted(ref: str) -> None:
         runs.append(ref)
 
+    held: list[int] = []  # connections checked out while the duplicate waits
+
+    async def during_the_wait() -> None:
+        held.append(setup.engine.pool.checkedout())  # type: ignore[attr-defined]
+
     app = build(setup.store, setup.records, setup.payments, gate=counted, wait_seconds=5)
     first = await pay(app, "k1", "w", "gate")
-    later = await committed_by_a_dead_run(setup, nothing)
+    later = await committed_by_a_dead_run(setup, during_the_wait)
     again = await pay(app, "k1", "w", "gate")
     await later
     assert replayed(again) and again.body == first.body
     assert runs == ["w"]  # the handler did not run again
+    assert held == [0]  # the lookup made alongside the claim step kept none through the wait
     assert await setup.payment_count("w") == 1
 
 
