@@ -499,14 +499,17 @@ class SqlRecords(RecordsTable):
         transaction's COMMIT is a query of its own). The insert raises on an unexpired row
         (the primary key), which aborts the rest, the COMMIT included: False, nothing of
         the run committed. The values go in the text as literals made of hex digits and
-        ISO timestamps only (`_literals`), never text from outside. None, having sent
+        ISO timestamps only, never text from outside. None, having sent
         nothing, unless the transaction is the one SQLAlchemy's asyncpg adapter began (its
         asyncpg Transaction the connection's top one, which are then ended without a
-        second COMMIT), or the record is too large to send as hex."""
+        second COMMIT; SQLAlchemy 2.1's adapter, whose state is those two), or the record
+        is too large to send as hex."""
         raw = adapter.driver_connection
         xact = getattr(adapter, "_transaction", None)
         if xact is None or getattr(raw, "_top_xact", None) is not xact or len(data) > IN_ONE_MAX:
             return None
+        if hasattr(adapter, "_started"):
+            return None  # SQLAlchemy 2.0's adapter, whose own flag would outlive the commit
         if not key_hash.isascii() or not key_hash.isalnum():
             return None  # never the case (a hex digest), but a literal must hold no quote
         now = _utcnow()
@@ -531,8 +534,6 @@ class SqlRecords(RecordsTable):
         # The server committed: asyncpg's and the adapter's transaction end here too.
         raw._top_xact = None
         adapter._transaction = None
-        if getattr(adapter, "_started", None) is not None:
-            adapter._started = False  # SQLAlchemy 2.0's adapter: commit() would use the None
         return True
 
     def _sql(self, conn: AsyncConnection, text: str) -> str:
