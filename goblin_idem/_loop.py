@@ -22,7 +22,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread", "loop_thread", "new_loop"]
+__all__ = ["LoopThread", "loop_thread", "new_loop", "started_loop"]
 
 T = TypeVar("T")
 
@@ -76,6 +76,14 @@ def loop_thread() -> LoopThread:
     if thread is not None and thread.alive:
         return thread
     return _start()
+
+
+def started_loop() -> asyncio.AbstractEventLoop | None:
+    """The loop of this process's loop thread, if one was started, without checking that
+    it still runs (`Thread.is_alive` takes a lock): for a read whose answer proves its own
+    freshness (a replay cache's connection heard from the server within a second)."""
+    thread = _current
+    return None if thread is None else thread.loop
 
 
 def _start() -> LoopThread:

@@ -53,9 +53,42 @@ def response_of(start: Message, body: bytes | Iterable[bytes]) -> HttpResponseBa
     """A response the middleware wrote (a replay, a refusal), as Django's. Its headers are
     gathered first (by lowercased name) and given to the constructor at once: setting them
     one by one, after Django's default Content-Type, took nearly twice as long."""
+    raw = tuple(start.get("headers", ()))
+    gathered = _gathered.get(raw)
+    if gathered is None:
+        gathered = _gather(raw)
+        if len(_gathered) >= _GATHERED_KEPT:
+            _gathered.clear()
+        _gathered[raw] = gathered
+    headers, cookies, typed = gathered
+    response: HttpResponseBase
+    if isinstance(body, bytes):
+        response = HttpResponse(body, status=start["status"], headers=headers)
+    else:
+        response = StreamingHttpResponse(body, status=start["status"], headers=headers)
+    if not typed:
+        del response.headers["Content-Type"]  # Django's default: the message has none
+    for cookie in cookies:
+        response.cookies.load(cookie)
+    return response
+
+
+Gathered = tuple[dict[str, str], tuple[str, ...], bool]
+
+# The headers of the responses the middleware writes, as `response_of` gives them to Django,
+# by the messages' headers: a key's replays repeat the same ones (the very same bytes
+# objects, whose hashes are kept), so they are gathered once, not at every replay. Bounded
+# by count (Django copies the dict it is given, so an entry is never changed).
+_gathered: dict[tuple[tuple[bytes, bytes], ...], Gathered] = {}
+_GATHERED_KEPT = 256
+
+
+def _gather(raw: Iterable[tuple[bytes, bytes]]) -> Gathered:
+    """Headers by name, repeated ones joined with commas, but Set-Cookie (loaded as
+    cookies); and whether a Content-Type was among them."""
     gathered: dict[str, tuple[str, str]] = {}
     cookies: list[str] = []
-    for raw_name, raw_value in start.get("headers", ()):
+    for raw_name, raw_value in raw:
         name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
         folded = name.lower()
         if folded == "set-cookie":
@@ -64,17 +97,7 @@ def response_of(start: Message, body: bytes | Iterable[bytes]) -> HttpResponseBa
             gathered[folded] = (name, f"{gathered[folded][1]}, {value}")
         else:
             gathered[folded] = (name, value)
-    headers = dict(gathered.values())
-    response: HttpResponseBase
-    if isinstance(body, bytes):
-        response = HttpResponse(body, status=start["status"], headers=headers)
-    else:
-        response = StreamingHttpResponse(body, status=start["status"], headers=headers)
-    if "content-type" not in gathered:
-        del response.headers["Content-Type"]  # Django's default: the message has none
-    for cookie in cookies:
-        response.cookies.load(cookie)
-    return response
+    return dict(gathered.values()), tuple(cookies), "content-type" in gathered
 
 
 def _blocks(response: HttpResponseBase) -> HttpResponseBase:

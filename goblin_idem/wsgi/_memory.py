@@ -29,7 +29,7 @@ import time
 from starlette.types import Message, Scope
 
 from .._keys import string_key, valid_key
-from .._loop import loop_thread
+from .._loop import started_loop
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._responses import replay_start
 from ..store import RedisStore
@@ -80,7 +80,8 @@ class MemoryReplays:
     def _kept(self, result_key: bytes) -> bytes | None:
         """The result kept by the loop thread's connection, on the conditions under which
         the loop thread would serve it (`AutoPipeline.cached`, read from this thread)."""
-        executor = self.store._loops.get(loop_thread().loop)
+        loop = started_loop()
+        executor = None if loop is None else self.store._loops.get(loop)
         pipeline = None if executor is None else executor.replays
         if not isinstance(pipeline, AutoPipeline):
             return None  # none, or a cluster's: the loop thread looks it up
