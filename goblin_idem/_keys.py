@@ -35,6 +35,7 @@ __all__ = [
     "cookie_scope",
     "credential_header",
     "credentials_scope",
+    "header_key",
     "header_scope",
     "hop_key",
     "key_names",
@@ -70,6 +71,12 @@ def string_key(raw: bytes) -> bytes | None:
         return None
     content = match.group(1)[1:-1]
     return _ESCAPE.sub(rb"\1", content) if b"\\" in content else content
+
+
+def header_key(raw: bytes) -> bytes | None:
+    """The key an Idempotency-Key header's value names: an RFC 8941 String's content, else
+    the value as sent; None for a value that opens a String and is not one."""
+    return string_key(raw) if raw[:1] == b'"' else raw
 
 
 def valid_key(raw: bytes, pattern: re.Pattern[bytes] | Callable[[bytes], bool]) -> bool:

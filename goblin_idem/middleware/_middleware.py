@@ -37,7 +37,7 @@ from .._claim_step import ClaimStep
 from .._keys import (
     DEFAULT_KEY_PATTERN,
     KeyNames,
-    string_key,
+    header_key,
     valid_key,
 )
 from .._lease import Watchdog
@@ -356,7 +356,7 @@ class IdempotencyMiddleware:
     ) -> None:
         """A covered request with a key: the key checked, the body read, the key claimed;
         then the one run, or an answer from the claim step's reply."""
-        checked = string_key(key) if key[:1] == b'"' else key  # an RFC 8941 String: unquoted
+        checked = header_key(key)
         if keys > 1 or checked is None or not valid_key(checked, self.key_pattern):
             await self.answers.invalid_key(send, malformed=keys == 1 and checked is None)
             return

@@ -28,7 +28,7 @@ import time
 
 from starlette.types import Message, Scope
 
-from .._keys import string_key, valid_key
+from .._keys import header_key, valid_key
 from .._loop import started_loop
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._responses import replay_start
@@ -61,7 +61,7 @@ class MemoryReplays:
         bridged path. `key` is the header's value as the environ holds it."""
         core = self.core
         raw = key.encode("latin-1")
-        checked = string_key(raw) if raw[:1] == b'"' else raw
+        checked = header_key(raw)
         if checked is None or not valid_key(checked, core.key_pattern):
             return None
         settings = core.routes.settings(scope)

@@ -32,31 +32,27 @@ MODES = ("script", "native")
 PAIRS = [(k, m) for k in KINDS for m in MODES]
 
 
-def _cluster(request: pytest.FixtureRequest, kind: str, mode: str) -> Cluster:
+def _cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
+    """A 3-primary cluster of the parametrized kind and mode, stopped afterwards."""
+    kind, mode = request.param
     modules = [str(request.getfixturevalue("native_module"))] if mode == "native" else []
-    return start_cluster(kind, masters=3, modules=modules)
+    cluster = start_cluster(kind, masters=3, modules=modules)
+    try:
+        yield cluster, mode
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="module", params=PAIRS, ids=lambda p: "-".join(p))
 def shared(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
     """A 3-primary cluster for the tests that move no slot and stop no node."""
-    kind, mode = request.param
-    cluster = _cluster(request, kind, mode)
-    try:
-        yield cluster, mode
-    finally:
-        cluster.stop()
+    yield from _cluster(request)
 
 
 @pytest.fixture(params=PAIRS, ids=lambda p: "-".join(p))
 def own(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
     """A 3-primary cluster of the test's own (it moves slots or restarts nodes)."""
-    kind, mode = request.param
-    cluster = _cluster(request, kind, mode)
-    try:
-        yield cluster, mode
-    finally:
-        cluster.stop()
+    yield from _cluster(request)
 
 
 def store_on(cluster: Cluster, mode: str) -> RedisStore:
