@@ -15,7 +15,9 @@ startup too (`Refused`).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -32,6 +34,28 @@ logger = logging.getLogger("goblin_idem.lifespan")
 _CLOSING = frozenset(
     {"lifespan.startup.failed", "lifespan.shutdown.complete", "lifespan.shutdown.failed"}
 )
+
+
+# The labels whose store line was written, by store.
+_announced: weakref.WeakKeyDictionary[Store, set[str]] = weakref.WeakKeyDictionary()
+
+
+class _Silent(logging.LoggerAdapter[logging.Logger]):
+    """Drops what it is given: a store's startup line, written already."""
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        return None
+
+
+def _once_per_store(store: Store, label: str) -> logging.Logger | _Silent:
+    """A store's startup line goes out once per process: several apps or middlewares on
+    one store (an app serving a sub-app of its own) say the same line otherwise. Its check
+    still runs in every lifespan."""
+    said = _announced.setdefault(store, set())
+    if label in said:
+        return _Silent(startup_logger())
+    said.add(label)
+    return startup_logger()
 
 
 def startup_logger() -> logging.Logger:
@@ -53,6 +77,9 @@ class Lifespan:
     check_store: bool
     close_store: bool
     records: Records | None = None
+    # Which middleware the store line is about, when an app has more than one ("" for the
+    # default namespace): "goblin-idem store (namespace card): ...".
+    label: str = ""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = await receive()
@@ -120,15 +147,16 @@ class Lifespan:
 
     async def _check_store(self) -> None:
         store = self.store
-        log = startup_logger()
+        log = _once_per_store(store, self.label)
         if isinstance(store, MemoryStore):
             log.info(
-                "goblin-idem store: memory, in this process only (every worker process has "
-                "its own: use RedisStore when more than one serves the app)"
+                "goblin-idem store%s: memory, in this process only (every worker process has "
+                "its own: use RedisStore when more than one serves the app)",
+                self._label,
             )
             return
         if not isinstance(store, RedisStore):
-            log.info("goblin-idem store: %s", type(store).__name__)
+            log.info("goblin-idem store%s: %s", self._label, type(store).__name__)
             return
         try:
             notes = await store.detection_notes()
@@ -143,7 +171,11 @@ class Lifespan:
         others = [text for text in texts if not text.startswith("mode")]
         parts = [f"redis at {store.address}", *modes, "every command it sends is allowed", *others]
         level = max((level for level, _ in notes), default=logging.INFO)
-        log.log(level, "goblin-idem store: %s", "; ".join(parts))
+        log.log(level, "goblin-idem store%s: %s", self._label, "; ".join(parts))
+
+    @property
+    def _label(self) -> str:
+        return f" (namespace {self.label})" if self.label else ""
 
     async def _shutdown(self) -> None:
         if not self.close_store:

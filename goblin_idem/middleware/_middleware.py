@@ -211,7 +211,10 @@ class IdempotencyMiddleware:
         self.check_store = options.flag("check_store", check_store)
         self.close_store = options.flag("close_store", close_store)
         self.records = options.records(records)
-        self._lifespan = Lifespan(app, self.store, self.check_store, self.close_store, self.records)
+        label = "" if self.namespace == b"idem" else self.namespace.decode(errors="replace")
+        self._lifespan = Lifespan(
+            app, self.store, self.check_store, self.close_store, self.records, label
+        )
         self.counters = Counters()
         hook = options.callable_or_none(
             "on_event", on_event, "a function (event, key_hash) called on every counter increment"

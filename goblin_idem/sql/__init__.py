@@ -11,6 +11,17 @@ A WSGI or Flask app passes ``SqlRecords(engine)`` with a sync Engine (Flask-SQLA
 `goblin_idem.sql.sync`'s ``connection()`` and ``session()``.
 """
 
+import importlib
+
+try:  # SQLAlchemy's asyncio half needs greenlet, which a plain `pip install sqlalchemy` lacks
+    importlib.import_module("greenlet")
+    importlib.import_module("sqlalchemy.ext.asyncio")
+except ImportError as exc:  # what to install, not SQLAlchemy's own hint
+    raise ImportError(
+        f"goblin_idem.sql needs SQLAlchemy 2 with asyncio ({exc.name or exc} is missing): "
+        "pip install 'goblin-idem[sql]'"
+    ) from exc
+
 from ._context import connection, session
 from ._records import SqlRecords
 from ._sqlite import configure_sqlite, sqlite_engine

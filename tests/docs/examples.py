@@ -29,6 +29,10 @@ Directives, an HTML comment on the line just before a block (GitHub and the site
   lines are matched against what the server wrote, once it has stopped.
 - ``<!-- not run: REASON -->``: a block the tests cannot run: only ``bash .ci/run``, the
   command that runs them.
+- ``<!-- install -->``: the page's install line, ``pip install -e '.[EXTRAS]' PACKAGE...``
+  (from a checkout; a comment after it may give the line for once it is published). It is
+  not run, since it would rewrite the test run's environment: instead every extra and
+  package it names must be installed there, with what the extra requires.
 
 What a block sees:
 
@@ -63,7 +67,11 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests.support.procs import ROOT
 from tests.support.servers import free_port
@@ -73,7 +81,8 @@ RUN = frozenset({"python", "sh", "bash", "console"})
 FENCE = re.compile(
     r"^(?P<fence>```+)(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S
 )
-DIRECTIVE = re.compile(r"<!--\s*(serve|not run:[^>]*?)\s*-->\s*$")
+DIRECTIVE = re.compile(r"<!--\s*(serve|install|not run:[^>]*?)\s*-->\s*$")
+INSTALL = re.compile(r"^pip install -e '\.\[([\w,-]+)\]'((?: [\w\[\],.'-]+)*)\s*(?:#.*)?$")
 PORT = re.compile(r"(127\.0\.0\.1:|localhost:|--port[ =])(\d{2,5})\b")
 SHELL_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})  # bash's, not the page's
 DEFAULT_PORT = 8000  # uvicorn's, the example app's and mkdocs serve's
@@ -232,6 +241,8 @@ class Session:
             self.shell(block, f"python -c {shlex.quote(RUNNER)} {shlex.quote(str(path))}")
         elif block.directive == "serve":
             self.serve(block)
+        elif block.directive == "install":
+            installed(block)
         elif block.lang == "console":
             between = f"printf '\\n%s\\n' {shlex.quote(END)}"  # each command's output apart
             each = [f"{c}\n{between}" for c in block.commands()]
@@ -313,6 +324,35 @@ class Session:
             except AssertionError as exc:
                 errors.append(str(exc))
         assert not errors, "\n".join(errors)
+
+
+def installed(block: Block) -> None:
+    """What an install line names is installed: each extra of goblin-idem (and what it
+    requires, in this environment) and each other package."""
+    line = block.body.strip()
+    m = INSTALL.match(line)
+    assert m, f"{block.where}: an install line is one `pip install -e '.[EXTRAS]' ...`: {line}"
+    wanted = [Requirement(f"goblin-idem[{m[1]}]")]
+    wanted += [Requirement(name.strip("'")) for name in m[2].split()]
+    seen: set[tuple[str, str]] = set()
+    while wanted:
+        req = wanted.pop()
+        name = canonicalize_name(req.name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            raise AssertionError(f"{block.where}: {req} is not installed") from None
+        for extra in sorted(req.extras):
+            if (name, extra) in seen:
+                continue
+            seen.add((name, extra))
+            given = [Requirement(r) for r in dist.requires or ()]
+            wanted += [
+                r for r in given if r.marker is not None and r.marker.evaluate({"extra": extra})
+            ]
+            assert extra in (dist.metadata.get_all("Provides-Extra") or []), (
+                f"{block.where}: {name} has no extra {extra!r}"
+            )
 
 
 def accepts(port: int) -> bool:

@@ -380,3 +380,25 @@ def test_of_an_app_that_never_started_says_when_it_will_work() -> None:
     app.add_middleware(IdempotencyMiddleware)
     with pytest.raises(LookupError, match="when the server starts it"):
         IdempotencyMiddleware.of(app)
+
+
+async def test_the_store_line_is_said_once_per_store_and_namespace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An app that serves a sub-app of its own on the same store said the store line twice;
+    a middleware on another namespace says which one its line is about."""
+    store, other = MemoryStore(), MemoryStore()
+    apps = []
+    for app_store, namespace in ((store, "idem"), (store, "idem"), (other, "card")):
+        app = FastAPI()
+        app.add_middleware(IdempotencyMiddleware, store=app_store, namespace=namespace)
+        apps.append(app)
+    with caplog.at_level(logging.INFO, logger="goblin_idem"):
+        for app in apps:
+            async with lifespan(app):
+                pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "goblin_idem.lifespan"]
+    assert [line.split(":")[0] for line in lines] == [
+        "goblin-idem store",
+        "goblin-idem store (namespace card)",
+    ], lines
