@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -81,17 +82,19 @@ async def test_a_result_whose_claim_is_gone_is_removed(store: Store) -> None:
 
 
 class RunLandsFirst(RedisStore):
-    """A store on which the key's first run claims, runs and publishes (through another
-    client) right after forget's first call to the store: the interleaving that left keys
-    stuck 409 when forget read the claim, then deleted."""
+    """A store on which `land` (the key's first run, claiming, running and publishing
+    through another client) happens right after forget's first call to the store about
+    the key: the interleaving that left keys stuck 409 when forget read the claim, then
+    deleted."""
 
+    watched: bytes
+    land: Callable[[], Awaitable[object]]
     landed = False
-    other: Store
 
     async def _land(self, key: Any) -> None:
-        if not self.landed and key == self.watched.claim:
+        if not self.landed and key == self.watched:
             self.landed = True
-            await run_to_completion(self.other, self.watched)
+            await self.land()
 
     async def get(self, key: Any) -> bytes | None:
         value = await super().get(key)
@@ -102,15 +105,14 @@ class RunLandsFirst(RedisStore):
         await self._land(claim_key)
         return await super().forget(claim_key, result_key, *others, **kw)
 
-    watched: KeyNames
-
 
 async def test_a_first_run_landing_as_forget_starts_is_never_left_holding_its_claim(
     redis_server: Server,
 ) -> None:
     store = RunLandsFirst.from_url(redis_server.url)
-    store.other = RedisStore.from_url(redis_server.url)
-    store.watched = n = names(f"race-{secrets.token_hex(4)}")
+    other = RedisStore.from_url(redis_server.url)
+    n = names(f"race-{secrets.token_hex(4)}")
+    store.watched, store.land = n.claim, lambda: run_to_completion(other, n)
     try:
         assert await forget(store, names=n) is True
         assert store.landed
@@ -119,7 +121,7 @@ async def test_a_first_run_landing_as_forget_starts_is_never_left_holding_its_cl
         assert await store.claim_unless_done(n.claim, n.result, b"run-2", 30) is CLAIMED
     finally:
         await store.aclose()
-        await store.other.aclose()
+        await other.aclose()
 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
