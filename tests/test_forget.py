@@ -6,8 +6,12 @@ races it, is never left with a claim and no result (409 for a day)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -192,3 +196,42 @@ async def test_a_cluster_forgets_in_one_step_on_the_keys_primary(native_module: 
                 await store.aclose()
         finally:
             cluster.stop()
+
+
+def forget_command(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("GOBLIN_SCOPE", "DATABASE_URL")}
+    return subprocess.run(
+        [sys.executable, "-m", "goblin_idem", "forget", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+async def test_the_forget_command_forgets_the_store_alone_only_when_told(
+    redis_server: Server,
+) -> None:
+    store = RedisStore.from_url(redis_server.url)
+    n = names("cli")
+    try:
+        await run_to_completion(store, n)
+        refused = await asyncio.to_thread(forget_command, "--url", redis_server.url, "cli")
+        assert refused.returncode == 2 and "--store-only" in refused.stderr
+        assert await state(store, n) == (True, True, False)
+        both = ("--url", redis_server.url, "--store-only", "--database-url", "sqlite://", "cli")
+        assert (await asyncio.to_thread(forget_command, *both)).returncode == 2
+        done = await asyncio.to_thread(
+            forget_command, "--url", redis_server.url, "--store-only", "cli"
+        )
+        assert done.returncode == 0 and done.stdout.strip() == "forgotten", done.stderr
+        assert await state(store, n) == (False, False, False)
+        await store.claim_unless_done(n.claim, n.result, b"run-2", 30)
+        running = await asyncio.to_thread(
+            forget_command, "--url", redis_server.url, "--store-only", "cli"
+        )
+        assert running.returncode == 1 and "in flight" in running.stderr
+        assert await store.get(n.claim) == b"run-2"
+    finally:
+        await store.aclose()

@@ -149,6 +149,21 @@ async def test_the_forget_command(setup: Setup) -> None:
     assert (await asyncio.to_thread(cli, "--url", store_url)).returncode == 2  # no KEY
 
 
+async def test_the_forget_command_without_a_database_removes_nothing_and_says_so(
+    setup: Setup,
+) -> None:
+    """Forgetting the store alone would print "forgotten" while the record goes on
+    answering the key: without --database-url (or --store-only) nothing is removed."""
+    app = build(setup.store, setup.records, setup.payments)
+    await pay(app, "k1", "p1")
+    refused = await asyncio.to_thread(cli, "--url", _store_url(setup), "k1")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "--database-url" in refused.stderr and "Nothing was removed" in refused.stderr
+    assert await stored(setup, "k1") == (True, True, 1)
+    again = await pay(app, "k1", "p1")
+    assert replayed(again) and await setup.payment_count("p1") == 1
+
+
 def _store_url(setup: Setup) -> str:
     kwargs = setup.store.client.connection_pool.connection_kwargs  # type: ignore[union-attr]
     return f"redis://{kwargs['host']}:{kwargs['port']}/{kwargs.get('db', 0)}"
