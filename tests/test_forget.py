@@ -19,6 +19,8 @@ import pytest
 from goblin_idem import CLAIMED, InFlightError, MemoryStore, RedisStore, forget
 from goblin_idem._keys import KeyNames, hop_key, key_names
 from goblin_idem.store import Published, Store
+from tests.store.test_replay_cache import BUDGET
+from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_cluster
 
 TTL_MS = 86_400_000
@@ -235,3 +237,26 @@ async def test_the_forget_command_forgets_the_store_alone_only_when_told(
         assert await store.get(n.claim) == b"run-2"
     finally:
         await store.aclose()
+
+
+async def test_forget_stops_every_store_of_this_process_replaying_from_memory_at_once(
+    redis_server: Server,
+) -> None:
+    """Another store of this process keeps the key in its replay cache, on a connection
+    whose invalidations are held up (a stalled proxy): once forget has returned, that store
+    no longer answers the key from memory, whatever its connection has yet to read."""
+    with Proxy(redis_server.port) as proxy:
+        cached = RedisStore.from_url(proxy.url, replay_cache_bytes=BUDGET)
+        store = RedisStore.from_url(redis_server.url)
+        n = names(f"cached-{secrets.token_hex(4)}")
+        try:
+            await run_to_completion(cached, n)  # the publish keeps the result in memory
+            replays = cached._executor.replays
+            assert replays is not None and replays.cached(n.result) == b"GI-answer"
+            assert proxy.stall(30) >= 1  # nothing reaches `cached` any more
+            assert await forget(store, names=n) is True
+            assert replays.cached(n.result) is None
+        finally:
+            await store.aclose()
+            proxy.reset()
+            await cached.aclose()
