@@ -32,7 +32,7 @@ import sys
 import time
 
 from goblin_idem import CLAIMED, RedisStore, forget
-from goblin_idem._keys import KeyNames
+from goblin_idem.inspection import names_for_hash
 from tests.support.servers import running
 
 
@@ -51,7 +51,7 @@ from goblin_idem.inspection import names_for_hash
 
 async def main(url):
     store = RedisStore.from_url(url)
-    for line in sys.stdin:
+    while line := sys.stdin.readline():  # not `for line in sys.stdin`: it reads ahead
         await forget(store, names=names_for_hash(line.strip()))
         print(time.monotonic(), flush=True)
     await store.aclose()
@@ -71,8 +71,7 @@ async def measure(url: str, keys: int, source: str) -> tuple[list[float], int]:
     try:
         names = []
         for _ in range(keys):
-            digest = secrets.token_hex(16)
-            n = KeyNames(b"idem:{%s}:c" % digest.encode(), b"idem:{%s}:r" % digest.encode(), digest)
+            n = names_for_hash(secrets.token_hex(16))  # as the other process names it
             assert await store.claim_unless_done(n.claim, n.result, "t", 30) is CLAIMED
             await store.publish(n.result, b"done", 600_000, n.claim, "t")
             assert kept(store, n.result)
