@@ -18,8 +18,10 @@ may delete. A run that commits between the record's removal and the store's step
 still holds its claim with nothing stored (refused: in flight, its record left with it), or
 has published (both removed with the claim; its record, committed after, answers the next
 request as if it had run after the forget): the store never holds a result the database
-lacks. A key in flight is refused with InFlightError: deleting its claim would let a second
-run start while the first one still runs.
+lacks. Not covered: a run that committed before the forget and publishes only after its
+store step (the store then held its claim alone) writes its result back, since a publish
+does not ask for the claim. A key in flight is refused with InFlightError: deleting its
+claim would let a second run start while the first one still runs.
 """
 
 from __future__ import annotations
