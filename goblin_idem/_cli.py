@@ -185,22 +185,28 @@ def _add_forget(subparsers: Any) -> None:
         description=(
             "Remove what answers one Idempotency-Key (its SQL record with --database-url, "
             "its stored response, its claim), so that the next request with it runs the "
-            "handler again. A key in flight is refused: wait for its run to end."
+            "handler again. A key in flight is refused: wait for its run to end. Give "
+            "--database-url, or --store-only for an app that keeps no SQL records."
         ),
     )
     _add_key_arguments(parser, "forget")
-    _add_records_arguments(parser, "--database-url", "; none: the store only")
+    _add_records_arguments(parser, "--database-url")
+    parser.add_argument(
+        "--store-only",
+        action="store_true",
+        help="the app keeps no SQL records: forget the key in the store alone",
+    )
     parser.set_defaults(func=_forget)
 
 
-def _add_records_arguments(parser: argparse.ArgumentParser, flag: str, none: str = "") -> None:
+def _add_records_arguments(parser: argparse.ArgumentParser, flag: str) -> None:
     """Where SQL records are: the database URL (`flag`, default $DATABASE_URL), the table."""
     parser.add_argument(
         flag,
         dest="database_url",
         default=os.environ.get("DATABASE_URL"),
         help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: "
-        f"$DATABASE_URL{none})",
+        "$DATABASE_URL)",
     )
     parser.add_argument(
         "--table", default=None, help="the records table (default: goblin_idem_records)"
@@ -234,6 +240,19 @@ async def _forget_url(store: RedisStore, args: argparse.Namespace, scope: str) -
 
 
 def _forget(args: argparse.Namespace) -> int:
+    # The store cannot tell whether the app keeps SQL records: forgetting it alone there
+    # would print "forgotten" while the record goes on answering the key.
+    if args.store_only and args.database_url:
+        print("error: give either --database-url or --store-only, not both", file=sys.stderr)
+        return 2
+    if not args.store_only and not args.database_url:
+        print(
+            "error: give --database-url (or set DATABASE_URL) so that the key's SQL record "
+            "goes too, or --store-only if the app keeps no SQL records: with records, the "
+            "store alone forgotten leaves the record answering the key. Nothing was removed",
+            file=sys.stderr,
+        )
+        return 2
     store = _store_of(args)
     if store is None:
         return 2

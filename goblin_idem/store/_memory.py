@@ -256,6 +256,24 @@ class MemoryStore:
                 self._store(as_bytes(claim_key), as_bytes(token, "token"), deadline)
             return Published.SUPERSEDED
 
+    async def forget(
+        self, claim_key: KeyT, result_key: KeyT, *others: KeyT, expected: KeyT | None = None
+    ) -> int:
+        """The claim, the result and `others` together, unless a run holds the claim, as
+        one step under the lock (see `Store.forget`)."""
+        with self._lock:
+            ck, rk = as_bytes(claim_key), as_bytes(result_key)
+            held = self._live(ck) is not None
+            done = self._live(rk) is not None
+            if held and not done and self._live_string(ck) != _expected(expected):
+                return -1
+            removed = 0
+            for k in (rk, *(as_bytes(o) for o in others), ck):
+                if self._live(k) is not None:
+                    self._drop(k)
+                    removed += 1
+            return removed
+
     async def caexpire_many(
         self, renewals: Sequence[tuple[KeyT, KeyT, int]]
     ) -> list[int | Exception]:
@@ -315,6 +333,10 @@ class MemoryStore:
                     self._drop(k)
                     removed += 1
             return removed
+
+
+def _expected(expected: KeyT | None) -> bytes | None:
+    return None if expected is None else as_bytes(expected, "expected")
 
 
 # Every MemoryStore of the process: a fork's child gives each a new lock, since a thread

@@ -109,6 +109,20 @@ class Store(Protocol):
         """
         ...
 
+    async def forget(
+        self, claim_key: KeyT, result_key: KeyT, *others: KeyT, expected: KeyT | None = None
+    ) -> int:
+        """Delete `result_key`, `others` and `claim_key` together, unless a run holds the
+        claim: it exists, `result_key` does not, and it does not hold `expected` (None
+        matches nothing). One atomic step: -1, nothing deleted, while a run holds it; else
+        how many of the keys existed (0: nothing was stored).
+
+        A claim is thus deleted only when it guards a stored result or holds the token the
+        caller was shown completed (its SQL record committed): never under a run, which a
+        second run could then join. `goblin_idem.forget` is its one caller.
+        """
+        ...
+
     async def caexpire_many(
         self, renewals: Sequence[tuple[KeyT, KeyT, int]]
     ) -> list[int | Exception]:

@@ -310,6 +310,16 @@ class _StoreConnection:
 _stores: weakref.WeakSet[_StoreConnection] = weakref.WeakSet()
 
 
+def forget_everywhere(keys: Sequence[bytes]) -> None:
+    """Drop `keys` from every replay cache of this process, every store's and every loop's:
+    called before and after a step that deletes them, so that no connection of this process
+    answers them from memory once the step has returned, whether or not the server's
+    invalidation has reached it yet (a fill under way then is spoiled; one read before the
+    step and done is dropped by the second call)."""
+    for store in list(_stores):
+        store._forget(keys)
+
+
 def _after_fork() -> None:
     for store in list(_stores):
         store._after_fork()
@@ -518,6 +528,23 @@ class RedisStore(_StoreConnection):
         """Atomically: if GET key == expected, DEL key."""
         k, e = as_bytes(key), as_bytes(expected, "expected")
         return int(await self._goblin(scripts.CAD, (k,), e))
+
+    async def forget(
+        self, claim_key: KeyT, result_key: KeyT, *others: KeyT, expected: KeyT | None = None
+    ) -> int:
+        """The claim, the result and `others` in one script (`scripts.FORGET_LUA`), unless
+        a run holds the claim: see `Store.forget`. This process's replay caches drop the
+        result before and after (`forget_everywhere`)."""
+        keys = (as_bytes(claim_key), as_bytes(result_key), *(as_bytes(k) for k in others))
+        args = () if expected is None else (as_bytes(expected, "expected"),)
+        await self._ready()  # detection first, as for every GOBLIN step
+        command = scripts.FORGET.call(False, keys, args)
+        forget_everywhere(keys)
+        try:
+            (reply,) = await self._executor.send(keys[0], [command])
+        finally:
+            forget_everywhere(keys)
+        return int(unwrap(reply, self._acl_user))
 
     # -- compound steps, one round trip each --
 

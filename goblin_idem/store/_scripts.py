@@ -41,6 +41,20 @@ end
 return 0
 """
 
+# Not a GOBLIN command: `Store.forget`, an operator's step, rare and never on a request's
+# path, runs as this script on every server, the module's included (its ACL then needs
+# +evalsha +script|load): one body serves servers whose module predates it, with nothing to
+# fall back on. A claim is deleted with the rest only if no run holds it: absent, holding
+# ARGV[1] (the token the caller saw completed; no ARGV matches nothing), or guarding a
+# stored result. KEYS[1] is the claim, KEYS[2] the result; the rest go with them.
+FORGET_LUA = """\
+local held = redis.call("get", KEYS[1])
+if held and held ~= ARGV[1] and redis.call("exists", KEYS[2]) == 0 then
+  return -1
+end
+return redis.call("del", unpack(KEYS))
+"""
+
 
 @dataclass(frozen=True)
 class Script:
@@ -64,4 +78,6 @@ CLAIM = Script("goblin.claim", CLAIM_LUA)
 CAEXPIRE = Script("goblin.caexpire", CAEXPIRE_LUA)
 CAS = Script("goblin.cas", CAS_LUA)
 CAD = Script("goblin.cad", CAD_LUA)
-ALL = (CLAIM, CAEXPIRE, CAS, CAD)
+FORGET = Script("goblin.forget", FORGET_LUA)  # never native: see FORGET_LUA
+GOBLIN = (CLAIM, CAEXPIRE, CAS, CAD)
+ALL = (*GOBLIN, FORGET)  # what SCRIPT LOAD loads

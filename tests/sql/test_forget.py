@@ -20,6 +20,7 @@ from goblin_idem.inspection import names_for_hash
 from tests.sql.conftest import Setup
 from tests.support.apps.sql_app import Gate, build
 from tests.support.asgi import Reply, request
+from tests.test_forget import RunLandsFirst
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,6 +85,45 @@ async def test_a_key_in_flight_is_not_forgotten(setup: Setup) -> None:
     assert await stored(setup, "k1") == (True, True, 1)  # the run was left alone
 
 
+async def test_a_key_completed_in_sql_whose_store_holds_only_its_claim_is_forgotten(
+    setup: Setup,
+) -> None:
+    """The store lost the result (or the publish failed) and keeps the run's claim: the
+    record says the run committed, so the key is completed, not in flight."""
+    app = build(setup.store, setup.records, setup.payments)
+    await pay(app, "k1", "p1")
+    await setup.store.client.delete(key_names(b"idem", b"", b"k1").result)  # type: ignore[union-attr]
+    assert await stored(setup, "k1") == (True, False, 1)
+    assert await forget(setup.store, "k1", records=setup.records) is True
+    assert await stored(setup, "k1") == (False, False, 0)
+    again = await pay(app, "k1", "p1")
+    assert again.status == 201 and not replayed(again)
+    assert await setup.payment_count("p1") == 2
+
+
+async def test_a_first_run_landing_as_forget_starts_leaves_store_and_database_agreeing(
+    setup: Setup,
+) -> None:
+    """The key's first run claims, commits its record and publishes right after forget's
+    first call to the store: afterwards the store and the database hold the key together or
+    not at all, and the next request is answered by whichever holds it."""
+    app = build(setup.store, setup.records, setup.payments)
+    names = key_names(b"idem", b"", b"k1")
+    store = RunLandsFirst.from_url(_store_url(setup))
+    store.watched, store.land = names.claim, lambda: pay(app, "k1", "p1")
+    try:
+        assert await forget(store, "k1", records=setup.records) is True
+        assert store.landed
+    finally:
+        await store.aclose()
+    claim, result, rows = await stored(setup, "k1")
+    assert (claim, result, rows) in ((False, False, 0), (True, True, 1))
+    again = await pay(app, "k1", "p1")
+    assert again.status == 201
+    assert replayed(again) is result  # forgotten: it runs again; else the first run's answer
+    assert await setup.payment_count("p1") == (1 if result else 2)
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "goblin_idem", "forget", *args],
@@ -107,6 +147,21 @@ async def test_the_forget_command(setup: Setup) -> None:
     again = await asyncio.to_thread(cli, "--url", store_url, *table, "k1")
     assert again.returncode == 0 and again.stdout.strip() == "nothing was stored for this key"
     assert (await asyncio.to_thread(cli, "--url", store_url)).returncode == 2  # no KEY
+
+
+async def test_the_forget_command_without_a_database_removes_nothing_and_says_so(
+    setup: Setup,
+) -> None:
+    """Forgetting the store alone would print "forgotten" while the record goes on
+    answering the key: without --database-url (or --store-only) nothing is removed."""
+    app = build(setup.store, setup.records, setup.payments)
+    await pay(app, "k1", "p1")
+    refused = await asyncio.to_thread(cli, "--url", _store_url(setup), "k1")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "--database-url" in refused.stderr and "Nothing was removed" in refused.stderr
+    assert await stored(setup, "k1") == (True, True, 1)
+    again = await pay(app, "k1", "p1")
+    assert replayed(again) and await setup.payment_count("p1") == 1
 
 
 def _store_url(setup: Setup) -> str:

@@ -12,12 +12,14 @@ import secrets
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from goblin_idem import CLAIMED, RedisStore
 from goblin_idem.store import Published
 from goblin_idem.store._autopipeline import AutoPipeline
 from goblin_idem.store._cluster import ClusterPipelined
+from goblin_idem.store._redis_compat import slots_stale
 from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.store.test_cluster_pipeline import (
     begin_migration,
@@ -334,3 +336,54 @@ async def test_a_primary_resynced_from_another_history_drops_everything(kind: st
                 assert plain.get(r) == b"another history"
         finally:
             await store.aclose()
+
+
+async def test_a_slot_table_flagged_stale_is_not_read_for_an_answer_from_memory(
+    own: tuple[Cluster, str],
+) -> None:
+    """Once the cluster client has flagged its slot table stale (a MOVED, here on another
+    slot, with a refresh asked for and not yet due), the table may name a node that no
+    longer serves a key while its cache still holds the key: no answer from memory until
+    the store has asked the cluster. Here the key's slot is handed to another primary and
+    the key left behind on its old owner (DELSLOTS leaves it, so no invalidation comes),
+    and the new owner has never held it: the duplicate must run, not replay."""
+    cluster, mode = own
+    store = store_on(cluster, mode)
+    try:
+        await store.detect()
+        r = await completed(store)
+        client = store.client
+        assert isinstance(client, RedisCluster) and not slots_stale(client)
+        # Set now, not at construction (the first refreshes would then leave it stale):
+        client.reinitialize_steps = 1  # every MOVED asks for a refresh...
+        client.nodes_manager._topology_refresh_min_interval = 60  # ...not due for a minute
+        c = claim_key(r)
+        src = server_at(cluster, node_of(store, r))
+        dst = next(s for s in cluster.servers[: cluster.masters] if s.port != src.port)
+        slot = key_slot(r.encode())
+        with src.sync_client() as plain:
+            plain.execute_command("CLUSTER", "DELSLOTS", slot)
+        end_migration(cluster, dst, slot)  # dst owns the slot; src still holds the keys
+        with src.sync_client() as plain:
+            assert plain.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 2
+        assert kept_at(store, src.port, r)
+        # Another slot, with no keys, moves too; a read of it meets MOVED.
+        other = next(
+            f"{{{t}}}:x"
+            for t in (secrets.token_hex(4) for _ in range(1000))
+            if key_slot(f"{{{t}}}:x".encode()) != slot
+        )
+        owner = server_at(cluster, node_of(store, other))
+        end_migration(
+            cluster,
+            next(s for s in cluster.servers[: cluster.masters] if s.port != owner.port),
+            key_slot(other.encode()),
+        )
+        assert await store.get(other) is None
+        assert slots_stale(client)
+        assert node_of(store, r) == src.port  # the table still names the old owner
+        assert store._executor.replays is not None
+        assert store._executor.replays.cached(r.encode()) is None
+        assert await store.claim_unless_done(c, r, "u", 30) is CLAIMED  # asked dst: absent
+    finally:
+        await store.aclose()

@@ -9,16 +9,18 @@ import asyncio
 import os
 import secrets
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from goblin_idem import CLAIMED, MemoryStore, RedisStore, forget
 from goblin_idem._keys import key_names
 from goblin_idem.store import Published
-from goblin_idem.store._autopipeline import AutoPipeline
+from goblin_idem.store._autopipeline import HEARD_SECONDS, AutoPipeline
 from goblin_idem.store._replay_cache import ENTRY_OVERHEAD, ReplayCache
 from tests.support.procs import in_child
+from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_server
 
 BUDGET = 4 << 20
@@ -423,3 +425,76 @@ async def test_a_cancelled_tracked_send_never_fills_in_place_of_a_later_fill(
         assert cache.pending == {b"r": False}  # that fill still counts
     finally:
         await pipeline.aclose()
+
+
+async def test_a_stalled_connection_is_not_answered_from_memory(redis_server: Server) -> None:
+    """A connection whose oldest command has gone unanswered past the stall threshold may
+    have invalidations stuck behind it: its cache stops serving at once, well before a
+    second of silence, though it still holds the result."""
+    with Proxy(redis_server.port) as proxy:
+        store = RedisStore.from_url(proxy.url, replay_cache_bytes=BUDGET)
+        waiting = None
+        try:
+            r = await completed(store)
+            pipeline = pipeline_of(store)
+            assert pipeline.cached(r.encode()) == b"done"
+            assert proxy.stall(30) >= 1  # the server's replies (and pushes) stop here
+            c2, r2 = keys()
+            waiting = asyncio.ensure_future(store.claim_unless_done(c2, r2, "t", 30))
+            conn = pipeline._conn
+            assert conn is not None
+            await until(lambda: conn.stalled())
+            assert conn.loop.time() - conn.heard < HEARD_SECONDS  # not yet silent that long
+            assert pipeline.cached(r.encode()) is None
+            assert kept(store, r)
+        finally:
+            proxy.reset()
+            if waiting is not None:
+                await asyncio.gather(waiting, return_exceptions=True)
+            await store.aclose()
+
+
+class FillsJustBeforeItsDelete(RedisStore):
+    """A store on which `before_send` runs as a plain command is about to go out, after the
+    method sending it has dropped what it changes from the cache: here, a duplicate's fill."""
+
+    before_send: Callable[[], Awaitable[None]] | None = None
+
+    async def _plain(self, command: Awaitable[Any]) -> Any:
+        hook, self.before_send = self.before_send, None
+        if hook is not None:
+            await hook()
+        return await super()._plain(command)
+
+
+async def test_a_fill_read_just_before_a_delete_is_not_served_after_it(
+    redis_server: Server,
+) -> None:
+    """`delete` drops the keys before its DEL (spoiling a fill under way) and again after
+    it: a fill sent between the two, read before the DEL and kept, must not answer once the
+    delete returned, though the server's invalidation has not reached the cache's
+    connection (held up here by a stalled proxy)."""
+    with Proxy(redis_server.port) as proxy:
+        store = FillsJustBeforeItsDelete.from_url(proxy.url, replay_cache_bytes=BUDGET)
+        other = RedisStore.from_url(redis_server.url)
+        c, r = keys()
+        try:
+            assert await other.claim_unless_done(c, r, "t", 30) is CLAIMED
+            assert await other.publish(r, b"done", 60_000, c, "t") is Published.STORED
+            await store.detect()
+
+            async def fill_then_stall() -> None:
+                assert await store.claim_unless_done(c, r, "u", 30) == b"done"
+                await until(lambda: kept(store, r))
+                await store.client.connection_pool.disconnect()  # the DEL opens a new one
+                await until(lambda: proxy.open_connections() == 1)
+                assert proxy.stall(30) == 1  # the cache's connection alone
+
+            store.before_send = fill_then_stall
+            assert await store.delete(r, c) == 2
+            assert store.before_send is None
+            assert pipeline_of(store).cached(r.encode()) is None
+        finally:
+            proxy.reset()
+            await other.aclose()
+            await store.aclose()
