@@ -191,8 +191,8 @@ def _parts(h: Any, value: Any) -> Iterator[tuple[str, Any]]:
         yield from _parts(h, fields)
     elif (attributes := getattr(type(value), "__attrs_attrs__", None)) is not None:
         yield from _parts(h, {a.name: getattr(value, a.name) for a in attributes})
-    elif callable(getattr(value, "model_dump", None)) and not isinstance(value, type):
-        yield "", value.model_dump(mode="json")  # a pydantic model
+    elif hasattr(type(value), "model_dump") and hasattr(type(value), "model_fields"):
+        yield "", value.model_dump(mode="json")  # a pydantic model (its class says so)
     elif isinstance(value, _NAMED):
         _named(h, value)
     else:
@@ -286,8 +286,16 @@ def _real(value: Any) -> bytes:
         try:
             n, d = ratio() if ratio is not None else float(value).as_integer_ratio()
         except (ValueError, OverflowError):  # NaN and the infinities: no ratio
-            return repr(float(value)).encode()
+            return _unbounded(value)
     return str(n).encode() if d == 1 else f"{n}/{d}".encode()
+
+
+def _unbounded(value: Any) -> bytes:
+    """NaN and the infinities, as float spells them (a Decimal's too, as ``==`` has it)."""
+    try:
+        return repr(float(value)).encode()
+    except ValueError:  # a signalling NaN, which float() refuses
+        return str(value).encode()
 
 
 def _part(h: Any, tag: bytes, data: bytes) -> None:
