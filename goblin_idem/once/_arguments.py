@@ -88,13 +88,13 @@ class Fingerprint:
         if self.select is not None:
             if self.signature is not None:
                 self.signature.bind(*args, **kwargs)  # arguments refused as the call would be
-            _hash(h, {"fingerprint=": self.select(*args, **kwargs)}, "the value fingerprint=")
+            _hash(h, {"": self.select(*args, **kwargs)}, "the value fingerprint= returned")
         elif self.signature is None:
-            _hash(h, {"args": list(args), "kwargs": kwargs}, "")
+            _hash(h, {"args": list(args), "kwargs": kwargs}, "the call's {}")
         else:
             bound = self.signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            _hash(h, bound.arguments, "argument ")
+            _hash(h, bound.arguments, "argument {}")
         return h.digest()
 
 
@@ -108,20 +108,19 @@ class _Uncomparable(Exception):
 
 
 def _hash(h: Any, named: Mapping[str, Any], what: str) -> None:
-    """`named` (argument name to value) into `h`, or TypeError naming the argument."""
+    """`named` (argument name to value) into `h`, or TypeError naming the argument (`what`,
+    formatted with its name)."""
     try:
         _feed(h, named, set())
     except _Uncomparable as exc:
-        name, *rest = reversed(exc.path)
-        where = name[1:-1] if name.startswith("[") else name  # the argument's own name
+        name, *rest = reversed(exc.path)  # "['session']", then the steps inside it
         kind = f"{type(exc.value).__module__}.{type(exc.value).__qualname__}"
         part = f" (at {''.join(rest)}, {kind})" if rest else f" ({kind})"
-        label = "the value fingerprint= returned" if what.startswith("the") else f"{what}{where}"
         raise TypeError(
-            f"once cannot compare {label}{part} by value: {exc.why}, so a reused key could "
-            "not be told from other work. Pass fingerprint=<a function of the arguments "
-            "that returns what identifies the work> (say, fingerprint=lambda order, "
-            "session: order), or fingerprint=False"
+            f"once cannot compare {what.format(name[1:-1])}{part} by value: {exc.why}, so a "
+            "reused key could not be told from other work. Pass fingerprint=<a function of "
+            "the arguments that returns what identifies the work> (say, fingerprint=lambda "
+            "order, session: order), or fingerprint=False"
         ) from None
 
 
@@ -131,7 +130,7 @@ def _feed(h: Any, value: Any, path: set[int]) -> None:
     value that contains itself is refused instead of recursing without end."""
     kind = type(value)
     if value is None or kind is bool:
-        _part(h, b"c", b"True" if value else b"False" if value is not None else b"None")
+        _part(h, b"c", repr(value).encode())
     elif kind is str:
         _part(h, b"s", value.encode("utf-8", "surrogatepass"))
     elif kind is int:
