@@ -6,10 +6,11 @@ reach a real processor over the network.
 
 ``POST /charges`` ``{"account", "amount_cents", "currency"}`` makes one charge (201,
 ``{"id": "ch_000001", ...}``); ``GET /charges?account=`` lists what it charged. The
-payments handler sends no key of its own: inside its run, the transport derives the key
-from the run's claim, so a second run of the same payment (its first one failed after
-the charge, its worker paused past its lease, its claim lost with a store) sends the same
-key and the processor answers from its record. Charges are kept in memory, like the store.
+payments handler sends no key of its own, only the call's label (``charge``): inside its
+run, the transport derives the key from the run's claim and that label, so a second run
+of the same payment (its first one failed after the charge, its worker paused past its
+lease, its claim lost with a store) sends the same key and the processor answers from its
+record. Charges are kept in memory, like the store.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ class CardProcessor:
     async def charge(self, account: str, amount_cents: int, currency: str) -> str:
         """Charge through the processor; its charge id. No key is passed: see the module."""
         body = {"account": account, "amount_cents": amount_cents, "currency": currency}
-        response = await self.client.post("/charges", json=body)
+        response = await self.client.post(
+            "/charges", json=body, extensions={"idempotency_label": "charge"}
+        )
         response.raise_for_status()
         charge_id: str = response.json()["id"]
         return charge_id

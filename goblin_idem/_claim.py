@@ -126,9 +126,9 @@ class Claim:
         does the work once. `secret`: an app's own HMAC key, mixed in (`_derived`)."""
         return label_key(self._lease.key, secret_bytes(secret), label)
 
-    def _key_for_call(self, method: str, url: str, label: str | None, secret: bytes) -> str:
+    def _key_for_call(self, method: str, url: str, label: str, secret: bytes) -> str:
         """The httpx transports' key for an outgoing call of this run (`_derived.call_key`)."""
-        return call_key(self._lease, secret, method, url, label)
+        return call_key(self._lease.key, secret, method, url, label)
 
     def claim(self) -> Claim:
         return self

@@ -5,10 +5,16 @@ first run that failed after its downstream call) must send the next API the same
 times, or that API does the work twice. So an outgoing key is not drawn at random inside a
 run: it is a keyed hash of what both runs share, and of nothing else:
 
-- the run's claim key name (``<ns>:{<hash>}:c``): its hash already covers the namespace,
-  the scope and the key (`_keys.key_names`), the same in every process and on every re-run;
-- the call: a `label` the caller names it by, or, for the httpx transports, its method and
-  URL plus its label or its ordinal among the run's unlabelled calls to that method and URL;
+- the run's claim key name (``<ns>:{<hash>}:c``, `_keys.key_names`), whole: the namespace
+  in clear as its prefix (the hash covers only the scope and the key, so two namespaces
+  with one scope and key differ by the prefix alone) and the hash of scope and key; the
+  same in every process and on every re-run;
+- the call's name: a `label` the caller gives it, and for the httpx transports its method
+  and URL with it. Nothing else a run sees tells one call from another: a call's position
+  among the run's calls changes when a re-run skips a conditional call (a fee the first run
+  paid) or when concurrent calls reach the transport in another order, and its body may
+  hold what changes between runs (a timestamp). So a call the transports would key inside
+  a run must be labelled (`client._call` refuses one that is not);
 - an app's own `secret`, if it gives one (none is needed).
 
 HMAC-SHA256 over length-prefixed fields, so two different tuples never feed the same bytes;
@@ -23,19 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import itertools
-import threading
-import weakref
-
-from ._lease import Lease
 
 __all__ = ["call_key", "derive", "label_key", "secret_bytes"]
 
 # The HMAC key when the app gives no secret: a fixed domain separator, so a derived key is
 # never the plain hash of anything else this library computes.
 _DEFAULT_SECRET = b"goblin-idem derived key v1"
-_LABEL = b"L"  # a call named by its label
-_ORDINAL = b"N"  # the n-th unlabelled call to a method and URL
+_LABEL = b"L"  # what follows is the name a caller gave the key
 
 
 def secret_bytes(secret: bytes | str | None) -> bytes:
@@ -68,37 +68,14 @@ def label_key(claim_name: bytes, secret: bytes, label: str) -> str:
     return derive(claim_name, secret, _LABEL, _text(label, "derive_key's label"))
 
 
-def call_key(lease: Lease, secret: bytes, method: str, url: str, label: str | None) -> str:
-    """The key of an outgoing HTTP call of the run that holds `lease`.
+def call_key(claim_name: bytes, secret: bytes, method: str, url: str, label: str) -> str:
+    """The key of an outgoing HTTP call named `label` by the run that holds `claim_name`.
 
-    A labelled call is named by (method, URL, label): the same label is the same call, so a
-    handler that repeats it (its own retry) sends the same key. An unlabelled call is the
-    n-th to its method and URL in this run, counted from 1: a re-run that makes the same
-    calls in the same order sends the same keys, and a second, different call to the same
-    URL gets a key of its own instead of the first one's answer.
+    The same (method, URL, label) is the same call, so a handler that repeats it (its own
+    retry) sends the same key, and a re-run sends it whatever it did before or around it.
     """
-    fields = [method.upper().encode(), _text(url, "a URL")]
-    if label is not None:
-        fields += [_LABEL, _text(label, "the idempotency_label extension")]
-    else:
-        fields += [_ORDINAL, str(_ordinal(lease, fields[0], fields[1])).encode()]
-    return derive(lease.key, secret, *fields)
-
-
-# Each run's count of unlabelled calls per (method, URL), kept while its lease is: the lease
-# is the one object every holder of a run's claim shares (the middleware's responder, `once`,
-# the claim as sync code sees it), and a re-run has a new one, so it counts from 1 again.
-_counts: weakref.WeakKeyDictionary[Lease, dict[tuple[bytes, bytes], itertools.count[int]]] = (
-    weakref.WeakKeyDictionary()
-)
-_counts_lock = threading.Lock()  # sync code may call from several threads of one run
-
-
-def _ordinal(lease: Lease, method: bytes, url: bytes) -> int:
-    with _counts_lock:
-        counts = _counts.setdefault(lease, {})
-        counter = counts.setdefault((method, url), itertools.count(1))
-        return next(counter)
+    fields = (method.upper().encode(), _text(url, "a URL"), _LABEL)
+    return derive(claim_name, secret, *fields, _text(label, "the idempotency_label extension"))
 
 
 def _field(value: bytes) -> bytes:

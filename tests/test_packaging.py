@@ -5,6 +5,7 @@ into a module that Redis loads. And `build-module`'s errors name its own --cc fl
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ NOT_SOURCE = shutil.ignore_patterns(
 USE = textwrap.dedent(
     """
     import asyncio, sys
+    import goblin_idem
     from goblin_idem import IdempotencyMiddleware, MemoryStore, native
 
     runs = []
@@ -53,13 +55,19 @@ USE = textwrap.dedent(
 
     asyncio.run(main())
     print(native.source_path())
+    print(goblin_idem.__file__)
     """
 )
 
 
+# A user's environment: none of the test run's PYTHON* variables, whose PYTHONPATH names the
+# checkout and would have the clean venv import the checkout instead of the wheel.
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+
+
 def run(*args: str | Path, cwd: Path | None = None) -> str:
     proc = subprocess.run(
-        [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=240
+        [str(a) for a in args], cwd=cwd, env=CLEAN_ENV, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, f"{args}: {proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -83,6 +91,7 @@ def test_the_built_wheel_installs_and_builds_the_module_in_a_clean_venv(tmp_path
     out = run(python, "-c", USE, cwd=tmp_path).splitlines()
     assert out[0] == "(b'run 1', None) (b'run 1', b'true') 1"
     assert out[1].startswith(str(venv)) and out[1].endswith("goblin_module.c")
+    assert out[2].startswith(str(venv / "lib"))  # the wheel's package, not the checkout's
 
     built = run(
         python, "-m", "goblin_idem", "build-module", "--out", tmp_path / "mod", cwd=tmp_path

@@ -71,7 +71,7 @@ NON_RETRYABLE_TYPES = frozenset(
 # LocalProtocolError (this request is malformed), UnsupportedProtocol, ProxyError.
 RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 REPLAYED_HEADER = "idempotent-replayed"
-LABEL_EXTENSION = "idempotency_label"  # names a call among a run's calls to one URL
+LABEL_EXTENSION = "idempotency_label"  # names a call of a run: its derived key's input
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field-name
 
 
@@ -203,12 +203,24 @@ def run_call(
 
 
 def _new_key(request: httpx.Request, options: CallOptions) -> str:
-    """Inside a claimed run, the call's key derived from the run's claim, so a second run
-    of the same work sends the next API the same key (`_derived`); else a random one."""
+    """Inside a claimed run, the call's key derived from the run's claim and the call's
+    label, so a second run of the same work sends the next API the same key (`_derived`);
+    else a random one. An unlabelled call inside a run is refused before it is sent: no
+    name of it would stay the same on a re-run that skips a call or reorders concurrent
+    ones, and a key by position hands one call another's answer."""
     claim = current_claim() if options.derive else None
     if claim is None:
         return str(uuid.uuid4())
     label = request.extensions.get(LABEL_EXTENSION)
+    if label is None:
+        raise TypeError(
+            f"{request.method} {request.url.path} inside a claimed run needs a name for its "
+            f"derived {options.header}, the same on every run of this work: pass "
+            f"extensions={{{LABEL_EXTENSION!r}: '<name>'}} (one name per call, e.g. 'fee' "
+            f"and 'order'), or set the {options.header} header yourself (say, "
+            "current_claim().derive_key('<name>')); derived_keys=False on the transport "
+            "sends random keys, and a re-run then repeats the call's effect. Nothing was sent"
+        )
     return claim._key_for_call(request.method, str(request.url), label, options.secret)
 
 

@@ -63,10 +63,10 @@ class IdempotentTransport(_Wrapper[httpx.BaseTransport], httpx.BaseTransport):
 
     A request without a key gets a random one, or, inside a claimed run (a handler the
     middleware runs for a keyed request, a `once` function), one derived from the run's
-    claim: the same on a re-run, so the next API does the work once. Two calls to one URL
-    in a run are told apart by their ``idempotency_label`` request extension, else by their
-    order (`goblin_idem._derived.call_key`). ``derived_keys=False`` draws random keys
-    always; ``key_secret`` mixes an app's own secret into derived keys.
+    claim: the same on a re-run, so the next API does the work once. Such a call is named
+    by its ``idempotency_label`` request extension, which it must carry (a run's unlabelled
+    call raises TypeError before it is sent; `goblin_idem._derived`). ``derived_keys=False``
+    draws random keys always; ``key_secret`` mixes an app's own secret into derived keys.
     """
 
     _wraps = httpx.BaseTransport

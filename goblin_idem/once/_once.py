@@ -47,7 +47,7 @@ from .._recording import Committed, Records, RunTransaction
 from ..exceptions import InFlightError, KeyReusedError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Published, Store
-from ._arguments import Fingerprint
+from ._arguments import Fingerprint, fingerprint_option
 from ._codecs import Codec, codec_for, from_stored, stored_fingerprint, to_stored
 from ._sync import in_callers_thread
 
@@ -88,7 +88,7 @@ def once(
     encryption_keys: Sequence[bytes] | Sealer | None = None,
     require_sealed: bool = False,
     records: Records | None = None,
-    fingerprint: bool = True,
+    fingerprint: bool | Callable[..., Any] = True,
 ) -> Decorator:
     """Run the decorated function at most once per key (see the module docstring).
 
@@ -108,9 +108,11 @@ def once(
 
     The value is stored with a fingerprint of the call's arguments, and a later call with
     the same key and other arguments raises KeyReusedError instead of returning it (a key
-    reused for other work is a bug, as with HTTP's 422). ``fingerprint=False``: any call
-    with the key gets the value, whatever its arguments (for a function whose arguments
-    carry more than the work, such as a delivery attempt's number).
+    reused for other work is a bug, as with HTTP's 422); an argument it cannot compare by
+    value raises TypeError at the call (`_arguments`). ``fingerprint=`` a function of the
+    arguments: what it returns is compared instead (``lambda order, session: order``).
+    ``fingerprint=False``: any call with the key gets the value, whatever its arguments (for
+    a function whose arguments carry more than the work, such as a delivery attempt's number).
     """
     the_store = _checked(store, key, codec, wait_seconds, name)
     ttl = options.seconds("ttl_seconds", ttl_seconds, minimum=1)
@@ -119,7 +121,7 @@ def once(
     sealer = options.sealer(encryption_keys)
     sealed_only = options.require_sealed(require_sealed, sealer)
     the_records = options.records(records)
-    fingerprinted = options.flag("fingerprint", fingerprint)
+    fingerprinted = fingerprint_option(fingerprint)
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         if not inspect.iscoroutinefunction(func):
@@ -144,7 +146,7 @@ def once(
             Watchdog.for_store(the_store),
             the_records,
             ClaimStep(the_store, float(wait_seconds), POLL_SECONDS, the_records),
-            Fingerprint(func) if fingerprinted else None,
+            None if fingerprinted is False else Fingerprint(func, fingerprinted),
         )
 
         @functools.wraps(func)

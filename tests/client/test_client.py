@@ -448,14 +448,25 @@ def test_requests_without_a_key_or_with_a_stream_are_sent_once(
 
 
 def test_retry_after_seconds_date_cap_and_deadline(make: Any, scripted: Scripted) -> None:
-    caller = make(scripted.url, policy=RetryPolicy(max_delay=3.0, budget=None))
-    # an HTTP-date one to two seconds ahead (it has whole seconds)
-    when = formatdate(time.time() + 2, usegmt=True)
-    scripted.script({"status": 429, "headers": {"retry-after": when}}, {"status": 200})
-    started = time.monotonic()
+    # an HTTP-date about two seconds ahead (it has whole seconds): the wait is what is left
+    # until it when the answer is read (after the call was sent, before the hook was told),
+    # however long the call took to get there
+    told: list[float] = []
+
+    def on_retry(event: RetryEvent) -> None:
+        told.append(time.time())
+        caller.events.append(event)
+
+    caller = make(scripted.url, policy=RetryPolicy(max_delay=3.0, budget=None), on_retry=on_retry)
+    target = int(time.time() + 2)
+    scripted.script(
+        {"status": 429, "headers": {"retry-after": formatdate(target, usegmt=True)}},
+        {"status": 200},
+    )
+    sent, started = time.time(), time.monotonic()
     r = caller.post("/pay", json={})
     assert r.status_code == 200 and ext(r)["attempts"] == 2
-    assert 0.9 <= caller.events[-1].delay <= 2.0
+    assert target - told[0] <= caller.events[-1].delay <= target - sent
     assert time.monotonic() - started >= caller.events[-1].delay
 
     # a Retry-After longer than max_delay waits max_delay

@@ -324,7 +324,7 @@ async def test_fingerprint_false_returns_the_value_whatever_the_arguments(store:
     assert runs == [1]
     names = key_names(b"once", b"attempts", b"o-1")
     assert await store.get(names.result) == b"GO\x011"  # stored as 0.2.0 stored it
-    with pytest.raises(TypeError, match="fingerprint must be True or False"):
+    with pytest.raises(TypeError, match="fingerprint must be True, False, or a function"):
         once(store, key=lambda n: n, fingerprint="no")  # type: ignore[arg-type]
 
 

@@ -86,7 +86,9 @@ def build_a(
         body = await request.json()
         ref, mode = body["ref"], body.get("mode")
         run = counting.count(f"a:{ref}")
-        answer = await b.post("/charges", json={"ref": ref, "amount": 7})
+        answer = await b.post(
+            "/charges", json={"ref": ref, "amount": 7}, extensions={"idempotency_label": "charge"}
+        )
         answer.raise_for_status()
         charge_id = answer.json()["charge"]
         await control.set(f"answered:{ref}:{run}", charge_id)

@@ -44,7 +44,9 @@ def make_pay(store: RedisStore, b_url: str, control: redis.Redis) -> Callable[..
     )
     def pay(ref: str, mode: str) -> dict[str, Any]:
         run = counting.count(f"a:{ref}")
-        answer = b.post("/charges", json={"ref": ref, "amount": 7})
+        answer = b.post(
+            "/charges", json={"ref": ref, "amount": 7}, extensions={"idempotency_label": "charge"}
+        )
         answer.raise_for_status()
         charge = answer.json()["charge"]
         control.set(f"answered:{ref}:{run}", charge)
