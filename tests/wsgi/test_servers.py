@@ -356,6 +356,20 @@ def test_a_misconfiguration_stops_gunicorn(preload: bool) -> None:
         server.stop()
 
 
+@pytest.mark.parametrize("preload", [False, True], ids=["boot", "preload"])
+def test_a_flask_misconfiguration_stops_gunicorn_naming_its_config_key(preload: bool) -> None:
+    env = {"FLASK_CONFIG": '{"GOBLIN_IDEM_TTL_SECONDS": 0}'}
+    app = "tests.support.apps.flask_app:configured"
+    server = Gunicorn(app, free_port(), env, workers=1, preload=preload)
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"app.config\['GOBLIN_IDEM_TTL_SECONDS'\]: ttl_seconds must be"
+        ):
+            server.wait_ready(timeout=20)
+    finally:
+        server.stop()
+
+
 def test_an_unreachable_store_stops_uvicorn_serving_django() -> None:
     port = free_port()
     env = {"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
