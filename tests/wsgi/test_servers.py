@@ -26,7 +26,7 @@ from tests.store.test_replay_cache import commands_served
 from tests.support.apps.wsgi_app import RELAY_TOKEN
 from tests.support.procs import spawn, start_uvicorn, stop, uvicorn_args, wait_http
 from tests.support.servers import Server, free_port
-from tests.support.wsgi import Gunicorn
+from tests.support.wsgi import Gunicorn, run_until_exit
 
 FLASK = "tests.support.apps.flask_app:app"
 PLAIN_WSGI = "tests.support.apps.wsgi_app:app"
@@ -368,6 +368,29 @@ def test_a_flask_misconfiguration_stops_gunicorn_naming_its_config_key(preload: 
             server.wait_ready(timeout=20)
     finally:
         server.stop()
+
+
+def test_gunicorn_s_gevent_workers_are_refused_at_boot_naming_the_worker_class() -> None:
+    """gevent's workers make the loop thread a greenlet that never yields: every request of
+    the worker, GET /health included, hung without a word. Now the worker fails to boot
+    and gunicorn stops, saying which worker to use."""
+    server = Gunicorn(FLASK, free_port(), {}, worker_class="gevent", workers=1)
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"under gunicorn's gevent worker \(-k gevent\).*gthread"
+        ):
+            server.wait_ready(timeout=20)
+    finally:
+        server.stop()
+
+
+def test_eventlet_s_green_threads_are_refused_when_the_middleware_is_made() -> None:
+    """eventlet (gunicorn 27 has no eventlet worker; its monkey-patching alone) hung the
+    middleware's store check, on the loop "thread", for good."""
+    code = "import eventlet; eventlet.monkey_patch()\nfrom tests.support.apps import wsgi_app"
+    status, said = run_until_exit(["-c", code], {}, timeout=20)
+    assert status == 1
+    assert "under eventlet's monkey-patching of threading" in said and "gthread" in said, said
 
 
 def test_an_unreachable_store_stops_uvicorn_serving_django() -> None:
