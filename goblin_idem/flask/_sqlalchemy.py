@@ -23,7 +23,7 @@ import threading
 from typing import Any
 
 from flask import Flask
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
 
 from ..sql._context import _database
@@ -74,8 +74,14 @@ def same_database(found: object, engine: Engine) -> bool:
         return True
     if not isinstance(found, Engine):
         return False
-    database = _database(engine.url)
-    return database[3] not in (None, "", ":memory:") and _database(found.url) == database
+    database = _where(engine.url)
+    return database[3] not in (None, "", ":memory:") and _where(found.url) == database
+
+
+def _where(url: URL) -> tuple[object, ...]:
+    """The database `url` names, with the server a socket directory in its query names
+    (``?host=/run/pg``: two clusters may each have a database of that name)."""
+    return (*_database(url), url.query.get("host"), url.query.get("port"))
 
 
 class _Joining:

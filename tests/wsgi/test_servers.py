@@ -365,7 +365,7 @@ def test_a_flask_misconfiguration_stops_gunicorn_naming_its_config_key(preload: 
         with pytest.raises(
             RuntimeError, match=r"app.config\['GOBLIN_IDEM_TTL_SECONDS'\]: ttl_seconds must be"
         ):
-            server.wait_ready(timeout=20)
+            server.wait_ready(timeout=60)  # exits at once; a loaded machine boots slowly
     finally:
         server.stop()
 
@@ -379,7 +379,7 @@ def test_gunicorn_s_gevent_workers_are_refused_at_boot_naming_the_worker_class()
         with pytest.raises(
             RuntimeError, match=r"under gunicorn's gevent worker \(-k gevent\).*gthread"
         ):
-            server.wait_ready(timeout=20)
+            server.wait_ready(timeout=60)  # exits at once; a loaded machine boots slowly
     finally:
         server.stop()
 
@@ -388,7 +388,7 @@ def test_eventlet_s_green_threads_are_refused_when_the_middleware_is_made() -> N
     """eventlet (gunicorn 27 has no eventlet worker; its monkey-patching alone) hung the
     middleware's store check, on the loop "thread", for good."""
     code = "import eventlet; eventlet.monkey_patch()\nfrom tests.support.apps import wsgi_app"
-    status, said = run_until_exit(["-c", code], {}, timeout=20)
+    status, said = run_until_exit(["-c", code], {}, timeout=60)
     assert status == 1
     assert "under eventlet's monkey-patching of threading" in said and "gthread" in said, said
 
