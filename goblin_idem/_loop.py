@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread", "loop_thread", "new_loop", "started_loop"]
+__all__ = ["LoopThread", "loop_thread", "new_loop", "refuse_green_threads", "started_loop"]
 
 T = TypeVar("T")
 
@@ -90,8 +91,41 @@ def _start() -> LoopThread:
     global _current
     with _starting:
         if _current is None or not _current.alive:
+            refuse_green_threads()
             _current = LoopThread()
         return _current
+
+
+def refuse_green_threads() -> None:
+    """RuntimeError, naming the worker and what to use instead, in a process whose threads
+    gevent or eventlet made greenlets (gunicorn's gevent and eventlet workers patch
+    `threading`): the loop "thread" would be a greenlet that never yields (its selector
+    waits in the OS), and a request's wait for it blocks the hub, so every request of the
+    worker, keyed or not, would hang without a word."""
+    green = _green_threads()
+    if green is None:
+        return
+    worker = f"gunicorn's {green} worker (-k {green})"
+    if f"gunicorn.workers.g{green}" not in sys.modules:
+        worker = f"{green}'s monkey-patching of threading"
+    raise RuntimeError(
+        f"goblin-idem cannot serve a sync app under {worker}: its store calls run on a loop "
+        "thread of their own, which a green thread cannot be, and every request would hang. "
+        "Serve the app with gunicorn's gthread worker (--worker-class gthread --threads 8) "
+        "or its sync worker, or as an ASGI app under the ASGI middleware"
+    )
+
+
+def _green_threads() -> str | None:
+    """The library that made this process's threads greenlets, if one did (read from the
+    modules it loaded: none is imported here)."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        return "gevent"
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is not None and patcher.is_monkey_patched("thread"):
+        return "eventlet"
+    return None
 
 
 def _forget_after_fork() -> None:

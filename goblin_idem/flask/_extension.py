@@ -4,6 +4,7 @@ for route marks."""
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,19 +44,34 @@ class Idempotency:
             self.init_app(app)
 
     def init_app(self, app: Flask, *, store: Store | None = None, **options: Any) -> None:
-        given = {**config_options(app.config), **self.options, **options}
+        config = config_options(app.config)
+        given = {**config, **self.options, **options}
+        where = {name: f"app.config[{CONFIG_PREFIX + name.upper()!r}]" for name in config}
+        where.update((name, f"Idempotency({name}=...)") for name in self.options)
+        where.update((name, f"init_app({name}=...)") for name in options)
+        if store is not None:
+            where["store"] = "init_app(store=...)"
+        elif self.store is not None:
+            where["store"] = "Idempotency(store=...)"
         chosen = store if store is not None else self.store
         if chosen is None:
             chosen = given.get("store")
-        given["store"] = _store(chosen)
-        middleware = IdempotencyMiddleware(app.wsgi_app, **given)
+        given["store"] = _store(chosen, where.get("store", "store"))
+        try:
+            middleware = IdempotencyMiddleware(app.wsgi_app, **given)
+        except (TypeError, ValueError) as exc:
+            named = _named(exc, where)
+            if named is exc:
+                raise
+            raise named from exc
         middleware.policy_of = functools.partial(_policy, app)
-        records = middleware.core.records
-        if isinstance(records, ThreadedRecords) and "sqlalchemy" in app.extensions:
-            from ._sqlalchemy import join_sessions
+        wsgi_app: Any = middleware
+        if isinstance(middleware.core.records, ThreadedRecords):  # sync SQL records
+            from ._sqlalchemy import JoinOnFirstRequest, join_sessions
 
-            join_sessions(app, records.backend)  # type: ignore[arg-type]
-        app.wsgi_app = middleware  # type: ignore[method-assign]
+            if not join_sessions(app):  # Flask-SQLAlchemy may come after: look again then
+                wsgi_app = JoinOnFirstRequest(app, middleware)
+        app.wsgi_app = wsgi_app  # type: ignore[method-assign]
         app.extensions["goblin_idem"] = middleware
 
     @staticmethod
@@ -82,17 +98,30 @@ def config_options(config: Mapping[str, Any]) -> dict[str, Any]:
     return found
 
 
-def _store(setting: object) -> Any:
+def _named(exc: TypeError | ValueError, where: Mapping[str, str]) -> TypeError | ValueError:
+    """An option the middleware refused (its message starts with the option's name),
+    worded for where the app set it: its ``app.config`` key or the argument."""
+    text = str(exc)
+    name = re.match(r"[a-z_]*", text).group()  # type: ignore[union-attr]
+    if name not in where or type(exc) not in (TypeError, ValueError):
+        return exc
+    return type(exc)(f"{where[name]}: {text}")
+
+
+def _store(setting: object, where: str) -> Any:
     """A store given as a URL (or ``"memory"``) made; anything else is checked by the
-    middleware (None, for one, is refused with what to pass)."""
+    middleware (None, for one, is refused with what to pass). `where` names the setting."""
     if isinstance(setting, str):
         if setting == "memory":
             return MemoryStore()
         if setting.startswith(URL_SCHEMES):
-            return RedisStore.from_url(setting)
+            try:
+                return RedisStore.from_url(setting)
+            except ValueError as exc:  # never repeats the URL: it may carry a password
+                raise ValueError(f"{where} is not a usable Redis URL: {exc}") from None
         raise ValueError(
-            "app.config['GOBLIN_IDEM_STORE'] must be a store, a redis://, rediss:// or "
-            f"unix:// URL, or 'memory', not {setting[:20]!r}"
+            f"{where} must be a store, a redis://, rediss:// or unix:// URL, or 'memory', "
+            f"not {setting[:20]!r}"
         )
     return setting
 

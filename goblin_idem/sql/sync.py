@@ -48,11 +48,9 @@ logger = logging.getLogger("goblin_idem.sql")
 
 ADVICE = (
     "goblin_idem.sql.sync.session() or connection() in place of a session or connection of "
-    "the app's own (with Flask-SQLAlchemy, db.session joins the run by itself when the "
-    "extension has records=SqlRecords(db.engine): call db.init_app(app) first, then "
-    "Idempotency's init_app with those records, in an app context; records on an engine of "
-    "their own, as an extension initialised before db.init_app must have, leave db.session "
-    "outside the run)"
+    "the app's own (with Flask-SQLAlchemy, db.session joins the run by itself wherever it "
+    "writes to the records' database, whichever of db.init_app(app) and the extension came "
+    "first)"
 )
 
 

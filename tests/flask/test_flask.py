@@ -120,3 +120,33 @@ def test_init_app_arguments_win_over_the_constructor_and_the_config() -> None:
     Idempotency(lease_seconds=7, store=MemoryStore()).init_app(app, ttl_seconds=90)
     core = Idempotency.middleware(app).core
     assert core.routes.defaults.lease_ms == 7000 and core.routes.defaults.ttl_ms == 90_000
+
+
+@pytest.mark.parametrize(
+    ("where", "told"),
+    [
+        ("config", r"app.config\['GOBLIN_IDEM_TTL_SECONDS'\]: ttl_seconds must be >= 1"),
+        ("constructor", r"Idempotency\(ttl_seconds=...\): ttl_seconds must be >= 1"),
+        ("init_app", r"init_app\(ttl_seconds=...\): ttl_seconds must be >= 1"),
+    ],
+)
+def test_a_refused_option_names_the_config_key_or_the_argument(where: str, told: str) -> None:
+    """The app's config and both calls may set one option: the error names the one to
+    change, as Django's names its settings.GOBLIN_IDEM key."""
+    app = Flask(__name__)
+    extension = Idempotency(
+        store=MemoryStore(), **({"ttl_seconds": 0} if where == "constructor" else {})
+    )
+    if where == "config":
+        app.config["GOBLIN_IDEM_TTL_SECONDS"] = 0
+    with pytest.raises(ValueError, match=told):
+        extension.init_app(app, **({"ttl_seconds": 0} if where == "init_app" else {}))
+
+
+def test_a_refused_store_names_where_it_was_given() -> None:
+    app = Flask(__name__)
+    app.config["GOBLIN_IDEM_STORE"] = 6379
+    with pytest.raises(TypeError, match=r"app.config\['GOBLIN_IDEM_STORE'\]: store must be"):
+        Idempotency(app)
+    with pytest.raises(ValueError, match=r"init_app\(store=...\) must be a store, a redis://"):
+        Idempotency().init_app(Flask(__name__), store="localhost:6379")  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flask import Flask
+from flask import Flask, request
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import create_engine, insert, text
 
@@ -44,6 +44,9 @@ def app(request: pytest.FixtureRequest, sync_setup: SyncSetup, store: RedisStore
     if request.param == "wsgi":
         return build_wsgi(store, sync_setup.records, sync_setup.payments)
     return build_flask(store, sync_setup.url, sync_setup.records.table.name, sync_setup.payments)
+
+
+JSON = [("Content-Type", "application/json")]
 
 
 def pay(app: Any, ref: str, key: str | None = None, mode: str = "") -> Reply:
@@ -213,17 +216,27 @@ def test_connection_outside_a_request_says_why() -> None:
         sql_sync.session()
 
 
-def test_flask_sqlalchemy_with_records_on_another_engine_is_refused(
+def test_flask_sqlalchemy_with_records_on_another_engine_of_its_database_joins(
     sync_setup: SyncSetup, store: RedisStore
 ) -> None:
-    """db.session could not join runs on another Engine of the same database."""
+    """db.session joins runs on another Engine of its database (they were refused): a view
+    that fails after its commit leaves nothing."""
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = sync_setup.url
     db = SQLAlchemy()
     db.init_app(app)
+    payments = sync_setup.payments
+
+    @app.post("/payments")
+    def pay_view() -> Any:
+        db.session.execute(insert(payments).values(ref="other", amount=1))
+        db.session.commit()
+        raise RuntimeError("failed after its commit")
+
     records = SqlRecords(create_engine(sync_setup.url), table=sync_setup.records.table.name)
-    with pytest.raises(ValueError, match=r"pass records=SqlRecords\(db.engine\)"):
-        Idempotency(app, store=store, records=records)
+    Idempotency(app, store=store, records=records)
+    assert call(app, "POST", "/payments", key="k-other").code == 500
+    assert sync_setup.payment_count("other") == 0
     records.close()
 
 
@@ -311,34 +324,37 @@ def test_the_warning_names_flask_s_url_rule_not_the_path(
     assert told[0].startswith("POST /shops/<int:shop>/orders: a commit on the records'")
 
 
-def test_flask_sqlalchemy_initialised_after_the_extension_is_told_to_swap_them(
+def test_flask_sqlalchemy_initialised_after_the_extension_joins_at_the_first_request(
     sync_setup: SyncSetup, store: RedisStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An app factory that initialises Idempotency (records on an engine of its own) before
-    db.init_app: db.session cannot join the run, its commits are its own, and the WARNING
-    says which order makes db.session join (it said only records=SqlRecords(db.engine),
-    which cannot be made before db.init_app)."""
+    """An app factory that initialises Idempotency (records on an engine of their own,
+    SqlRecords(url, sync=True)) before db.init_app: db.session joins the run all the same,
+    found at the first request. Before, its commit was its own (the failed run left its
+    payment) and only a WARNING said so."""
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = sync_setup.url
     db = SQLAlchemy()
-    records = SqlRecords(create_engine(sync_setup.url), table=sync_setup.records.table.name)
+    records = SqlRecords(sync_setup.url, sync=True, table=sync_setup.records.table.name)
     Idempotency().init_app(app, store=store, records=records)
     db.init_app(app)
     payments = sync_setup.payments
 
     @app.post("/payments")
     def pay_view() -> Any:
-        db.session.execute(insert(payments).values(ref="own", amount=1))
+        db.session.execute(insert(payments).values(ref=request.json["ref"], amount=1))  # type: ignore[index]
         db.session.commit()
-        raise RuntimeError("failed after its commit")
+        if request.json["ref"] == "failed":  # type: ignore[index]
+            raise RuntimeError("failed after its commit")
+        return {"ok": True}, 201
 
     with caplog.at_level(logging.WARNING, logger="goblin_idem"):
-        assert call(app, "POST", "/payments", key="k-order").code == 500
-    told = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(told) == 1, told
-    assert told[0].startswith("POST /payments: a commit on the records' database"), told
-    assert "call db.init_app(app) first, then Idempotency's init_app" in told[0], told
-    assert sync_setup.payment_count("own") == 1  # not covered: the failed run left it
+        failed = call(app, "POST", "/payments", b'{"ref": "failed"}', JSON, key="k-order")
+        assert failed.code == 500
+        paid = call(app, "POST", "/payments", b'{"ref": "paid"}', JSON, key="k-paid")
+        assert paid.code == 201
+    assert [r for r in caplog.records if r.levelno == logging.WARNING] == []
+    assert sync_setup.payment_count("failed") == 0  # the run rolled its commit back
+    assert sync_setup.payment_count("paid") == 1 and len(sync_setup.rows()) == 1
     records.close()
 
 

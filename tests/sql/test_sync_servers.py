@@ -23,6 +23,7 @@ from tests.support.wsgi import Gunicorn
 
 APPS = {
     "flask": "tests.support.apps.sync_sql_app:flask_app",
+    "flask-first": "tests.support.apps.sync_sql_app:flask_first_app",  # before db.init_app
     "wsgi": "tests.support.apps.sync_sql_app:wsgi_app",
 }
 # (worker class, workers, threads): two requests at once either way.
@@ -92,7 +93,13 @@ def test_a_completed_run_replays_from_the_database_once_the_store_is_flushed(
 @pytest.mark.parametrize("second_commits", ["first", "second"])
 @pytest.mark.parametrize(
     ("app", "workers"),
-    [("flask", "sync"), ("flask", "gthread"), ("wsgi", "sync"), ("wsgi", "gthread")],
+    [
+        ("flask", "sync"),
+        ("flask", "gthread"),
+        ("flask-first", "gthread"),
+        ("wsgi", "sync"),
+        ("wsgi", "gthread"),
+    ],
 )
 def test_a_claim_deleted_mid_run_commits_one_effect_and_both_get_one_answer(
     sync_setup: SyncSetup, gates: Path, app: str, workers: str, second_commits: str

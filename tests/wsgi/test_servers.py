@@ -23,9 +23,10 @@ import pytest
 
 from goblin_idem._keys import key_names
 from tests.store.test_replay_cache import commands_served
+from tests.support.apps.wsgi_app import RELAY_TOKEN
 from tests.support.procs import spawn, start_uvicorn, stop, uvicorn_args, wait_http
 from tests.support.servers import Server, free_port
-from tests.support.wsgi import Gunicorn
+from tests.support.wsgi import Gunicorn, run_until_exit
 
 FLASK = "tests.support.apps.flask_app:app"
 PLAIN_WSGI = "tests.support.apps.wsgi_app:app"
@@ -137,12 +138,15 @@ def test_concurrent_duplicates_across_workers_run_once(served: Served) -> None:
 
 
 def send_cut(url: str, path: str, key: str, head: str, body: bytes) -> bytes:
-    """A request whose body stops short (`head` says what it promised), the client's half
-    of the connection then shut: what the server answered before closing its own half."""
+    """A request whose body stops short (`head` says what it promised, and may name its key
+    in another header than Idempotency-Key), the client's half of the connection then
+    shut: what the server answered before closing its own half."""
     host, port = url.removeprefix("http://").split(":")
+    if "\r\n" not in key:
+        key = f"Idempotency-Key: {key}\r\n"
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nIdempotency-Key: {key}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{key}"
             f"Content-Type: application/x-www-form-urlencoded\r\n{head}\r\n".encode()
             + body
         )
@@ -183,6 +187,33 @@ def test_a_body_cut_short_runs_nothing_and_the_retry_runs(
     full = httpx.post(served.url + path, content=FORM, headers=headers, timeout=30)
     assert full.status_code == 201, full.text
     assert "idempotent-replayed" not in full.headers and served.runs(key) == 1
+
+
+@pytest.mark.parametrize(
+    ("head", "cut"),
+    [
+        ("Content-Length: 5000\r\n", FORM[:1000]),
+        ("Transfer-Encoding: chunked\r\n", b"3e8\r\n" + FORM[:1000] + b"\r\n"),
+    ],
+    ids=["content-length", "chunked"],
+)
+def test_a_streamed_body_cut_short_runs_nothing_and_the_retry_runs(
+    plain_wsgi: Served, head: str, cut: bytes
+) -> None:
+    """A delivery keyed by its provider (no Idempotency-Key) has its body streamed to the
+    middleware, a chunk per read, not read whole up front: cut short, it is still a client
+    gone. The provider trusts a header and covers no body, so no signature check stops a
+    short body that the reading took for a whole one: it would run, its 1,000 bytes stored
+    under the key, and the full retry would be replayed that answer."""
+    event = uuid.uuid4().hex
+    relay = f"X-Relay-Id: {event}\r\nX-Relay-Token: {RELAY_TOKEN}\r\n"
+    answer = send_cut(plain_wsgi.url, "/relay", relay, head, cut)
+    assert not answer.startswith(b"HTTP/1.1 201"), answer[:200]
+    assert plain_wsgi.runs(event) == 0
+    headers = {"X-Relay-Id": event, "X-Relay-Token": RELAY_TOKEN}
+    full = httpx.post(plain_wsgi.url + "/relay", content=FORM, headers=headers, timeout=30)
+    assert full.status_code == 201 and full.json() == {"run": 1, "read": len(FORM)}
+    assert "idempotent-replayed" not in full.headers and plain_wsgi.runs(event) == 1
 
 
 def test_a_flask_app_configured_by_its_config_and_init_app(redis_server: Server) -> None:
@@ -323,6 +354,43 @@ def test_a_misconfiguration_stops_gunicorn(preload: bool) -> None:
             server.wait_ready(timeout=20)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("preload", [False, True], ids=["boot", "preload"])
+def test_a_flask_misconfiguration_stops_gunicorn_naming_its_config_key(preload: bool) -> None:
+    env = {"FLASK_CONFIG": '{"GOBLIN_IDEM_TTL_SECONDS": 0}'}
+    app = "tests.support.apps.flask_app:configured"
+    server = Gunicorn(app, free_port(), env, workers=1, preload=preload)
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"app.config\['GOBLIN_IDEM_TTL_SECONDS'\]: ttl_seconds must be"
+        ):
+            server.wait_ready(timeout=60)  # exits at once; a loaded machine boots slowly
+    finally:
+        server.stop()
+
+
+def test_gunicorn_s_gevent_workers_are_refused_at_boot_naming_the_worker_class() -> None:
+    """gevent's workers make the loop thread a greenlet that never yields: every request of
+    the worker, GET /health included, hung without a word. Now the worker fails to boot
+    and gunicorn stops, saying which worker to use."""
+    server = Gunicorn(FLASK, free_port(), {}, worker_class="gevent", workers=1)
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"under gunicorn's gevent worker \(-k gevent\).*gthread"
+        ):
+            server.wait_ready(timeout=60)  # exits at once; a loaded machine boots slowly
+    finally:
+        server.stop()
+
+
+def test_eventlet_s_green_threads_are_refused_when_the_middleware_is_made() -> None:
+    """eventlet (gunicorn 27 has no eventlet worker; its monkey-patching alone) hung the
+    middleware's store check, on the loop "thread", for good."""
+    code = "import eventlet; eventlet.monkey_patch()\nfrom tests.support.apps import wsgi_app"
+    status, said = run_until_exit(["-c", code], {}, timeout=60)
+    assert status == 1
+    assert "under eventlet's monkey-patching of threading" in said and "gthread" in said, said
 
 
 def test_an_unreachable_store_stops_uvicorn_serving_django() -> None:

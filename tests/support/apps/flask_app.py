@@ -4,6 +4,7 @@ Runs are counted by tests.support.apps.counting (``runs:<key>``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -99,11 +100,13 @@ def create_app(store: Store | None = None, **options: Any) -> Flask:
 
 def create_configured() -> Flask:
     """An app factory's app: its options in app.config (``GOBLIN_IDEM_*``: the store's URL,
-    another key header, every route requiring a key) and in ``init_app``'s arguments."""
+    another key header, every route requiring a key, and FLASK_CONFIG's JSON object) and in
+    ``init_app``'s arguments."""
     app = Flask(__name__)
     app.config["GOBLIN_IDEM_STORE"] = os.environ.get("REDIS_URL", "memory")
     app.config["GOBLIN_IDEM_HEADER"] = "X-Request-Key"
     app.config["GOBLIN_IDEM_REQUIRED"] = True
+    app.config.update(json.loads(os.environ.get("FLASK_CONFIG", "{}")))  # a test's own
 
     @app.get("/health")
     def health() -> str:

@@ -1,9 +1,11 @@
 """A payments app for sync SQL records (goblin_idem.sql with a sync Engine), two ways: Flask
 with Flask-SQLAlchemy (``flask_app``: its views use ``db.session`` and commit, as such
-apps do) and a plain WSGI app writing through ``goblin_idem.sql.sync.session()``
-(``wsgi_app``). For tests/sql and the fault run, in process (`build_flask`, `build_wsgi`)
-or under gunicorn, built from the environment: ``REDIS_URL``, ``DATABASE_URL`` (a sync
-URL: postgresql+psycopg://, sqlite://), ``RECORDS_TABLE``, ``PAYMENTS_TABLE``,
+apps do; ``flask_first_app`` the same in the order users write first: the extension before
+``db.init_app``, its records on an engine of their own) and a plain WSGI app writing
+through ``goblin_idem.sql.sync.session()`` (``wsgi_app``). For tests/sql and the fault
+run, in process (`build_flask`, `build_wsgi`) or under gunicorn, built from the
+environment: ``REDIS_URL``, ``DATABASE_URL`` (a sync URL: postgresql+psycopg://,
+sqlite://), ``RECORDS_TABLE``, ``PAYMENTS_TABLE``,
 ``LEASE_SECONDS``; ``RECORDS=0`` for the middleware without records (the view's own
 commit alone); ``KILL_AFTER_COMMIT=1`` or ``KILL_AFTER_COMMIT_FILE`` as in sql_app (the
 process SIGKILLs itself right after a run's commit, before the store hears of it); and
@@ -97,13 +99,27 @@ def _answer(ref: str, payment: int | None) -> dict[str, Any]:
 
 
 def build_flask(
-    store: Store, url: str, records_table: str | None, payments: Table, **options: Any
+    store: Store,
+    url: str,
+    records_table: str | None,
+    payments: Table,
+    *,
+    extension_first: bool = False,
+    **options: Any,
 ) -> Flask:
-    """Flask-SQLAlchemy as its users write it; `records_table` None: no records."""
+    """Flask-SQLAlchemy as its users write it; `records_table` None: no records. With
+    `extension_first`, in the order users write first: the extension, with records on an
+    engine of their own (``SqlRecords(url, sync=True)``), then ``db.init_app(app)``."""
     app = Flask(__name__)
     app.json.sort_keys = False  # type: ignore[attr-defined]  # "ref" first, as sql_app's
     app.config["SQLALCHEMY_DATABASE_URI"] = url
     db = SQLAlchemy()
+    if extension_first:
+        assert records_table is not None
+        first: SyncSqlRecords = SqlRecords(url, sync=True, table=records_table)
+        if _killing():
+            first = KillingRecords(create_engine(url), table=records_table)
+        Idempotency(app, store=store, records=first, **options)
     db.init_app(app)
     kind = mapped(payments)
 
@@ -132,6 +148,8 @@ def build_flask(
             return jsonify(error="failed"), 500
         return jsonify(_answer(body["ref"], payment.id)), 201
 
+    if extension_first:
+        return app
     with app.app_context():
         records: SyncSqlRecords | None = None
         if records_table is not None and _killing():
@@ -180,15 +198,20 @@ def _killing() -> bool:
     return os.environ.get("KILL_AFTER_COMMIT") == "1" or "KILL_AFTER_COMMIT_FILE" in os.environ
 
 
-def _from_env() -> tuple[Flask | None, Any]:
+def _from_env() -> tuple[Flask | None, Flask | None, Any]:
     if "DATABASE_URL" not in os.environ:
-        return None, None
+        return None, None, None
     store = RedisStore.from_url(os.environ["REDIS_URL"])
     url = os.environ["DATABASE_URL"]
     payments = payments_table(os.environ["PAYMENTS_TABLE"])
     lease = float(os.environ.get("LEASE_SECONDS", "30"))
     table = None if os.environ.get("RECORDS") == "0" else os.environ["RECORDS_TABLE"]
     flask = build_flask(store, url, table, payments, lease_seconds=lease)
+    flask_first = None
+    if table is not None:
+        flask_first = build_flask(
+            store, url, table, payments, extension_first=True, lease_seconds=lease
+        )
     engine: Engine = create_engine(url)
     kind_of = KillingRecords if _killing() else SyncSqlRecords
     plain = build_wsgi(
@@ -197,7 +220,7 @@ def _from_env() -> tuple[Flask | None, Any]:
         payments,
         lease_seconds=lease,
     )
-    return flask, plain
+    return flask, flask_first, plain
 
 
-flask_app, wsgi_app = _from_env()
+flask_app, flask_first_app, wsgi_app = _from_env()
