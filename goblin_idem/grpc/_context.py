@@ -95,10 +95,9 @@ class _Held:
         return data
 
     def outcome(self, finished: bool = True) -> Outcome:
-        """The call as it ended: a status that is not OK keeps no responses; responses
-        past the limit are not kept (the status alone, not replayable)."""
-        if self._code != grpc.StatusCode.OK:
-            return Outcome(self._code, self._details, self.trailing, finished=finished)
+        """The call as it ended: its status and the responses it sent before it (a unary
+        call keeps its response only with OK); responses past the limit are not kept
+        (the status alone, not replayable)."""
         return Outcome(
             self._code,
             self._details,
