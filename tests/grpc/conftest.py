@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -36,6 +37,7 @@ class Payments(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined]
 
     - ``abort:<CODE>``: context.abort with that status, details and a trailer;
     - ``code:<CODE>``: set_code / set_details, then return;
+    - ``flaky``: UNAVAILABLE at its first run;
     - ``raise``: a RuntimeError; ``big``: a reply of 4 KiB;
     - ``gate``: wait for `gate` (a duplicate meanwhile is in flight); a cancellation is
       recorded in `cancelled`;
@@ -44,14 +46,18 @@ class Payments(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined]
 
     def __init__(self) -> None:
         self.runs: Counter[str] = Counter()
+        self.keys: list[str] = []  # the request id (or idempotency-key) of every run
         self.gate = asyncio.Event()
         self.started = asyncio.Event()
         self.cancelled = asyncio.Event()
 
     async def Charge(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         self.runs[request.account] += 1
+        self.keys.append(request.request_id)
         n = sum(self.runs.values())
         action, _, code = request.account.partition(":")
+        if action == "flaky" and self.runs[request.account] == 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "a blip")
         if action == "abort":
             await context.abort(
                 grpc.StatusCode[code], f"refused {request.amount}", (("reason", "test"),)
@@ -75,6 +81,7 @@ class Payments(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined]
 
     async def Echo(self, request: Any, context: Any) -> Any:
         self.runs["echo"] += 1
+        self.keys.append(dict(context.invocation_metadata() or ()).get("idempotency-key", ""))
         return pb2.Ping(text=f"{request.text} {self.runs['echo']}")
 
     async def Split(self, request: Any, context: Any) -> Any:
@@ -98,6 +105,9 @@ class Payments(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined]
             yield item
 
 
+targets: weakref.WeakKeyDictionary[grpc.aio.Channel, str] = weakref.WeakKeyDictionary()
+
+
 @contextlib.asynccontextmanager
 async def serving(
     interceptors: list[Any], servicer: Payments | None = None
@@ -109,6 +119,7 @@ async def serving(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    targets[channel] = f"127.0.0.1:{port}"
     try:
         yield service, channel
     finally:

@@ -27,13 +27,17 @@ class SyncPayments(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined
 
     def __init__(self) -> None:
         self.runs: Counter[str] = Counter()
+        self.keys: list[str] = []
         self.gate = threading.Event()
         self.started = threading.Event()
         self.finished = threading.Event()
 
     def Charge(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.runs[request.account] += 1
+        self.keys.append(request.request_id)
         action, _, code = request.account.partition(":")
+        if action == "flaky" and self.runs[request.account] == 1:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "a blip")
         if action == "abort":
             context.set_trailing_metadata((("reason", "test"),))
             context.abort(grpc.StatusCode[code], f"refused {request.amount}")
