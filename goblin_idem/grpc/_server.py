@@ -422,6 +422,16 @@ class IdempotencyInterceptor(_Interceptor, grpc.ServerInterceptor):
     returns. A server stream's responses are sent once the call's outcome is kept.
     """
 
+    def __init__(self, store: Store, **options: Any) -> None:
+        if options.get("records") is not None:
+            raise TypeError(
+                "records= needs AsyncIdempotencyInterceptor on a grpc.aio server: a sync "
+                "handler cannot join the run's transaction through goblin_idem.sql's async "
+                "connection(); serve the service with grpc.aio, or keep its writes "
+                "idempotent by themselves"
+            )
+        super().__init__(store, **options)
+
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Handler],
