@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Iterator
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterator,
+    Sequence,
+)
 from typing import Any
 
 import grpc
@@ -244,7 +252,7 @@ class _Passing:
         self,
         context: Context,
         serialize: Callable[[Any], bytes],
-        requests: list[Any] = (),  # type: ignore[assignment]
+        requests: Sequence[Any] = (),
     ) -> None:
         self._context, self._serialize = context, serialize
         self._requests = list(requests)[::-1]
