@@ -350,3 +350,49 @@ async def test_a_lost_lease_is_counted_and_logged_as_http_does(
         service.gate.set()
         assert (await first)[0] == grpc.StatusCode.OK
     assert any("lease lost" in r.getMessage() for r in caplog.records)
+
+
+async def test_every_status_is_kept_or_released_as_the_issue_lists(
+    interceptor: AsyncIdempotencyInterceptor,
+) -> None:
+    kept = {"INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION"}
+    kept |= {"OUT_OF_RANGE", "UNIMPLEMENTED"}
+    codes = [c.name for c in grpc.StatusCode if c != grpc.StatusCode.OK]
+    async with serving([interceptor]) as (service, channel):
+        for code in codes:
+            for _ in range(2):
+                await call(channel, charge(key=f"k-{code}", account=f"abort:{code}"))
+    assert {code for code in codes if service.runs[f"abort:{code}"] == 1} == kept
+    assert all(service.runs[f"abort:{code}"] == 2 for code in codes if code not in kept)
+
+
+async def test_an_unreadable_stored_outcome_is_internal_and_runs_nothing(
+    interceptor: AsyncIdempotencyInterceptor,
+) -> None:
+    async with serving([interceptor]) as (service, channel):
+        await call(channel, charge())
+        (result,) = [k async for k in store_of(interceptor).client.scan_iter(match=b"grpc:*:r")]
+        await store_of(interceptor).client.set(result, b"GO\x01not an outcome")
+        status, details, *_ = await call(channel, charge())
+    assert status == grpc.StatusCode.INTERNAL and "cannot be read" in details
+    assert service.runs["acct"] == 1 and interceptor.counters.unreadable == 1
+
+
+async def test_sealed_outcomes_replay_and_on_event_sees_each_count(store: RedisStore) -> None:
+    seen: list[tuple[str, str]] = []
+    interceptor = AsyncIdempotencyInterceptor(
+        store, encryption_keys=[bytes(range(32))], on_event=lambda e, k: seen.append((e, k))
+    )
+    async with serving([interceptor]) as (service, channel):
+        first = await call(channel, charge())
+        again = await call(channel, charge())
+        (result,) = [k async for k in store.client.scan_iter(match=b"grpc:*:r")]
+        stored = await store.client.get(result)
+    assert again[3] == first[3] and service.runs["acct"] == 1
+    assert stored[:3] == b"GO\x04" and b"ch_1" not in stored  # sealed, with its fingerprint
+    assert [event for event, _ in seen] == ["claimed", "replayed"]
+    assert seen[0][1] == seen[1][1] and len(seen[0][1]) == 32
+
+
+def store_of(interceptor: AsyncIdempotencyInterceptor) -> Any:
+    return interceptor._door.store
