@@ -11,7 +11,6 @@ handler: no cost.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import (
     AsyncIterator,
@@ -26,7 +25,6 @@ from typing import Any
 
 import grpc
 
-from .._keys import KeyNames
 from .._recording import Records
 from ..once._sync import in_callers_thread
 from ..store import Store
@@ -290,7 +288,7 @@ async def _send(context: Context, outcome: Outcome, own: Any) -> Any:
     return outcome.messages[0] if outcome.messages else None
 
 
-def _in_thread(names: KeyNames, fp: bytes, work: Callable[[], Outcome]) -> Outcome:
+def _in_thread(keyed: Keyed, work: Callable[[], Outcome]) -> Outcome:
     return work()
 
 
@@ -310,13 +308,15 @@ class _SyncCall(_Method):
     ) -> Callable[..., Coroutine[Any, Any, Outcome]]:
         run = self.run
 
-        async def keyed(names: KeyNames, fp: bytes, work: Callable[[], Outcome]) -> Outcome:
-            outcome: Outcome = await run.call(
-                names, fp, (functools.partial(call_back, names, fp, work),), {}
-            )
+        async def run_keyed(keyed: Keyed, work: Callable[[], Outcome]) -> Outcome:
+            async def started() -> Outcome:
+                keyed.started()  # counted on the loop thread, as every other event
+                return keyed.ended(await call_back(keyed, work))
+
+            outcome: Outcome = await run.call(keyed.names, keyed.fp, (started,), {})
             return outcome
 
-        return keyed
+        return run_keyed
 
     def unary_unary(self, request: Any, context: Context) -> Any:
         got = self._keyed([request], context, self._unary)
@@ -353,16 +353,15 @@ class _SyncCall(_Method):
             return None if keyed is None else (keyed, None)
         held = SyncHeld(context, self.serialize, self.door.max_response_bytes)
 
-        def work() -> Outcome:
-            keyed.started()
+        def work() -> Outcome:  # in this thread
             try:
                 handle(requests, held)
             except Ended:
                 pass
-            return keyed.ended(held.outcome(finished=context.is_active()))
+            return held.outcome(finished=context.is_active())
 
         try:
-            outcome: Outcome = self.keyed_run(keyed.names, keyed.fp, work)
+            outcome: Outcome = self.keyed_run(keyed, work)
         except BaseException as exc:
             answer = keyed.failed(exc)
             if answer is None:
