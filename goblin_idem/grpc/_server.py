@@ -71,6 +71,13 @@ class _Interceptor:
         on_event: Callable[[str, str], None] | None = None,
     ) -> None:
         """See the class docstring; every option is checked here, once."""
+        if records is not None and not self._joins_records:
+            raise TypeError(
+                "records= needs AsyncIdempotencyInterceptor on a grpc.aio server: a sync "
+                "handler cannot join the run's transaction through goblin_idem.sql's async "
+                "connection(); serve the service with grpc.aio, or keep its writes "
+                "idempotent by themselves"
+            )
         self._door = Door(
             store,
             records=records,
@@ -129,6 +136,7 @@ class _Interceptor:
         return self._door.identity.has_field(request_type())
 
     _call: type[_AsyncCall | _SyncCall]  # one method's wrapped behaviours
+    _joins_records = True  # a handler's writes can join the run's transaction
 
     def _wrapped(self, method: str, handler: Handler, kind: tuple[bool, bool]) -> Handler:
         """The method's handler, wrapped: deserializing as the method does, sending bytes."""
@@ -358,7 +366,7 @@ class _SyncCall(_Method):
                 handle(requests, held)
             except Ended:
                 pass
-            return held.outcome(finished=context.is_active())
+            return held.outcome(finished=_still_wanted(context))
 
         try:
             outcome: Outcome = self.keyed_run(keyed, work)
@@ -382,6 +390,13 @@ class _SyncCall(_Method):
     def _stream(self, requests: list[Any], held: SyncHeld) -> None:
         for message in self.behavior(requests[0], held):
             held.sent.append(held.kept(message))
+
+
+def _still_wanted(context: Context) -> bool:
+    """Whether a sync call's client still waits for it: not cancelled, its deadline not
+    passed (checked here too: the server may not have seen the deadline's cancellation yet)."""
+    remaining = context.time_remaining()
+    return bool(context.is_active()) and (remaining is None or remaining > 0)
 
 
 def _send_sync(context: Context, outcome: Outcome, own: SyncHeld | None) -> Any:
@@ -429,16 +444,6 @@ class IdempotencyInterceptor(_Interceptor, grpc.ServerInterceptor):
     returns. A server stream's responses are sent once the call's outcome is kept.
     """
 
-    def __init__(self, store: Store, **options: Any) -> None:
-        if options.get("records") is not None:
-            raise TypeError(
-                "records= needs AsyncIdempotencyInterceptor on a grpc.aio server: a sync "
-                "handler cannot join the run's transaction through goblin_idem.sql's async "
-                "connection(); serve the service with grpc.aio, or keep its writes "
-                "idempotent by themselves"
-            )
-        super().__init__(store, **options)
-
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Handler],
@@ -447,3 +452,4 @@ class IdempotencyInterceptor(_Interceptor, grpc.ServerInterceptor):
         return self._handler(continuation(handler_call_details), handler_call_details)
 
     _call = _SyncCall
+    _joins_records = False

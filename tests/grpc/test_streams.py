@@ -138,3 +138,14 @@ async def test_a_bidirectional_stream_passes_through_with_one_warning(
     assert service.runs["chat"] == 2
     warnings = [r for r in caplog.records if "bidirectional" in r.getMessage()]
     assert len(warnings) == 1 and CHAT in warnings[0].getMessage()
+
+
+async def test_a_server_stream_without_a_key_passes_through(
+    interceptor: AsyncIdempotencyInterceptor,
+) -> None:
+    request = pb2.ChargeRequest(account="acct")
+    async with serving([interceptor]) as (service, channel):
+        first = await split(channel, request)
+        again = await split(channel, request)
+    assert len(first[0]) == len(again[0]) == 3 and first[0] != again[0]
+    assert "idempotent-replayed" not in again[2] and service.runs["split"] == 2

@@ -31,6 +31,7 @@ class SyncPayments(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined
         self.gate = threading.Event()
         self.started = threading.Event()
         self.finished = threading.Event()
+        self.ended = threading.Event()
 
     def Charge(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.runs[request.account] += 1
@@ -44,6 +45,7 @@ class SyncPayments(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined
         if action == "raise":
             raise RuntimeError("the handler failed")
         if action == "gate":
+            context.add_callback(self.ended.set)  # the server saw the call end
             self.started.set()
             self.gate.wait(30)
             self.finished.set()
@@ -148,6 +150,7 @@ def test_a_deadline_that_passes_while_the_handler_runs_keeps_nothing(store: Stor
     with serving(interceptor) as (service, channel):
         status, *_ = call(channel, charge("gate"), timeout=0.5)
         assert status == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert service.ended.wait(10)
         service.gate.set()  # the handler returns after its client has gone
         assert service.finished.wait(10)
         until(lambda: interceptor.counters.released == 1)
