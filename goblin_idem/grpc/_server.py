@@ -70,7 +70,17 @@ class _Interceptor:
         require_sealed: bool = False,
         on_event: Callable[[str, str], None] | None = None,
     ) -> None:
-        """See the class docstring; every option is checked here, once."""
+        """Every option is checked here, once (a wrong one raises, saying what to pass).
+
+        `key_field` / `key_metadata`: where the key is read; `methods`: the full method
+        names covered (None: all); `outcome`: the statuses kept (`DEFINITIVE` by default);
+        `scope`: the caller's identity from the call's context (default: its
+        ``authorization`` metadata); `wait_seconds`: how long a duplicate waits for the
+        first call's answer before ABORTED; `retry_after_seconds`: the ``retry-after`` it
+        names; `max_response_bytes`: the responses kept for a replay; `records`: SQL
+        records (``goblin_idem.sql.SqlRecords``); `encryption_keys` / `require_sealed`:
+        sealing, as the middleware's; `on_event`: (event, key hash) on every count.
+        """
         if records is not None and not self._joins_records:
             raise TypeError(
                 "records= needs AsyncIdempotencyInterceptor on a grpc.aio server: a sync "
