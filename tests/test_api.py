@@ -62,6 +62,7 @@ PUBLIC_MODULES = {
     "goblin_idem.django",
     "goblin_idem.exceptions",
     "goblin_idem.flask",
+    "goblin_idem.grpc",
     "goblin_idem.inspection",
     "goblin_idem.middleware",
     "goblin_idem.native",

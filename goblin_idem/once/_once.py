@@ -213,6 +213,12 @@ class _Once:
     records: Records | None  # the function's writes commit with its value (goblin_idem.sql)
     claim_step: ClaimStep  # with the wait and the database's word on a won claim
     fingerprint: Fingerprint | None  # of the arguments, stored with the value (None: off)
+    # Front doors that keep some outcomes only (gRPC's statuses): a value `kept` refuses is
+    # returned to its caller, nothing stored, the claim released and the records rolled back.
+    kept: Callable[[Any], bool] | None = None
+    # Told (event, key hash) of released, lease_lost, publish_errors and superseded, as the
+    # middleware's `Events` counts them (a front door's counters).
+    report: Callable[[str, str], None] | None = None
 
     def _where(self) -> str:
         """The run's name in the WARNING about commits outside its transaction."""
@@ -237,6 +243,13 @@ class _Once:
         names = self.names(args, kwargs)
         # Before the claim: arguments the signature refuses raise with nothing claimed.
         fp = None if self.fingerprint is None else self.fingerprint(args, kwargs)
+        return await self.call(names, fp, args, kwargs)
+
+    async def call(
+        self, names: KeyNames, fp: bytes | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """One call under `names`, with the fingerprint `fp`: for a front door that names
+        its key and fingerprints its request itself (gRPC), the rest as `__call__`."""
         token = new_token()
         reply = await self.claim_step(names, token, self.claim_seconds)
         if reply is None:
@@ -269,8 +282,11 @@ class _Once:
         token: bytes,
         fp: bytes | None,
     ) -> Any:
-        lease = self.watchdog.hold(names.claim, token, self.lease_ms, label=names.hash)
+        lease = self.watchdog.hold(
+            names.claim, token, self.lease_ms, label=names.hash, on_lost=self._lost
+        )
         tx = None if self.records is None else self.records.transaction(self._where)
+        kept = True
         try:
             held = current.set(Claim(self.store, lease))
             in_sql = None if tx is None else tx.enter()
@@ -280,6 +296,9 @@ class _Once:
                 current.reset(held)
                 if tx is not None and in_sql is not None:
                     tx.leave(in_sql)
+            kept = self.kept is None or self.kept(value)
+            if not kept:
+                raise _NotKept
             try:
                 data = to_stored(self.codec, value, self.sealer, names.result, fp)
             except TypeError as exc:
@@ -291,14 +310,24 @@ class _Once:
                 ) from exc
             if tx is not None:
                 data = await _committed(tx, names, fp or bytes(16), data, self.ttl_ms)
-        except BaseException:
+        except BaseException as exc:
             if tx is not None:
                 await tx.rollback()  # nothing of the function's writes is kept
+            self._report("released", names.hash)
             await run_to_end(functools.partial(self._release, lease, names, token), _background)
+            if not kept and isinstance(exc, _NotKept):
+                return value  # an outcome not kept: its caller's, and nobody else's
             raise
         await run_to_end(functools.partial(self._publish, lease, names, data), _background)
         # What every later call gets, so the first caller sees the same (a tuple as a list).
         return from_stored(self.codec, data, self.sealer, names.result)
+
+    def _lost(self, lease: Lease) -> None:
+        self._report("lease_lost", lease.label)
+
+    def _report(self, event: str, key_hash: str) -> None:
+        if self.report is not None:
+            self.report(event, key_hash)
 
     async def _release(self, lease: Lease, names: KeyNames, token: bytes) -> None:
         await self.watchdog.release(lease)
@@ -317,6 +346,7 @@ class _Once:
         try:
             published = await publish_retried(self.store, names, data, self.ttl_ms, lease)
         except Exception as exc:
+            self._report("publish_errors", names.hash)
             logger.error(
                 "%s: could not store the result of key %s (%s); a call after the "
                 "lease may run the work again",
@@ -326,6 +356,7 @@ class _Once:
             )
             return
         if published == Published.SUPERSEDED:
+            self._report("superseded", names.hash)
             logger.warning(
                 "%s: a value was already stored for key %s when this run stored its own "
                 "(another run took the key after this run's claim lapsed or was lost): the "
@@ -342,6 +373,11 @@ class _Once:
                 self.name.decode(),
                 names.hash,
             )
+
+
+class _NotKept(Exception):
+    """The function's value is not to be kept (`_Once.kept`): the run is undone as if it
+    had raised, and the value returned."""
 
 
 async def _committed(

@@ -1,0 +1,281 @@
+"""The client interceptors: a request id on every unary call, kept across its retries.
+
+A unary call (unary-unary, or a client stream) whose request has an empty `key_field` gets
+one (a copy of the request: the caller's message is left as it is); a request type without
+that field gets the `key_metadata` metadata instead, unless the caller sent one. The key
+is a random UUID4, or inside a claimed run (a handler that the server interceptors, the
+HTTP middleware or `once` runs) one derived from the run's claim and the method
+(`Claim._key_for_call`, as the httpx transports' keys): a re-run of the calling service
+sends the called one the same key, so the called one does its work once.
+
+Retried with the same key, up to the policy's attempts, with its backoff and within its
+deadline: UNAVAILABLE (the server, or its idempotency store, could not take the call), and
+ABORTED with ``retry-after`` (the server interceptor's "the first call is still running",
+after the time it names, capped by `max_delay`). Nothing else is retried: another status
+may have been the call's outcome. A client stream's messages are read once, before the
+first attempt, so every attempt sends the same ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import grpc
+
+from .._claim import current_claim
+from .._derived import secret_bytes
+from ._identity import Identity
+
+__all__ = ["AsyncIdempotentClientInterceptor", "IdempotentClientInterceptor", "RetryPolicy"]
+
+
+class RetryPolicy(NamedTuple):
+    """When a call is retried, and how long it waits (the httpx transports' fields):
+    `max_attempts` (the first included); a backoff drawn in [0, min(max_delay, base_delay *
+    2 ** (retry - 1))]; `deadline`, seconds for the whole call, past which no wait reaches
+    (None: none). `max_delay` caps a ``retry-after`` too."""
+
+    max_attempts: int = 5
+    base_delay: float = 0.5
+    max_delay: float = 10.0
+    deadline: float | None = 30.0
+
+
+_RETRIED = grpc.StatusCode.UNAVAILABLE
+_IN_FLIGHT = grpc.StatusCode.ABORTED
+
+
+class _Details(NamedTuple):
+    """A sync call's details with the request id's metadata added (grpc.ClientCallDetails'
+    fields, which grpc reads by name)."""
+
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _Keys:
+    """What both interceptors share: the options, checked once, and each call's key."""
+
+    def __init__(
+        self,
+        *,
+        policy: RetryPolicy | None = None,
+        key_field: str = "request_id",
+        key_metadata: str = "idempotency-key",
+        derived_keys: bool = True,
+        key_secret: bytes | str | None = None,
+    ) -> None:
+        policy = RetryPolicy() if policy is None else policy
+        if not isinstance(policy, RetryPolicy):
+            raise TypeError(
+                "policy must be a goblin_idem.grpc.RetryPolicy(max_attempts=..., ...), not "
+                f"{type(policy).__name__}"
+            )
+        if policy.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, not {policy.max_attempts}")
+        self.policy = policy
+        self.identity = Identity(b"", key_field, key_metadata.lower(), None)
+        self.derive = bool(derived_keys)
+        self.secret = secret_bytes(key_secret)
+
+    def new_key(self, method: str) -> str:
+        claim = current_claim() if self.derive else None
+        if claim is None:
+            return str(uuid.uuid4())
+        return claim._key_for_call("GRPC", method, None, self.secret)
+
+    def keyed(self, method: str | bytes, metadata: Any, first: Any) -> tuple[Any, Any]:
+        """(the first message, the metadata) with a key, unless the call carries one: the
+        message's field if its type has one, else the metadata."""
+        identity = self.identity
+        if isinstance(method, bytes):  # grpc.aio's details carry it encoded
+            method = method.decode()
+        if identity.has_field(first):
+            if getattr(first, identity.key_field):
+                return first, metadata
+            copy = type(first)()
+            copy.CopyFrom(first)
+            setattr(copy, identity.key_field, self.new_key(method))
+            return copy, metadata
+        pairs = list(metadata or ())
+        if any(name == identity.key_metadata for name, _ in pairs):
+            return first, metadata
+        return first, (*pairs, (identity.key_metadata, self.new_key(method)))
+
+    def pause(self, retry: int, code: grpc.StatusCode, trailing: Any, ends: float | None) -> float:
+        """The wait before retry `retry` (1 for the first), or -1: no retry."""
+        policy = self.policy
+        if retry >= policy.max_attempts:
+            return -1
+        wait = None
+        if code == _IN_FLIGHT:
+            wait = _retry_after(trailing)
+            if wait is None:  # an ABORTED that is not "still running": not ours to retry
+                return -1
+            wait = min(wait, policy.max_delay)
+        elif code != _RETRIED:
+            return -1
+        if wait is None:
+            ceiling = min(policy.max_delay, policy.base_delay * 2.0 ** min(retry - 1, 64))
+            wait = random.uniform(0.0, ceiling)
+        if ends is not None and time.monotonic() + wait >= ends:
+            return -1
+        return wait
+
+    def deadline(self) -> float | None:
+        return None if self.policy.deadline is None else time.monotonic() + self.policy.deadline
+
+
+def _retry_after(trailing: Any) -> float | None:
+    for name, value in trailing or ():
+        if name == "retry-after":
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                return None
+    return None
+
+
+class IdempotentClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+):
+    """Keys and retries a sync channel's unary calls (see the module docstring):
+    ``grpc.intercept_channel(channel, IdempotentClientInterceptor())``."""
+
+    def __init__(
+        self,
+        *,
+        policy: RetryPolicy | None = None,
+        key_field: str = "request_id",
+        key_metadata: str = "idempotency-key",
+        derived_keys: bool = True,
+        key_secret: bytes | str | None = None,
+    ) -> None:
+        self._keys = _Keys(
+            policy=policy,
+            key_field=key_field,
+            key_metadata=key_metadata,
+            derived_keys=derived_keys,
+            key_secret=key_secret,
+        )
+
+    def intercept_unary_unary(
+        self, continuation: Callable[[Any, Any], Any], client_call_details: Any, request: Any
+    ) -> Any:
+        request, details = self._keyed(client_call_details, [request])
+        return self._retried(lambda: continuation(details, request[0]))
+
+    def intercept_stream_unary(
+        self,
+        continuation: Callable[[Any, Any], Any],
+        client_call_details: Any,
+        request_iterator: Iterator[Any],
+    ) -> Any:
+        requests, details = self._keyed(client_call_details, list(request_iterator))
+        return self._retried(lambda: continuation(details, iter(requests)))
+
+    def _keyed(self, details: Any, requests: list[Any]) -> tuple[list[Any], Any]:
+        if not requests:
+            return requests, details
+        first, metadata = self._keys.keyed(details.method, details.metadata, requests[0])
+        if metadata is not details.metadata:
+            details = _Details(
+                details.method,
+                details.timeout,
+                metadata,
+                details.credentials,
+                getattr(details, "wait_for_ready", None),
+                getattr(details, "compression", None),
+            )
+        return [first, *requests[1:]], details
+
+    def _retried(self, attempt: Callable[[], Any]) -> Any:
+        ends = self._keys.deadline()
+        retry = 0
+        while True:
+            call = attempt()
+            code = call.code()  # blocks until the call ends
+            retry += 1
+            wait = self._keys.pause(retry, code, call.trailing_metadata(), ends)
+            if wait < 0:
+                return call
+            time.sleep(wait)
+
+
+class AsyncIdempotentClientInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamUnaryClientInterceptor
+):
+    """Keys and retries a grpc.aio channel's unary calls (see the module docstring):
+    ``grpc.aio.insecure_channel(target, interceptors=[AsyncIdempotentClientInterceptor()])``."""
+
+    def __init__(
+        self,
+        *,
+        policy: RetryPolicy | None = None,
+        key_field: str = "request_id",
+        key_metadata: str = "idempotency-key",
+        derived_keys: bool = True,
+        key_secret: bytes | str | None = None,
+    ) -> None:
+        self._keys = _Keys(
+            policy=policy,
+            key_field=key_field,
+            key_metadata=key_metadata,
+            derived_keys=derived_keys,
+            key_secret=key_secret,
+        )
+
+    async def intercept_unary_unary(
+        self, continuation: Callable[[Any, Any], Any], client_call_details: Any, request: Any
+    ) -> Any:
+        requests, details = self._keyed(client_call_details, [request])
+        return await self._retried(lambda: continuation(details, requests[0]))
+
+    async def intercept_stream_unary(
+        self,
+        continuation: Callable[[Any, Any], Any],
+        client_call_details: Any,
+        request_iterator: AsyncIterable[Any] | Iterable[Any],
+    ) -> Any:
+        if isinstance(request_iterator, AsyncIterable):
+            messages = [message async for message in request_iterator]
+        else:
+            messages = list(request_iterator)
+        requests, details = self._keyed(client_call_details, messages)
+        return await self._retried(lambda: continuation(details, iter(requests)))
+
+    def _keyed(self, details: Any, requests: list[Any]) -> tuple[list[Any], Any]:
+        if not requests:
+            return requests, details
+        first, metadata = self._keys.keyed(details.method, details.metadata, requests[0])
+        if metadata is not details.metadata:
+            details = grpc.aio.ClientCallDetails(
+                details.method,
+                details.timeout,
+                grpc.aio.Metadata(*metadata),
+                details.credentials,
+                details.wait_for_ready,
+            )
+        return [first, *requests[1:]], details
+
+    async def _retried(self, attempt: Callable[[], Any]) -> Any:
+        ends = self._keys.deadline()
+        retry = 0
+        while True:
+            call = await attempt()
+            code = await call.code()
+            retry += 1
+            wait = self._keys.pause(retry, code, await call.trailing_metadata(), ends)
+            if wait < 0:
+                return call
+            await asyncio.sleep(wait)
