@@ -18,12 +18,18 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "goblin_idem.grpc needs grpcio and protobuf: pip install 'goblin-idem[grpc]'"
     ) from exc
 
-from ._client import AsyncIdempotentClientInterceptor, IdempotentClientInterceptor, RetryPolicy
+from ._client import (
+    LABEL_METADATA,
+    AsyncIdempotentClientInterceptor,
+    IdempotentClientInterceptor,
+    RetryPolicy,
+)
 from ._outcome import DEFINITIVE
 from ._server import AsyncIdempotencyInterceptor, IdempotencyInterceptor
 
 __all__ = [
     "DEFINITIVE",
+    "LABEL_METADATA",
     "AsyncIdempotencyInterceptor",
     "AsyncIdempotentClientInterceptor",
     "IdempotencyInterceptor",

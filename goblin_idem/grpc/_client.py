@@ -4,9 +4,12 @@ A unary call (unary-unary, or a client stream) whose request has an empty `key_f
 one (a copy of the request: the caller's message is left as it is); a request type without
 that field gets the `key_metadata` metadata instead, unless the caller sent one. The key
 is a random UUID4, or inside a claimed run (a handler that the server interceptors, the
-HTTP middleware or `once` runs) one derived from the run's claim and the method
-(`Claim._key_for_call`, as the httpx transports' keys): a re-run of the calling service
-sends the called one the same key, so the called one does its work once.
+HTTP middleware or `once` runs) one derived from the run's claim, the method and the call's
+label, the ``idempotency-label`` metadata (`Claim._key_for_call`, as the httpx transports'
+keys): a re-run of the calling service sends the called one the same key, so the called one
+does its work once. An unlabelled call inside a run is refused before it is sent, as the
+transports refuse one: a key by the method alone would hand a second call to the method the
+first one's answer.
 
 Retried with the same key, up to the policy's attempts, with its backoff and within its
 deadline: UNAVAILABLE (the server, or its idempotency store, could not take the call), and
@@ -31,14 +34,22 @@ from .._claim import current_claim
 from .._derived import secret_bytes
 from ._identity import Identity
 
-__all__ = ["AsyncIdempotentClientInterceptor", "IdempotentClientInterceptor", "RetryPolicy"]
+__all__ = [
+    "LABEL_METADATA",
+    "AsyncIdempotentClientInterceptor",
+    "IdempotentClientInterceptor",
+    "RetryPolicy",
+]
+
+#: The call metadata that names a call inside a claimed run (its derived key's label).
+LABEL_METADATA = "idempotency-label"
 
 
 class RetryPolicy(NamedTuple):
     """When a call is retried, and how long it waits (the httpx transports' fields):
-    `max_attempts` (the first included); a backoff drawn in [0, min(max_delay, base_delay *
-    2 ** (retry - 1))]; `deadline`, seconds for the whole call, past which no wait reaches
-    (None: none). `max_delay` caps a ``retry-after`` too."""
+    `max_attempts` (the first included); a backoff drawn in [0, min(`max_delay`,
+    `base_delay` * 2 ** (retry - 1))]; `deadline`, seconds for the whole call, past which
+    no wait reaches (None: none). `max_delay` caps a ``retry-after`` too."""
 
     max_attempts: int = 5
     base_delay: float = 0.5
@@ -87,11 +98,20 @@ class _Keys:
         self.derive = bool(derived_keys)
         self.secret = secret_bytes(key_secret)
 
-    def new_key(self, method: str) -> str:
+    def new_key(self, method: str, metadata: list[Any]) -> str:
         claim = current_claim() if self.derive else None
         if claim is None:
             return str(uuid.uuid4())
-        return claim._key_for_call("GRPC", method, None, self.secret)
+        labels = [value for name, value in metadata if name == LABEL_METADATA]
+        if len(labels) != 1 or not isinstance(labels[0], str) or not labels[0]:
+            raise TypeError(
+                f"{method} inside a claimed run needs a name for its derived request id, the "
+                f"same on every run of this work: pass metadata=[({LABEL_METADATA!r}, "
+                "'<name>')] (one name per call, e.g. 'fee' and 'order'), or set the id "
+                "yourself (say, current_claim().derive_key('<name>')); derived_keys=False "
+                "sends random ids, and a re-run then repeats the call's effect. Nothing was sent"
+            )
+        return claim._key_for_call("GRPC", method, labels[0], self.secret)
 
     def keyed(self, method: str | bytes, metadata: Any, first: Any) -> tuple[Any, Any]:
         """(the first message, the metadata) with a key, unless the call carries one: the
@@ -99,17 +119,17 @@ class _Keys:
         identity = self.identity
         if isinstance(method, bytes):  # grpc.aio's details carry it encoded
             method = method.decode()
+        pairs = list(metadata or ())
         if identity.has_field(first):
             if getattr(first, identity.key_field):
                 return first, metadata
             copy = type(first)()
             copy.CopyFrom(first)
-            setattr(copy, identity.key_field, self.new_key(method))
+            setattr(copy, identity.key_field, self.new_key(method, pairs))
             return copy, metadata
-        pairs = list(metadata or ())
         if any(name == identity.key_metadata for name, _ in pairs):
             return first, metadata
-        return first, (*pairs, (identity.key_metadata, self.new_key(method)))
+        return first, (*pairs, (identity.key_metadata, self.new_key(method, pairs)))
 
     def pause(self, retry: int, code: grpc.StatusCode, trailing: Any, ends: float | None) -> float:
         """The wait before retry `retry` (1 for the first), or -1: no retry."""

@@ -131,6 +131,10 @@ def options_of(dotted: str) -> list[str]:
 SAME_AS = {
     "goblin_idem.RedisStore": "goblin_idem.RedisStore.from_url",
     "goblin_idem.client.IdempotentTransport": "goblin_idem.client.AsyncIdempotentTransport",
+    "goblin_idem.grpc.IdempotencyInterceptor": "goblin_idem.grpc.AsyncIdempotencyInterceptor",
+    "goblin_idem.grpc.IdempotentClientInterceptor": (
+        "goblin_idem.grpc.AsyncIdempotentClientInterceptor"
+    ),
 }
 
 

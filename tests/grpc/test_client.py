@@ -102,7 +102,10 @@ class Front(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined]
 
     async def Charge(self, request: Any, context: Any) -> Any:
         self.runs += 1
-        reply = await self.b.Charge(pb2.ChargeRequest(account="acct", amount=request.amount))
+        reply = await self.b.Charge(
+            pb2.ChargeRequest(account="acct", amount=request.amount),
+            metadata=[("idempotency-label", "charge")],
+        )
         if self.runs == 1:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "failed after B answered")
         return reply
@@ -133,6 +136,61 @@ async def test_derived_keys_off_draws_a_new_key_per_run(store: RedisStore) -> No
                 async with client(a_channel, policy=FAST) as a:
                     await a.Charge(pb2.ChargeRequest(amount=42))
     assert b_service.runs["acct"] == 2  # what derived keys prevent
+
+
+class TwoCalls(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined]
+    """A's handler calling B's one method twice, for two things: each call labelled, or
+    (`labels` None) neither."""
+
+    def __init__(self, b: Any, labels: tuple[str, str] | None) -> None:
+        self.b = b
+        self.labels = labels
+        self.refused: list[str] = []
+
+    async def Charge(self, request: Any, context: Any) -> Any:
+        replies = []
+        for i, account in enumerate(("fees", "acct")):
+            metadata = () if self.labels is None else (("idempotency-label", self.labels[i]),)
+            try:
+                replies.append(
+                    await self.b.Charge(
+                        pb2.ChargeRequest(account=account, amount=request.amount),
+                        metadata=metadata,
+                    )
+                )
+            except TypeError as exc:
+                self.refused.append(str(exc))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "unlabelled")
+        return replies[-1]
+
+
+async def test_two_calls_of_one_method_in_a_run_keep_their_own_keys(store: RedisStore) -> None:
+    """A key by the method alone gave the second call the first one's key: B answered it
+    with the first call's charge (or key reuse). Labelled, each call is its own."""
+    async with serving([AsyncIdempotencyInterceptor(store)]) as (b_service, b_channel):
+        async with client(b_channel) as b:
+            front = TwoCalls(b, ("fee", "order"))
+            async with serving([AsyncIdempotencyInterceptor(store)], front) as (_, a_channel):  # type: ignore[arg-type]
+                async with client(a_channel, policy=FAST) as a:
+                    reply = await a.Charge(pb2.ChargeRequest(amount=7))
+    assert reply.amount == 7 and reply.charge_id
+    assert b_service.runs == {"fees": 1, "acct": 1}
+    assert len(set(b_service.keys)) == 2
+
+
+async def test_an_unlabelled_call_in_a_run_is_refused_before_it_is_sent(
+    store: RedisStore,
+) -> None:
+    async with serving([AsyncIdempotencyInterceptor(store)]) as (b_service, b_channel):
+        async with client(b_channel) as b:
+            front = TwoCalls(b, None)
+            async with serving([AsyncIdempotencyInterceptor(store)], front) as (_, a_channel):  # type: ignore[arg-type]
+                async with client(a_channel, policy=FAST) as a:
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await a.Charge(pb2.ChargeRequest(amount=7))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "idempotency-label" in front.refused[0]
+    assert b_service.keys == []  # nothing reached B
 
 
 def test_the_sync_client_keys_and_retries() -> None:
