@@ -135,20 +135,25 @@ class MessageRun:
         )(self._work)
 
     async def __call__(
-        self, message: Any, key: str | bytes | int | None, scope: str, *, redelivered: bool
+        self,
+        message: Any,
+        key: str | bytes | int | None,
+        scope: str,
+        *,
+        redelivered: bool,
+        about: str = "",
     ) -> Outcome:
-        """The outcome of one delivery of `message` (id `key`, in `scope`), logged here
-        (the one place) naming the scope; never raises but for a cancellation."""
+        """The outcome of one delivery of `message` (id `key`, in `scope`; `about` names
+        the delivery in the broker's terms), logged here, the one place; never raises but
+        for a cancellation."""
         outcome = await self._outcome(message, key, scope, redelivered)
-        if outcome.verdict is Verdict.DEAD:
-            logger.error(
-                "%s: message %.80r goes to the dead letter: %s", scope, key, outcome.reason
-            )
-        elif outcome.verdict is Verdict.RETRY:
-            level = logging.INFO if outcome.in_flight else logging.WARNING
-            logger.log(
-                level, "%s: message %.80r left for redelivery: %s", scope, key, outcome.reason
-            )
+        if outcome.verdict is not Verdict.ACK:
+            shown = f"message {key!r:.80}" + (f" ({about})" if about else "")
+            if outcome.verdict is Verdict.DEAD:
+                logger.error("%s: %s to the dead letter: %s", scope, shown, outcome.reason)
+            else:
+                level = logging.INFO if outcome.in_flight else logging.WARNING
+                logger.log(level, "%s: %s left for redelivery: %s", scope, shown, outcome.reason)
         return outcome
 
     async def _outcome(

@@ -204,7 +204,7 @@ class StreamConsumer:
             outcome = Outcome(Verdict.DEAD, reason=f"the key function raised {describe(exc)}")
         else:
             outcome = await self.run_one(
-                (fields, entry_id), key, self.scope, redelivered=redelivered
+                (fields, entry_id), key, self.scope, redelivered=redelivered, about=entry_id
             )
         try:
             if outcome.verdict is Verdict.ACK:
