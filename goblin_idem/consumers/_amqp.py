@@ -22,7 +22,8 @@ redeliveries); `key` takes a business id from the headers or body instead.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -45,7 +46,7 @@ def amqp(
     ttl_seconds: float = 86_400,
     namespace: str = "once",
     scope: str | None = None,
-) -> Callable[[Handler], AmqpHandler]:
+) -> Callable[[Handler], Callable[[AbstractIncomingMessage], Coroutine[Any, Any, Any]]]:
     """Run the decorated ``async def process(message)`` once per message id. Keys are
     scoped by `scope`, by default ``amqp:`` and the function's module and qualified name
     (name the queue instead to keep the keys across a rename)."""
@@ -55,7 +56,7 @@ def amqp(
     if not 0 <= delay < float("inf"):
         raise ValueError(f"requeue_delay_seconds must be >= 0 and finite, got {delay}")
 
-    def decorate(handler: Handler) -> AmqpHandler:
+    def decorate(handler: Handler) -> Callable[[AbstractIncomingMessage], Coroutine[Any, Any, Any]]:
         run = MessageRun(
             store,
             handler,
@@ -66,13 +67,20 @@ def amqp(
             namespace=namespace,
         )
         name = f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', '?')}"
-        return AmqpHandler(run, key, scope if scope is not None else f"amqp:{name}", delay)
+        one = AmqpHandler(run, key, scope if scope is not None else f"amqp:{name}", delay)
+
+        # a function, not the instance: aio-pika awaits only what is a coroutine function
+        @functools.wraps(handler)
+        async def process(message: AbstractIncomingMessage) -> Any:
+            return await one(message)
+
+        return process
 
     return decorate
 
 
 class AmqpHandler:
-    """The decorated handler: ``queue.consume(handler)``, or await it with a message."""
+    """One decorated handler's settings, and its one delivery."""
 
     def __init__(
         self,
