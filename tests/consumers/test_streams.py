@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import signal
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,7 @@ import redis.asyncio
 
 from goblin_idem import RedisStore
 from goblin_idem.consumers import StreamConsumer
+from goblin_idem.sql import SqlRecords
 from tests.support.brokers import until
 from tests.support.procs import spawn, stop
 from tests.support.servers import Server, free_port
@@ -319,3 +321,23 @@ async def test_sigkill_after_the_commit_before_the_ack_one_effect(setup: Setup) 
 
 async def _zero(pending: Any) -> bool:
     return int(await pending) == 0
+
+
+async def test_the_records_database_unavailable_runs_nothing_and_says_so(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    effects = Effects()
+    nowhere = SqlRecords(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/none")
+    with caplog.at_level(logging.WARNING, "goblin_idem.consumers"):
+        setup.start(effects, records=nowhere)
+        await setup.group_ready()
+        await setup.publish("m1")
+        await until(
+            lambda: any("records' database" in r.getMessage() for r in caplog.records),
+            what="the log line naming the database",
+        )
+    await setup.close()
+    setup.consumers.clear()
+    setup.tasks.clear()
+    await nowhere.aclose()
+    assert not effects.runs and await setup.pending() == 1
