@@ -28,9 +28,10 @@ from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from .._log import describe
 from .._recording import Records
 from ..store import Store
-from ._run import Handler, MessageRun, Verdict
+from ._run import Handler, MessageRun, OnEvent, Verdict, checked_options
 
 __all__ = ["AmqpHandler", "amqp"]
 
@@ -42,6 +43,7 @@ def amqp(
     records: Records | None = None,
     max_deliveries: int = 5,
     requeue_delay_seconds: float = 1.0,
+    on_event: OnEvent | None = None,
     lease_seconds: float = 30,
     ttl_seconds: float = 86_400,
     namespace: str = "once",
@@ -50,11 +52,7 @@ def amqp(
     """Run the decorated ``async def process(message)`` once per message id. Keys are
     scoped by `scope`, by default ``amqp:`` and the function's module and qualified name
     (name the queue instead to keep the keys across a rename)."""
-    if key is not None and not callable(key):
-        raise TypeError("key must be a function of the message returning its id")
-    delay = float(requeue_delay_seconds)
-    if not 0 <= delay < float("inf"):
-        raise ValueError(f"requeue_delay_seconds must be >= 0 and finite, got {delay}")
+    delay = checked_options(key, requeue_delay_seconds)
 
     def decorate(handler: Handler) -> Callable[[AbstractIncomingMessage], Coroutine[Any, Any, Any]]:
         run = MessageRun(
@@ -65,6 +63,7 @@ def amqp(
             lease_seconds=lease_seconds,
             ttl_seconds=ttl_seconds,
             namespace=namespace,
+            on_event=on_event,
         )
         name = f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', '?')}"
         one = AmqpHandler(run, key, scope if scope is not None else f"amqp:{name}", delay)
@@ -101,7 +100,7 @@ class AmqpHandler:
         try:
             key = self.key(message) if self.key is not None else message.message_id
         except Exception as exc:
-            key, about = None, f"{about}; the key function raised {exc!r}"
+            key, about = None, f"{about}; the key function raised {describe(exc)}"
         outcome = await self.run(
             message, key, self.scope, redelivered=bool(message.redelivered), about=about
         )

@@ -28,9 +28,10 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerInfo
 from nats.js.client import JetStreamContext
 
+from .._log import describe
 from .._recording import Records
 from ..store import Store
-from ._run import Handler, MessageRun, Verdict
+from ._run import Handler, MessageRun, OnEvent, Verdict, checked_options
 
 __all__ = ["JetStreamHandler", "jetstream"]
 
@@ -51,15 +52,12 @@ def jetstream(
     namespace: str = "once",
     scope: str | None = None,
     requeue_delay_seconds: float = 1.0,
+    on_event: OnEvent | None = None,
 ) -> Callable[[Handler], JetStreamHandler]:
     """Run the decorated ``async def handle(msg)`` once per message id: the ``Nats-Msg-Id``
     header, or what `key` (a function of the message) returns. Keys are scoped by the
     stream and consumer (``nats:<stream>:<consumer>``) unless `scope` names another."""
-    if key is not None and not callable(key):
-        raise TypeError("key must be a function of the message returning its id")
-    delay = float(requeue_delay_seconds)
-    if not 0 <= delay < float("inf"):
-        raise ValueError(f"requeue_delay_seconds must be >= 0 and finite, got {delay}")
+    delay = checked_options(key, requeue_delay_seconds)
 
     def decorate(handler: Handler) -> JetStreamHandler:
         run = MessageRun(
@@ -70,6 +68,7 @@ def jetstream(
             lease_seconds=lease_seconds,
             ttl_seconds=ttl_seconds,
             namespace=namespace,
+            on_event=on_event,
         )
         return JetStreamHandler(run, key, bool(ack_sync), scope, delay)
 
@@ -142,20 +141,15 @@ class JetStreamHandler:
         else None."""
         meta = msg.metadata
         scope = self.scope or f"nats:{meta.stream}:{meta.consumer}"
+        about = f"subject {msg.subject}, stream sequence {meta.sequence.stream}"
         try:
             key = self.key(msg) if self.key is not None else (msg.headers or {}).get(MSG_ID)
-        except Exception as exc:
-            logger.error("%s: the key function raised %r; message terminated", scope, exc)
-            await msg.term()
-            return None
+        except Exception as exc:  # no key: terminated, with why
+            key, about = None, f"{about}; the key function raised {describe(exc)}"
         progress = asyncio.ensure_future(self._in_progress(msg))
         try:
             outcome = await self.run(
-                msg,
-                key,
-                scope,
-                redelivered=meta.num_delivered > 1,
-                about=f"subject {msg.subject}, stream sequence {meta.sequence.stream}",
+                msg, key, scope, redelivered=meta.num_delivered > 1, about=about
             )
         finally:
             progress.cancel()

@@ -29,7 +29,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from redis.exceptions import RedisError
 
@@ -40,7 +40,7 @@ from ..exceptions import DatabaseUnavailableError, InFlightError
 from ..once import once
 from ..store import Store
 
-__all__ = ["Handler", "MessageRun", "Outcome", "Verdict", "identity"]
+__all__ = ["Event", "Handler", "MessageRun", "OnEvent", "Outcome", "Verdict", "identity"]
 
 logger = logging.getLogger("goblin_idem.consumers")
 
@@ -60,15 +60,44 @@ class Verdict(enum.Enum):
     DEAD = "dead"
 
 
+#: What a delivery came to, told to `on_event(event, key_hash)`: the middleware's names where
+#: the outcome is the same (a run, a replay, a key in flight, a handler that raised, the store
+#: or database unavailable, a missing or malformed key), and the dead letter's own.
+Event = Literal[
+    "claimed",
+    "replayed",
+    "in_flight",
+    "released",
+    "store_errors",
+    "database_errors",
+    "missing_key",
+    "invalid_key",
+    "dead_lettered",
+]
+OnEvent = Callable[[str, str], None]
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What to tell the broker: the verdict, the handler's kept value (ACK) or why (the
-    others), and whether another delivery holds the key (RETRY)."""
+    others), and what it came to (`Event`)."""
 
     verdict: Verdict
+    event: Event
     value: Any = None
     reason: str = ""
-    in_flight: bool = False
+
+    @property
+    def in_flight(self) -> bool:
+        return self.event == "in_flight"
+
+
+@dataclass(slots=True)
+class _Delivery:
+    """One delivery's names, and whether its handler ran (a fresh run, not a replay)."""
+
+    names: KeyNames
+    ran: bool = False
 
 
 class _Failed(Exception):
@@ -90,6 +119,22 @@ def identity(scope: str, key: str | bytes | int | None) -> bytes | None:
     return len(tag).to_bytes(4, "big") + tag + raw
 
 
+def checked_options(key: object, requeue_delay_seconds: object) -> float:
+    """The requeue delay in seconds, once `key` (None, or a function of the message
+    returning its id) and the delay are checked: a decorator's options, refused at import."""
+    if key is not None and not callable(key):
+        raise TypeError("key must be a function of the message returning its id")
+    if isinstance(requeue_delay_seconds, bool) or not isinstance(
+        requeue_delay_seconds, (int, float)
+    ):
+        raise TypeError("requeue_delay_seconds must be a number of seconds")
+    if not 0 <= requeue_delay_seconds < float("inf"):
+        raise ValueError(
+            f"requeue_delay_seconds must be >= 0 and finite, got {requeue_delay_seconds}"
+        )
+    return float(requeue_delay_seconds)
+
+
 def failures_name(names: KeyNames) -> bytes:
     """The failure count's store key: the claim's name with ``:f`` for ``:c``, so it shares
     the claim's hash tag (one cluster slot) and namespace."""
@@ -109,6 +154,7 @@ class MessageRun:
         lease_seconds: float,
         ttl_seconds: float,
         namespace: str,
+        on_event: OnEvent | None = None,
     ) -> None:
         if not callable(handler):
             raise TypeError(f"handler must be an async function, not {type(handler).__name__}")
@@ -123,9 +169,12 @@ class MessageRun:
         self.lease_seconds = float(lease_seconds)
         self.ttl_ms = round(ttl_seconds * 1000)
         self.namespace = namespace.encode()
-        self._once: Callable[[Any, bytes, bool], Awaitable[dict[str, Any]]] = once(
+        if on_event is not None and not callable(on_event):
+            raise TypeError("on_event must be a function of (event, key_hash)")
+        self.on_event = on_event
+        self._once: Callable[[Any, bytes, bool, _Delivery], Awaitable[dict[str, Any]]] = once(
             store,
-            key=lambda message, raw, redelivered: raw,
+            key=lambda message, raw, redelivered, delivery: raw,
             ttl_seconds=ttl_seconds,
             lease_seconds=lease_seconds,
             namespace=namespace,
@@ -146,7 +195,12 @@ class MessageRun:
         """The outcome of one delivery of `message` (id `key`, in `scope`; `about` names
         the delivery in the broker's terms), logged here, the one place; never raises but
         for a cancellation."""
-        outcome = await self._outcome(message, key, scope, redelivered)
+        outcome, key_hash = await self._outcome(message, key, scope, redelivered)
+        if self.on_event is not None:
+            try:
+                self.on_event(outcome.event, key_hash)
+            except Exception:  # a metrics hook must never fail a delivery
+                logger.exception("on_event hook failed")
         if outcome.verdict is not Verdict.ACK:
             shown = f"message {key!r:.80}" + (f" ({about})" if about else "")
             if outcome.verdict is Verdict.DEAD:
@@ -158,34 +212,48 @@ class MessageRun:
 
     async def _outcome(
         self, message: Any, key: str | bytes | int | None, scope: str, redelivered: bool
-    ) -> Outcome:
+    ) -> tuple[Outcome, str]:
+        """The outcome, and the key's hash (empty without a key)."""
         raw = identity(scope, key)
         if raw is None:
-            what = "no message id" if key is None else "a malformed message id"
-            return Outcome(Verdict.DEAD, reason=f"{what} (1 to 255 printable ASCII characters)")
+            if key is None:
+                return Outcome(Verdict.DEAD, "missing_key", reason="no message id"), ""
+            why = "a malformed message id (1 to 255 printable ASCII characters)"
+            return Outcome(Verdict.DEAD, "invalid_key", reason=why), ""
+        delivery = _Delivery(key_names(self.namespace, NAME.encode(), raw))
+        return await self._claimed(message, raw, redelivered, delivery), delivery.names.hash
+
+    async def _claimed(
+        self, message: Any, raw: bytes, redelivered: bool, delivery: _Delivery
+    ) -> Outcome:
         try:
-            kept = await self._once(message, raw, redelivered)
+            kept = await self._once(message, raw, redelivered, delivery)
         except InFlightError:
-            return Outcome(Verdict.RETRY, reason="in flight in another delivery", in_flight=True)
+            return Outcome(Verdict.RETRY, "in_flight", reason="in flight in another delivery")
         except _Failed as exc:
             error = describe(exc.__cause__ or exc)
-            return Outcome(Verdict.RETRY, reason=f"the handler raised {error}")
+            return Outcome(Verdict.RETRY, "released", reason=f"the handler raised {error}")
         except Exception as exc:
-            database = not isinstance(exc, RedisError) and self._database_unavailable(exc)
-            where = "the records' database" if database else "the store"
-            return Outcome(Verdict.RETRY, reason=f"nothing ran, {where} failed: {describe(exc)}")
+            if not isinstance(exc, RedisError) and self._database_unavailable(exc):
+                why = f"nothing ran, the records' database failed: {describe(exc)}"
+                return Outcome(Verdict.RETRY, "database_errors", reason=why)
+            why = f"nothing ran, the store failed: {describe(exc)}"
+            return Outcome(Verdict.RETRY, "store_errors", reason=why)
         if "dead" in kept:
-            return Outcome(Verdict.DEAD, reason=str(kept["dead"]))
-        return Outcome(Verdict.ACK, value=kept.get("value"))
+            return Outcome(Verdict.DEAD, "dead_lettered", reason=str(kept["dead"]))
+        return Outcome(Verdict.ACK, "claimed" if delivery.ran else "replayed", kept.get("value"))
 
-    async def _work(self, message: Any, raw: bytes, redelivered: bool) -> dict[str, Any]:
+    async def _work(
+        self, message: Any, raw: bytes, redelivered: bool, delivery: _Delivery
+    ) -> dict[str, Any]:
         """The run under the claim: the dead letter's verdict, or the handler's value."""
-        names = key_names(self.namespace, NAME.encode(), raw)
+        names = delivery.names
         count, last = 0, ""
         if redelivered:
             count, last = await self._failures(names)
             if count >= self.max_deliveries:
                 return {"dead": f"the handler failed {count} times; the last: {last}"}
+        delivery.ran = True
         try:
             value = await self.handler(message)
         except Exception as exc:

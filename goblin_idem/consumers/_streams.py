@@ -31,7 +31,7 @@ from redis.exceptions import RedisError, ResponseError
 from .._log import describe
 from .._recording import Records
 from ..store import Store
-from ._run import Handler, MessageRun, Outcome, Verdict
+from ._run import Handler, MessageRun, OnEvent, Verdict
 
 __all__ = ["StreamConsumer"]
 
@@ -78,6 +78,7 @@ class StreamConsumer:
         scope: str | None = None,
         batch: int = 16,
         grace_seconds: float = 30,
+        on_event: OnEvent | None = None,
     ) -> None:
         for name, value in (("stream", stream), ("group", group), ("consumer", consumer)):
             if not isinstance(value, str) or not value:
@@ -105,6 +106,7 @@ class StreamConsumer:
             lease_seconds=lease_seconds,
             ttl_seconds=ttl_seconds,
             namespace=namespace,
+            on_event=on_event,
         )
         self._stopping = asyncio.Event()
         self._cursor: Any = "0-0"
@@ -198,14 +200,14 @@ class StreamConsumer:
             finished.cancel()
 
     async def _one(self, entry_id: str, fields: Any, redelivered: bool) -> None:
+        about = entry_id
         try:
             key = self._key_of(fields)
-        except Exception as exc:
-            outcome = Outcome(Verdict.DEAD, reason=f"the key function raised {describe(exc)}")
-        else:
-            outcome = await self.run_one(
-                (fields, entry_id), key, self.scope, redelivered=redelivered, about=entry_id
-            )
+        except Exception as exc:  # no key: the dead letter's, with why
+            key, about = None, f"{entry_id}; the key function raised {describe(exc)}"
+        outcome = await self.run_one(
+            (fields, entry_id), key, self.scope, redelivered=redelivered, about=about
+        )
         try:
             if outcome.verdict is Verdict.ACK:
                 await self.redis.xack(self.stream, self.group, entry_id)

@@ -341,3 +341,18 @@ async def test_the_records_database_unavailable_runs_nothing_and_says_so(
     setup.tasks.clear()
     await nowhere.aclose()
     assert not effects.runs and await setup.pending() == 1
+
+
+async def test_every_delivery_is_told_to_on_event_with_its_key_hash(setup: Setup) -> None:
+    events: list[tuple[str, str]] = []
+    effects = Effects()
+    setup.start(effects, on_event=lambda event, key_hash: events.append((event, key_hash)))
+    await setup.group_ready()
+    await setup.publish("m1")
+    await until(lambda: len(events) == 1, what="the first delivery's event")
+    await setup.publish("m1")
+    await setup.publish(None, body="no id")
+    await until(lambda: len(events) == 3, what="three events")
+    (claimed, first), (replayed, again), (missing, none) = events
+    assert (claimed, replayed, missing) == ("claimed", "replayed", "missing_key")
+    assert first == again and len(first) == 32 and none == ""
