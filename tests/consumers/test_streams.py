@@ -294,7 +294,14 @@ async def test_sigkill_after_the_commit_before_the_ack_one_effect(setup: Setup) 
     over by another consumer, which finds the result and acks without running."""
     effects_key = f"{setup.stream}:effects"
     child = spawn(
-        ["-m", "tests.consumers.stream_worker", setup.server.url, setup.stream, effects_key],
+        [
+            "-m",
+            "tests.consumers.stream_worker",
+            setup.server.url,
+            setup.stream,
+            effects_key,
+            "kill-before-ack",
+        ],
         {},
     )
     try:
@@ -356,3 +363,40 @@ async def test_every_delivery_is_told_to_on_event_with_its_key_hash(setup: Setup
     (claimed, first), (replayed, again), (missing, none) = events
     assert (claimed, replayed, missing) == ("claimed", "replayed", "missing_key")
     assert first == again and len(first) == 32 and none == ""
+
+
+async def test_sigterm_lets_the_running_handler_finish_and_ack(setup: Setup) -> None:
+    effects_key = f"{setup.stream}:effects"
+    child = spawn(
+        [
+            "-m",
+            "tests.consumers.stream_worker",
+            setup.server.url,
+            setup.stream,
+            effects_key,
+            "slow",
+        ],
+        {},
+    )
+    try:
+        await setup.group_ready()
+        await setup.publish("m1")
+
+        async def started() -> bool:
+            return await setup.redis.llen(f"{effects_key}:started") == 1
+
+        await until(started, what="the handler started")
+        child.send_signal(signal.SIGTERM)
+        await setup.publish("m2")  # after the SIGTERM: left for another consumer
+        await setup.redis.rpush(f"{effects_key}:release", "go")
+
+        def exited() -> bool:
+            return child.poll() is not None
+
+        await until(exited, what="the worker's exit after its handler finished")
+        assert child.returncode == 0
+    finally:
+        stop(child)
+    assert await setup.redis.hgetall(effects_key) == {b"m1": b"1"}
+    info = await setup.redis.xinfo_groups(setup.stream)
+    assert info[0]["pending"] == 0 and info[0]["lag"] == 1  # m1 acked, m2 never read
