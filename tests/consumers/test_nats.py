@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import signal
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from goblin_idem import RedisStore
 from goblin_idem.consumers import jetstream
 from goblin_idem.consumers._nats import JetStreamHandler
 from tests.support.brokers import Nats, until
+from tests.support.procs import spawn, stop
 from tests.support.servers import Server, free_port
 
 
@@ -240,3 +242,43 @@ async def test_the_store_unavailable_runs_nothing_and_acks_nothing(setup: Setup)
     assert not effects.runs
     info = await setup.js.consumer_info(setup.stream, "billing")
     assert info.num_ack_pending + info.num_pending == 1
+
+
+async def test_sigkill_after_the_commit_before_the_ack_one_effect(
+    setup: Setup, nats_server: Nats, redis_server: Server
+) -> None:
+    """A consumer process killed between storing its result and its ack: the server
+    redelivers after ack_wait to the other member, which finds the result and acks."""
+    effects_key = f"{setup.stream}:effects"
+    client = redis_server.client()
+    args = [nats_server.url, redis_server.url, setup.subject, effects_key]
+    child = spawn(["-m", "tests.consumers.nats_worker", *args], {})
+    try:
+
+        async def joined() -> bool:
+            try:
+                info = await setup.js.consumer_info(setup.stream, "billing")
+            except nats.js.errors.NotFoundError:
+                return False
+            return bool(info.push_bound)
+
+        await until(joined, what="the worker's subscription")
+        await setup.publish("m1")
+
+        def killed() -> bool:
+            return child.poll() is not None
+
+        await until(killed, what="the worker killed itself before its ack")
+        assert child.returncode == -signal.SIGKILL
+    finally:
+        stop(child)
+    assert await client.hget(effects_key, "m1") == b"1"
+
+    @jetstream(setup.store)
+    async def handle(msg: Msg) -> None:
+        await client.hincrby(effects_key, (msg.headers or {})["Nats-Msg-Id"], 1)
+
+    await setup.subscribe(handle, ack_wait=1)
+    await until(setup.settled, what="the redelivery acked")
+    assert await client.hget(effects_key, "m1") == b"1"
+    await client.aclose()
