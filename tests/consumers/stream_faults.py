@@ -6,7 +6,8 @@ another without persistence holding the claims and results (the store), and `wor
 consumer processes (`stream_fault_worker`) in one group, each writing a row per message to
 ``effects``. A producer publishes `messages` message ids, and again a share of them
 (`duplicates`, a producer's retries) at random later moments. Meanwhile a seeded fault
-schedule, at random moments, restarts the store empty (every claim and result gone) or
+schedule, at random moments, restarts the store empty (every claim and result gone; once
+for certain with every worker, when every id has been published once) or
 SIGKILLs a worker (started again at once), and every worker SIGKILLs itself with
 `kill_chance` per message when about to ack (its effect committed, its entry pending). When
 the faults stop, every worker is alive again and the group has acked every entry, the rows
@@ -151,24 +152,43 @@ async def _drive(
                 start_worker(i, generation)
                 outcome.faults["worker SIGKILLed"] += 1
 
+    async def settle(seconds: float) -> bool:
+        """Until the group acked every entry (True), or `seconds` passed; a worker that
+        killed itself is started again meanwhile."""
+        nonlocal generation
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for i, proc in list(workers.items()):
+                if proc.poll() is not None:  # killed itself before an ack
+                    outcome.faults["worker SIGKILLed itself before its ack"] += 1
+                    generation += 1
+                    start_worker(i, generation)
+            if await _all_acked(client):
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
     fault_task = asyncio.create_task(faults())
+    restarted = False
     for when, message_id in plan:
         delay = begin + when - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)  # the producer's schedule, not a wait for an event
-        await client.xadd(STREAM, {"message_id": message_id})
-    await fault_task
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        for i, proc in list(workers.items()):
-            if proc.poll() is not None:  # killed itself before an ack
-                outcome.faults["worker SIGKILLed itself before its ack"] += 1
+        if not restarted and when >= options.duration * 2 / 3:
+            # once for certain, when every id published so far is acked (before the last
+            # copies): the store restarted empty and every worker with it, as in a redeploy
+            # during a store's failover
+            await settle(60)
+            store.restart()
+            for i in list(workers):
+                stop(workers[i], signal.SIGKILL)
                 generation += 1
                 start_worker(i, generation)
-        if await _all_acked(client):
-            outcome.settled = True
-            break
-        await asyncio.sleep(0.2)
+            outcome.faults["store and every worker restarted"] += 1
+            restarted = True
+        await client.xadd(STREAM, {"message_id": message_id})
+    await fault_task
+    outcome.settled = await settle(90)
     await client.aclose()
 
 
