@@ -10,10 +10,12 @@ import signal
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
+import sqlalchemy as sa
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, StreamConfig
@@ -22,6 +24,7 @@ from nats.js.client import JetStreamContext
 from goblin_idem import RedisStore
 from goblin_idem.consumers import jetstream
 from goblin_idem.consumers._nats import JetStreamHandler
+from goblin_idem.sql import SqlRecords, session
 from tests.support.brokers import Nats, until
 from tests.support.procs import spawn, stop
 from tests.support.servers import Server, free_port
@@ -282,3 +285,38 @@ async def test_sigkill_after_the_commit_before_the_ack_one_effect(
     await until(setup.settled, what="the redelivery acked")
     assert await client.hget(effects_key, "m1") == b"1"
     await client.aclose()
+
+
+async def test_with_records_the_handler_writes_in_the_runs_transaction(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """A run that raised after its write leaves no row; the redelivery's row commits with
+    the record, and a copy of the message replays the record."""
+    records = SqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'records.db'}")
+    await records.create_table()
+    async with records.engine.begin() as conn:
+        await conn.execute(sa.text("CREATE TABLE charges (invoice TEXT NOT NULL)"))
+    attempts = 0
+
+    @jetstream(
+        setup.store, records=records, key=lambda m: m.headers["invoice"], requeue_delay_seconds=0.05
+    )
+    async def charge(msg: Msg) -> dict[str, int]:
+        nonlocal attempts
+        attempts += 1
+        db = await session()  # the run's session, as an HTTP handler's
+        await db.execute(sa.text("INSERT INTO charges VALUES (:i)"), {"i": msg.headers["invoice"]})
+        if attempts == 1:
+            raise RuntimeError("the card network timed out")
+        return {"attempt": attempts}
+
+    await setup.subscribe(charge)
+    await setup.publish("send-1", invoice="INV-1")
+    await until(lambda: attempts == 2, what="the redelivery's run")
+    await until(setup.settled, what="acked")
+    await setup.publish("send-2", invoice="INV-1")  # the producer's retry
+    await until(setup.settled, what="the copy acked")
+    async with records.engine.connect() as conn:
+        rows = (await conn.execute(sa.text("SELECT invoice FROM charges"))).all()
+    assert [r[0] for r in rows] == ["INV-1"] and attempts == 2
+    await records.aclose()
