@@ -1,10 +1,16 @@
 """GitHub: ``X-Hub-Signature-256: sha256=<hex>``, HMAC-SHA256 of the body under the hook's
-secret. There is no signed timestamp: a captured delivery replays until its record expires,
-and is then answered from nothing (keep `ttl_seconds` at least as long as GitHub redelivers).
+secret.
 
-``X-GitHub-Delivery`` names the event and is shared by every hook that the event triggers
-(a repository's and an organisation's, say), so the key is scoped by ``X-GitHub-Hook-ID``:
-two hooks pointed at one endpoint each get their delivery processed.
+The signature covers the body and nothing else: ``X-GitHub-Delivery`` and
+``X-GitHub-Hook-ID`` are not signed, and anyone holding one genuine body (a log line, a
+proxy's capture) could re-send it under new ids, or under the id of an event still to come.
+So the key is the body's digest (`body_id`) within the provider and the route, and those
+headers are not read. A redelivery from GitHub's settings page (the same body under a new
+delivery id) is the same delivery, answered from the store.
+
+There is no signed timestamp either: a captured body is answered from the store while its
+record lives and runs again after it expires; GitHub redelivers for 3 days, so keep
+`ttl_seconds` at least that long.
 """
 
 from __future__ import annotations
@@ -13,17 +19,16 @@ import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
 
-from ._provider import Delivery, any_equal, malformed, secret_list, unverified
+from ._provider import Delivery, any_equal, body_id, secret_list, unverified
 
 __all__ = ["GitHub"]
 
 
 class GitHub:
-    """Verifies GitHub webhook deliveries; the key is ``X-GitHub-Delivery`` within
-    ``X-GitHub-Hook-ID``."""
+    """Verifies GitHub webhook deliveries; the key is the digest of the signed body."""
 
     name = "github"
-    headers = ("x-hub-signature-256", "x-github-delivery", "x-github-hook-id")
+    headers = ("x-hub-signature-256",)
 
     def __init__(self, secrets: Iterable[str | bytes]) -> None:
         self._secrets = secret_list("GitHub", secrets)
@@ -42,8 +47,4 @@ class GitHub:
         )
         if not any_equal(expected, [header.encode("latin-1")]):
             raise unverified("X-Hub-Signature-256 does not verify with this hook's secrets.")
-        delivery = headers.get("x-github-delivery")
-        hook = headers.get("x-github-hook-id")
-        if not delivery or not hook:
-            raise malformed("The delivery has no X-GitHub-Delivery or no X-GitHub-Hook-ID header.")
-        return Delivery(delivery, hook)
+        return Delivery(body_id(body))
