@@ -107,7 +107,8 @@ class Identity:
 
 
 class DeliveryHeaders(Mapping[str, str]):
-    """A webhook delivery's headers as its provider reads them: lowercase names, values
+    """A webhook delivery's headers as its provider reads them: names in lowercase (as ASGI
+    servers send them; lowered again, so that no spelling escapes the rule below), values
     decoded as latin-1 (the bytes as sent).
 
     A header sent more than once is refused (400) as soon as the provider reads it: the
@@ -121,7 +122,7 @@ class DeliveryHeaders(Mapping[str, str]):
         values: dict[str, str] = {}
         repeated: set[str] = set()
         for name, value in raw:
-            text = name.decode("latin-1")
+            text = name.decode("latin-1").lower()
             if text in values:
                 repeated.add(text)
             values[text] = value.decode("latin-1")

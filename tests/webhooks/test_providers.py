@@ -85,6 +85,11 @@ def test_standard_webhooks_v1a_ed25519() -> None:
     ("make", "error", "words"),
     [
         (lambda: GitHub(secrets="s3cret"), TypeError, "a list of secrets"),
+        (lambda: GitHub(), TypeError, "one of the two"),
+        (lambda: GitHub(["a"], hooks={1: ["b"]}), TypeError, "one of the two"),
+        (lambda: GitHub(hooks={1: ["a"], 2: ["b", "a"]}), ValueError, "hooks 1 and 2 share"),
+        (lambda: GitHub(hooks={"repo": ["a"]}), ValueError, "X-GitHub-Hook-ID"),
+        (lambda: GitHub(hooks={}), ValueError, "each hook id to its secrets"),
         (lambda: Shopify(secrets=[]), ValueError, "at least one secret"),
         (lambda: Stripe(secrets=[""]), ValueError, "non-empty"),
         (lambda: Stripe(secrets=["s"], tolerance_seconds=0), ValueError, "tolerance_seconds"),
@@ -116,6 +121,7 @@ def test_a_wrong_option_says_what_to_change(make: object, error: type, words: st
 def test_repr_never_shows_a_secret() -> None:
     for provider in (
         GitHub(secrets=["gh-secret"]),
+        GitHub(hooks={1: ["gh-secret"]}),
         Shopify(secrets=["shop-secret"]),
         Stripe(secrets=["whsec_stripe"]),
         StandardWebhooks(secrets=["whsec_c2VjcmV0"]),
@@ -251,3 +257,16 @@ def test_signatures_are_compared_in_constant_time(
     with pytest.raises(WebhookRefusedError):
         provider.verify(bad.headers, bad.body)
     assert compared and not any(a == b for a, b in compared)
+
+
+def test_a_header_sent_twice_is_refused_when_the_provider_reads_it() -> None:
+    """However a server spells the two names: the provider would verify one value and the
+    handler read the other."""
+    from goblin_idem.middleware._request import Identity
+
+    raw = [(b"Webhook-Id", b"msg_evil"), (b"webhook-id", b"msg_1"), (b"x-other", b"1")]
+    headers = Identity.header_map({"type": "http", "headers": raw})
+    assert "webhook-id" in headers and headers["x-other"] == "1"
+    with pytest.raises(WebhookRefusedError, match="more than one webhook-id") as refused:
+        headers.get("webhook-id")
+    assert refused.value.malformed
