@@ -79,9 +79,16 @@ class Identity:
         return key_names(self.namespace, caller, key), fingerprint("", "", b"", body)
 
     @staticmethod
-    def header_map(scope: Scope) -> DeliveryHeaders:
-        """The request's headers as a webhook provider reads them."""
-        return DeliveryHeaders(scope["headers"])
+    def header_map(scope: Scope) -> Mapping[str, str]:
+        """The request's headers as a webhook provider reads them: names in lowercase (as
+        ASGI servers send them; lowered again, so that no spelling escapes the rule of
+        DeliveryHeaders), values decoded as latin-1 (the bytes as sent). A plain dict when
+        no name repeats, the common case: a provider's reads cost a dict's."""
+        raw = scope["headers"]
+        if not isinstance(raw, (list, tuple)):  # ASGI promises an iterable, not a length
+            raw = list(raw)
+        found = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in raw}
+        return found if len(found) == len(raw) else DeliveryHeaders(raw)
 
     def _warn_shared_scope(self, name: bytes) -> None:
         """Once per middleware: a keyed request with no Authorization header but a header
@@ -107,9 +114,8 @@ class Identity:
 
 
 class DeliveryHeaders(Mapping[str, str]):
-    """A webhook delivery's headers as its provider reads them: names in lowercase (as ASGI
-    servers send them; lowered again, so that no spelling escapes the rule below), values
-    decoded as latin-1 (the bytes as sent).
+    """The headers of a webhook delivery that repeats a header name, as its provider reads
+    them (see Identity.header_map).
 
     A header sent more than once is refused (400) as soon as the provider reads it: the
     provider would verify one value while the handler, or the framework under it, reads
