@@ -427,3 +427,23 @@ async def test_github_hooks_with_a_secret_each_run_each_and_the_hook_id_is_check
     again = await post(client, resent(repo, **{"x-github-delivery": str(uuid.uuid4())}))
     assert again.headers["idempotent-replayed"] == "true"
     assert await runs(client, ref) == 2
+
+
+@pytest.mark.parametrize("provider", ["standard", "svix"])
+async def test_both_spellings_of_a_standard_webhooks_header_must_agree(
+    client: httpx.AsyncClient, receiver: Receiver, provider: str
+) -> None:
+    """``webhook-id`` verified while a ``svix-id`` beside it names another message (which
+    Svix's own library reads first) is refused; the same values under both run."""
+    _, ref, genuine = fresh(provider)
+    mine, other = ("webhook-", "svix-") if provider == "standard" else ("svix-", "webhook-")
+    copies = {other + part: genuine.headers[mine + part] for part in ("id", "timestamp")}
+    before = receiver.stored_keys()
+    for part in ("id", "timestamp"):
+        decoy = {**copies, other + part: "1" + copies[other + part]}
+        response = await post(client, resent(genuine, **decoy))
+        assert (response.status_code, slug(response)) == (400, "webhook-malformed"), part
+        assert f"webhook-{part} and svix-{part}" in response.json()["detail"]
+    assert receiver.stored_keys() == before
+    assert (await post(client, resent(genuine, **copies))).status_code == 200
+    assert await runs(client, ref) == 1
