@@ -9,19 +9,20 @@ told to include (record.py), so that a key sent again with another request is re
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope
 
 from .._keys import KeyNames, credential_header, credentials_scope, key_names
+from ..exceptions import WebhookRefusedError
 from ..records._format import fingerprint
 
 if TYPE_CHECKING:
     from ..webhooks import Delivery
 
-__all__ = ["BodyTooLarge", "Identity", "ReplayReceive", "read_body"]
+__all__ = ["BodyTooLarge", "DeliveryHeaders", "Identity", "ReplayReceive", "read_body"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -61,7 +62,7 @@ class Identity:
         self, scope: Scope, provider: str, delivery: Delivery, body: bytes
     ) -> tuple[KeyNames, bytes]:
         """A verified webhook delivery's store names and fingerprint. The scope is the
-        provider, the route's path and the provider's own scope (GitHub's hook id), NUL
+        provider, the route's path and the provider's own scope (signed, as the id is), NUL
         separated (no header value holds a NUL, so it never meets a caller's scope): two
         providers or two endpoints never share a key space. The fingerprint is the body
         alone: a redelivery is signed afresh (new timestamp, new signature) and is still
@@ -78,10 +79,16 @@ class Identity:
         return key_names(self.namespace, caller, key), fingerprint("", "", b"", body)
 
     @staticmethod
-    def header_map(scope: Scope) -> dict[str, str]:
-        """The request's headers as a provider reads them: lowercase names, values decoded
-        as latin-1 (the bytes as sent); a repeated header's last value."""
-        return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+    def header_map(scope: Scope) -> Mapping[str, str]:
+        """The request's headers as a webhook provider reads them: names in lowercase (as
+        ASGI servers send them; lowered again, so that no spelling escapes the rule of
+        DeliveryHeaders), values decoded as latin-1 (the bytes as sent). A plain dict when
+        no name repeats, the common case: a provider's reads cost a dict's."""
+        raw = scope["headers"]
+        if not isinstance(raw, (list, tuple)):  # ASGI promises an iterable, not a length
+            raw = list(raw)
+        found = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in raw}
+        return found if len(found) == len(raw) else DeliveryHeaders(raw)
 
     def _warn_shared_scope(self, name: bytes) -> None:
         """Once per middleware: a keyed request with no Authorization header but a header
@@ -104,6 +111,47 @@ class Identity:
             if name in found:
                 found[name] = value
         return list(found.values())
+
+
+class DeliveryHeaders(Mapping[str, str]):
+    """The headers of a webhook delivery that repeats a header name, as its provider reads
+    them (see Identity.header_map).
+
+    A header sent more than once is refused (400) as soon as the provider reads it: the
+    provider would verify one value while the handler, or the framework under it, reads
+    another (Starlette's `request.headers[name]` is the first), so a genuine signature could
+    vouch for an id the handler never sees."""
+
+    __slots__ = ("_repeated", "_values")
+
+    def __init__(self, raw: Iterable[tuple[bytes, bytes]]) -> None:
+        values: dict[str, str] = {}
+        repeated: set[str] = set()
+        for name, value in raw:
+            text = name.decode("latin-1").lower()
+            if text in values:
+                repeated.add(text)
+            values[text] = value.decode("latin-1")
+        self._values = values
+        self._repeated = repeated
+
+    def __getitem__(self, name: str) -> str:
+        if name in self._repeated:
+            raise WebhookRefusedError(
+                f"The delivery has more than one {name} header: the signature would vouch "
+                "for one value and the handler might read another.",
+                malformed=True,
+            )
+        return self._values[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 class BodyTooLarge(Exception):

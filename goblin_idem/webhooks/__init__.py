@@ -1,5 +1,6 @@
 """Webhook receivers: each delivery verified by its provider's signature before the claim,
-keyed by the provider's own delivery id, run once.
+keyed by what that signature covers (the signed delivery id, or the signed body's digest),
+run once.
 
 ``@webhook(Stripe(secrets=[...]))`` under a route decorator, or the middleware's
 ``webhooks={"/hooks/github": GitHub(secrets=[...])}`` for a path; docs/webhooks.md.

@@ -1,5 +1,5 @@
 """`webhook(provider)`: the route mark of a webhook receiver, an `idempotent` mark whose key
-is the provider's delivery id, verified before the claim step."""
+the provider takes from what its signature covers, verified before the claim step."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def webhook(
 
     Put it under the route decorator. Each delivery is verified on its raw body before
     anything is claimed (401 or 400 otherwise, nothing stored, the endpoint not run), then
-    runs once per delivery id: a redelivery, re-signed or not, gets the stored answer. The
+    runs once per delivery (its signed id, or its signed body where the provider signs no
+    id): a redelivery, re-signed or not, gets the stored answer. The
     Flask, Django and WSGI adapters read the same mark on their views. The options are
     `idempotent`'s, for this route.
     """

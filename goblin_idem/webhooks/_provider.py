@@ -6,6 +6,11 @@ store: a forged request carrying a genuine delivery's id is refused without a cl
 cannot delay, block or answer that delivery. A provider knows nothing of stores, routes or
 frameworks; the middleware scopes its id by the provider's name and the route's path.
 
+The id comes only from what the signature covers. Where a scheme signs its delivery id
+(Standard Webhooks, Stripe's event id in the body) that id is the key; where it signs the
+body alone (GitHub, Shopify) the key is the body's digest (`body_id`), and the id headers,
+which anyone holding one genuine body can set to anything, add nothing to it.
+
 Every comparison of a signature is `hmac.compare_digest`, over bytes of the same kind (the
 expected and the sent signature in the form the header carries), so the time it takes does
 not tell a forger how much of a guess was right. Secrets are checked when the provider is
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import hmac
 import time
 from collections.abc import Iterable, Mapping
@@ -31,6 +37,7 @@ __all__ = [
     "Provider",
     "any_equal",
     "b64decode",
+    "body_id",
     "check_timestamp",
     "malformed",
     "secret_list",
@@ -46,7 +53,9 @@ DEFAULT_TOLERANCE_SECONDS = 300.0
 @dataclass(frozen=True, slots=True)
 class Delivery:
     """A verified delivery: its id (the idempotency key) and what makes that id unique
-    besides the provider and the route (GitHub's hook id; empty for most)."""
+    besides the provider and the route (empty for most). Both come from what the
+    signature covers: a value a forger can choose would let one genuine body run again
+    under each new value, or take another delivery's key first."""
 
     id: str
     scope: str = ""
@@ -123,6 +132,15 @@ def check_timestamp(raw: str | None, limit: float) -> int:
             "clock; a provider's retry is signed afresh."
         )
     return stamp
+
+
+def body_id(body: bytes) -> str:
+    """The id of a delivery whose scheme signs the body and not the id: the SHA-256 of the
+    exact signed bytes. The same body re-sent under any delivery id (the provider's manual
+    redelivery, or a forger's copy) is the same delivery, answered from the store; it cannot
+    take another event's key, whose body differs. Two events whose bodies are byte for byte
+    the same are one delivery."""
+    return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
 def any_equal(expected: Iterable[bytes], sent: Iterable[bytes]) -> bool:

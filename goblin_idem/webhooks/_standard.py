@@ -68,6 +68,7 @@ class StandardWebhooks:
         signatures = headers.get(prefix + "signature")
         if not signatures:  # not a delivery of this sender's: unverified, however formed
             raise unverified(f"The delivery has no {prefix}signature header.")
+        _same_under_both_prefixes(headers)
         msg_id = headers.get(prefix + "id")
         if not msg_id:  # signed over the id: without one it cannot be verified
             raise malformed(f"The delivery has no {prefix}id header.")
@@ -92,6 +93,19 @@ class StandardWebhooks:
                 f"No signature in {prefix}signature verifies with this endpoint's keys."
             )
         return Delivery(msg_id)
+
+
+def _same_under_both_prefixes(headers: Mapping[str, str]) -> None:
+    """A delivery may carry both spellings (``webhook-`` and ``svix-``), but with one value
+    each: verified under one while the handler (Svix's library prefers ``svix-``) reads
+    the other, a genuine signature would vouch for an id the handler never sees."""
+    for part in ("id", "timestamp", "signature"):
+        values = {headers[p + part] for p in _PREFIXES if p + part in headers}
+        if len(values) > 1:
+            raise malformed(
+                f"The delivery's webhook-{part} and svix-{part} headers differ: the "
+                "signature would vouch for one and the handler might read the other."
+            )
 
 
 def _secret(secret: str | bytes) -> bytes:

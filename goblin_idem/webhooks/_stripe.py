@@ -54,13 +54,17 @@ class Stripe:
         for item in header.split(","):
             name, _, value = item.strip().partition("=")
             if name == "t":
+                if stamp is not None:  # which one was signed is anyone's guess: neither
+                    raise malformed("Stripe-Signature has more than one t= timestamp.")
                 stamp = value
-            elif name == "v1":
+            elif name == "v1" and value:
                 sent.append(value.encode("latin-1"))
+        if not sent:  # a timestamp alone, or other schemes only (v0), vouches for nothing
+            raise unverified("Stripe-Signature has no v1 signature.")
         check_timestamp(stamp, self.tolerance)
         signed = f"{stamp}.".encode() + body
         expected = (hmac.new(s, signed, hashlib.sha256).hexdigest().encode() for s in self._secrets)
-        if not sent or not any_equal(expected, sent):
+        if not any_equal(expected, sent):
             raise unverified(
                 "No v1 signature in Stripe-Signature verifies with this endpoint's secrets."
             )

@@ -21,6 +21,8 @@ from tests.support.apps.webhook_app import (
 
 PROVIDERS = ("standard", "svix", "stripe", "github", "shopify")
 TIMESTAMPED = ("standard", "svix", "stripe")
+SIGNED_IDS = ("standard", "svix", "stripe")  # the delivery id is covered by the signature
+UNSIGNED_IDS = ("github", "shopify")  # only the body is: the id headers can be anything
 WRONG_SECRET = "whsec_dGhpcyBpcyBub3QgdGhlIGVuZHBvaW50J3Mga2V5"
 
 

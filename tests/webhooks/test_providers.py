@@ -29,7 +29,15 @@ from goblin_idem.webhooks import (
     WebhookRefusedError,
     webhook,
 )
+from tests.support.apps.webhook_app import (
+    GITHUB_SECRETS,
+    SHOPIFY_SECRETS,
+    STANDARD_SECRETS,
+    STRIPE_SECRETS,
+)
 from tests.support.asgi import problem, request
+from tests.support.webhooks import delivery as signed_delivery
+from tests.support.webhooks import event_body, forged
 
 
 def test_github_published_test_vector() -> None:
@@ -43,9 +51,10 @@ def test_github_published_test_vector() -> None:
         "x-github-delivery": "72d3162e-cc78-11e3-81ab-4c9367dc0958",
         "x-github-hook-id": "292430182",
     }
-    assert github.verify(headers, b"Hello, World!") == Delivery(
-        "72d3162e-cc78-11e3-81ab-4c9367dc0958", "292430182"
-    )
+    key = Delivery("sha256:" + hashlib.sha256(b"Hello, World!").hexdigest())
+    assert github.verify(headers, b"Hello, World!") == key
+    unsigned = {"x-github-delivery": "another", "x-github-hook-id": "1"}  # not signed: not read
+    assert github.verify({**headers, **unsigned}, b"Hello, World!") == key
     with pytest.raises(WebhookRefusedError) as refused:
         github.verify(headers, b"Hello, World?")
     assert not refused.value.malformed
@@ -76,6 +85,11 @@ def test_standard_webhooks_v1a_ed25519() -> None:
     ("make", "error", "words"),
     [
         (lambda: GitHub(secrets="s3cret"), TypeError, "a list of secrets"),
+        (lambda: GitHub(), TypeError, "one of the two"),
+        (lambda: GitHub(["a"], hooks={1: ["b"]}), TypeError, "one of the two"),
+        (lambda: GitHub(hooks={1: ["a"], 2: ["b", "a"]}), ValueError, "hooks 1 and 2 share"),
+        (lambda: GitHub(hooks={"repo": ["a"]}), ValueError, "X-GitHub-Hook-ID"),
+        (lambda: GitHub(hooks={}), ValueError, "each hook id to its secrets"),
         (lambda: Shopify(secrets=[]), ValueError, "at least one secret"),
         (lambda: Stripe(secrets=[""]), ValueError, "non-empty"),
         (lambda: Stripe(secrets=["s"], tolerance_seconds=0), ValueError, "tolerance_seconds"),
@@ -107,6 +121,7 @@ def test_a_wrong_option_says_what_to_change(make: object, error: type, words: st
 def test_repr_never_shows_a_secret() -> None:
     for provider in (
         GitHub(secrets=["gh-secret"]),
+        GitHub(hooks={1: ["gh-secret"]}),
         Shopify(secrets=["shop-secret"]),
         Stripe(secrets=["whsec_stripe"]),
         StandardWebhooks(secrets=["whsec_c2VjcmV0"]),
@@ -206,6 +221,52 @@ def test_shopify_signature_is_the_base64_hmac_of_the_body() -> None:
     mac = base64.b64encode(hmac.new(b"shh", body, hashlib.sha256).digest()).decode()
     shopify = Shopify(secrets=["old", "shh"])
     headers = {"x-shopify-hmac-sha256": mac, "x-shopify-event-id": "ev-1"}
-    assert shopify.verify(headers, body) == Delivery("ev-1")
+    assert shopify.verify(headers, body) == Delivery("sha256:" + hashlib.sha256(body).hexdigest())
     with pytest.raises(WebhookRefusedError):
         shopify.verify({**headers, "x-shopify-hmac-sha256": mac.lower()}, body)
+
+
+_PROVIDERS_BY_NAME = {
+    "standard": lambda: StandardWebhooks(secrets=STANDARD_SECRETS),
+    "stripe": lambda: Stripe(secrets=STRIPE_SECRETS),
+    "github": lambda: GitHub(secrets=GITHUB_SECRETS),
+    "shopify": lambda: Shopify(secrets=SHOPIFY_SECRETS),
+}
+
+
+@pytest.mark.parametrize("name", list(_PROVIDERS_BY_NAME))
+def test_signatures_are_compared_in_constant_time(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Every signature a provider checks goes through `hmac.compare_digest`: a provider
+    that compared with ``==`` would verify the genuine delivery below without a call."""
+    provider = _PROVIDERS_BY_NAME[name]()
+    genuine = signed_delivery(name, "evt_1", event_body("evt_1", "r"))
+    compared: list[tuple[bytes, bytes]] = []
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", compare_digest)
+    provider.verify(genuine.headers, genuine.body)
+    assert any(a == b for a, b in compared)
+    compared.clear()
+    bad = forged(genuine)
+    with pytest.raises(WebhookRefusedError):
+        provider.verify(bad.headers, bad.body)
+    assert compared and not any(a == b for a, b in compared)
+
+
+def test_a_header_sent_twice_is_refused_when_the_provider_reads_it() -> None:
+    """However a server spells the two names: the provider would verify one value and the
+    handler read the other."""
+    from goblin_idem.middleware._request import Identity
+
+    raw = [(b"Webhook-Id", b"msg_evil"), (b"webhook-id", b"msg_1"), (b"x-other", b"1")]
+    headers = Identity.header_map({"type": "http", "headers": raw})
+    assert "webhook-id" in headers and headers["x-other"] == "1"
+    with pytest.raises(WebhookRefusedError, match="more than one webhook-id") as refused:
+        headers.get("webhook-id")
+    assert refused.value.malformed

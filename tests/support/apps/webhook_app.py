@@ -2,7 +2,8 @@
 environment: ``REDIS_URL``; with ``DATABASE_URL`` (and ``RECORDS_TABLE``,
 ``DELIVERIES_TABLE``) SQL records, each run's delivery row committed with its record.
 
-Four marked routes (``/hooks/<provider>``), a Standard Webhooks receiver configured by path
+Four marked routes (``/hooks/<provider>``), a GitHub route for two hooks with a secret each
+(``/hooks/github-hooks``), a Standard Webhooks receiver configured by path
 on the middleware (``/by-path/standard``), a plain keyed route (``/plain``, for the
 benchmark) and ``GET /counts`` (how many runs each ``ref`` had: the database's rows with
 SQL records, else this process's count). A delivery's JSON body has a ``ref``, and a
@@ -28,6 +29,8 @@ STANDARD_SECRETS = ["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "whsec_c2VjcmV0LW9
 STRIPE_SECRETS = ["whsec_test_stripe_current", "whsec_test_stripe_previous"]
 GITHUB_SECRETS = ["It's a Secret to Everybody", "the previous GitHub secret"]
 SHOPIFY_SECRETS = ["shpss_current_test_secret", "shpss_previous_test_secret"]
+# Two GitHub hooks on one route, each with its own secret (a repository's, an organisation's).
+GITHUB_HOOK_SECRETS = {"1": ["the repository hook's secret"], "2": ["the organisation's secret"]}
 MAX_BODY_BYTES = 4096
 
 
@@ -97,6 +100,11 @@ def build() -> FastAPI:
     @app.post("/hooks/github")
     @webhook(GitHub(secrets=GITHUB_SECRETS))
     async def github_hook(request: Request) -> dict[str, Any]:
+        return await handle(request)
+
+    @app.post("/hooks/github-hooks")
+    @webhook(GitHub(hooks=GITHUB_HOOK_SECRETS))
+    async def github_hooks(request: Request) -> dict[str, Any]:
         return await handle(request)
 
     @app.post("/hooks/shopify")
