@@ -55,6 +55,8 @@ RESULT_LIMIT = 64 * 1024
 
 
 class Verdict(enum.Enum):
+    """What the adapter tells the broker: ack, put back for a retry, or dead-letter."""
+
     ACK = "ack"
     RETRY = "retry"
     DEAD = "dead"

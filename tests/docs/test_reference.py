@@ -103,6 +103,7 @@ HANDED_OUT = {
     "goblin_idem.Counters",
     "goblin_idem.Lease",
     "goblin_idem.client.RetryEvent",
+    "goblin_idem.consumers.Outcome",
     "goblin_idem.inspection.KeyState",
 }
 # The app a middleware wraps, as every framework passes it.
