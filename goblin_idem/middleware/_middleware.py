@@ -191,6 +191,7 @@ class IdempotencyMiddleware:
             outcome=outcome,
             store_server_errors=store_server_errors,
         )
+        self.routes.wrapped = app
         self._may_require = self.routes.may_require  # read by every request without a key
         self.max_body_bytes = options.whole_number("max_body_bytes", max_body_bytes, minimum=1)
         retry_after = options.seconds("retry_after_seconds", retry_after_seconds, minimum=0)

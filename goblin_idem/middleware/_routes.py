@@ -178,6 +178,9 @@ class Routes:
         self.may_require = defaults.required or bool(required_paths) or bool(self.webhooks)
         self._for_path = functools.lru_cache(maxsize=4096)(self._settings_for_path)
         self._hidden_warned = False  # logged that a route hides its endpoint
+        # The app the middleware wraps: its routes are the marks' when the middleware wraps
+        # a Starlette or FastAPI app from outside, before the app put itself in the scope.
+        self.wrapped: object = None
 
     @classmethod
     def from_options(
@@ -229,7 +232,7 @@ class Routes:
         if RESOLVED_POLICY in scope:
             resolved: RoutePolicy | None = scope[RESOLVED_POLICY]
             return resolved
-        routes = getattr(scope.get("app"), "routes", None)
+        routes = getattr(scope.get("app", self.wrapped), "routes", None)
         if not routes:
             return None
         try:

@@ -9,11 +9,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.support.apps.webhook_app import GITHUB_HOOK_SECRETS, MAX_BODY_BYTES
+from tests.support.servers import Server
 from tests.support.webhooks import (
     PROVIDERS,
     SIGNED_IDS,
@@ -24,7 +26,7 @@ from tests.support.webhooks import (
     event_body,
     forged,
 )
-from tests.webhooks.conftest import Receiver
+from tests.webhooks.conftest import Receiver, running_receiver
 
 pytestmark = pytest.mark.timeout(60)
 by_provider = pytest.mark.parametrize("provider", PROVIDERS)
@@ -447,3 +449,20 @@ async def test_both_spellings_of_a_standard_webhooks_header_must_agree(
     assert receiver.stored_keys() == before
     assert (await post(client, resent(genuine, **copies))).status_code == 200
     assert await runs(client, ref) == 1
+
+
+async def test_marks_hold_when_the_middleware_wraps_the_app_from_outside(
+    tmp_path: Path, redis_server: Server
+) -> None:
+    """``IdempotencyMiddleware(app, ...)`` runs before the app puts itself in the scope: the
+    marks were read from nowhere, and a forged delivery to a @webhook route ran unverified."""
+    app = "tests.support.apps.webhook_app:outer"
+    with running_receiver(tmp_path, redis_server, None, app=app) as receiver:
+        async with httpx.AsyncClient(base_url=receiver.url, timeout=20) as c:
+            _, ref, genuine = fresh("standard")
+            refused = await post(c, forged(genuine))
+            assert (refused.status_code, slug(refused)) == (401, "webhook-unverified")
+            assert await runs(c, ref) == 0
+            first, again = await post(c, genuine), await post(c, genuine)
+            assert first.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+            assert await runs(c, ref) == 1

@@ -43,7 +43,9 @@ def deliveries_table(name: str) -> Table:
     )
 
 
-def build() -> FastAPI:
+def build(outside: bool = False) -> Any:
+    """The receiver; with `outside`, the middleware wraps the app from outside
+    (``IdempotencyMiddleware(app, ...)``) instead of ``app.add_middleware``."""
     store = RedisStore.from_url(os.environ["REDIS_URL"])
     records = None
     deliveries = None
@@ -53,13 +55,14 @@ def build() -> FastAPI:
         deliveries = deliveries_table(os.environ["DELIVERIES_TABLE"])
     standard = StandardWebhooks(secrets=STANDARD_SECRETS)
     app = FastAPI()
-    app.add_middleware(
-        IdempotencyMiddleware,
-        store=store,
-        records=records,
-        max_body_bytes=MAX_BODY_BYTES,
-        webhooks={"/by-path/standard": standard},
-    )
+    options: dict[str, Any] = {
+        "store": store,
+        "records": records,
+        "max_body_bytes": MAX_BODY_BYTES,
+        "webhooks": {"/by-path/standard": standard},
+    }
+    if not outside:
+        app.add_middleware(IdempotencyMiddleware, **options)
     runs: collections.Counter[str] = collections.Counter()
     failed: set[str] = set()
 
@@ -120,7 +123,8 @@ def build() -> FastAPI:
     async def plain(request: Request) -> dict[str, Any]:
         return await handle(request)
 
-    return app
+    return IdempotencyMiddleware(app, **options) if outside else app
 
 
 app = build() if "REDIS_URL" in os.environ else None
+outer = build(outside=True) if "REDIS_URL" in os.environ else None
