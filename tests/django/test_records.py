@@ -232,13 +232,17 @@ def test_an_on_commit_callback_that_raises_leaves_the_committed_answer(
     assert (site.tmp / "hooks.log").read_text().splitlines() == ["h2 unrecorded"]
 
 
-@pytest.mark.parametrize("second", ["commits-first", "commits-second"])
+@pytest.mark.parametrize(
+    "second", ["commits-first", "commits-first-store-lost-it", "commits-second"]
+)
 def test_a_claim_lost_mid_run_makes_one_payment_and_one_answer(
     second: str, sites: Callable[..., Site], postgres: Postgres, redis_server: Server
 ) -> None:
     """The claim deleted while the first run waits after its write: a duplicate claims the
     key and runs too. Whichever commits second finds the key's row, rolls back its payment
-    and answers the other's response: one payment, both clients the same answer."""
+    and answers the other's response: one payment, both clients the same answer. The log
+    says which run's commit was refused, also when the store lost the duplicate's result
+    before the first run published (it then finds the duplicate's claim)."""
     site = sites(postgres)
     server = site.serve()
     port = server.port
@@ -249,21 +253,27 @@ def test_a_claim_lost_mid_run_makes_one_payment_and_one_answer(
         assert r.delete(key_names(b"idem", b"", key.encode()).claim) == 1
     duplicate = in_thread(lambda: post(port, key, "lost", mode="gate"))
     wait_for(site.tmp / "lost.entered.2")
-    order = ["2", "1"] if second == "commits-first" else ["1", "2"]
+    order = ["1", "2"] if second == "commits-second" else ["2", "1"]
     (site.tmp / f"lost.go.{order[0]}").touch()
     done_first = (duplicate if order[0] == "2" else first)()
+    if second == "commits-first-store-lost-it":
+        with redis_server.sync_client() as r:
+            assert r.delete(key_names(b"idem", b"", key.encode()).result) == 1
     (site.tmp / f"lost.go.{order[1]}").touch()
     done_second = (first if order[0] == "2" else duplicate)()
     assert done_first.status == done_second.status == 201
     assert done_first.body == done_second.body
     assert not done_first.replayed and done_second.replayed
     assert site.count("lost") == 1 and site.records() == 1
-    if second == "commits-second":  # the first run, publishing, found the claim taken
-        said = output_of(server.proc)
-        assert (
-            "its commit will find this run's record, so its writes through Django's ORM on "
-            "the database 'default' roll back" in said
-        ), said
+    said = output_of(server.proc)
+    refused = [line for line in said.splitlines() if "this run's commit was refused" in line]
+    assert len(refused) == 1, said  # the run that committed second
+    assert "its writes through Django's ORM on the database 'default' rolled back" in refused[0]
+    # The first run, if it committed first, found the claim taken when it published.
+    assert (
+        "its commit will find this run's record, so its writes through Django's ORM on "
+        "the database 'default' roll back" in said
+    ) == (second == "commits-second"), said
 
 
 def test_a_worker_killed_after_its_commit_replays_once_after_the_lease(
