@@ -322,6 +322,33 @@ def test_a_commit_refused_by_a_deferred_constraint_answers_503_and_the_retry_run
     assert site.count("d1") == 1 and site.records() == 1
 
 
+@pytest.mark.parametrize(
+    ("vendor", "atomic_requests"),
+    [("postgresql", "1"), ("sqlite", "1"), ("postgresql", "0")],
+    ids=["pg-atomic-requests", "sqlite-atomic-requests", "pg"],
+)
+def test_a_view_that_marked_its_transaction_for_rollback_gets_no_record(
+    vendor: str, atomic_requests: str, sites: Callable[..., Site], request: pytest.FixtureRequest
+) -> None:
+    """``transaction.set_rollback(True)`` after the write, then 201: the run's writes are
+    undone, so its record must not commit either (a replay would describe a payment that
+    does not exist). 503 not-committed, nothing kept, and the retry runs. With
+    ATOMIC_REQUESTS the mark is on Django's block around the view, rolled back (and the
+    mark gone) before the run commits."""
+    postgres = request.getfixturevalue("postgres") if vendor == "postgresql" else None
+    site = sites(postgres, ATOMIC_REQUESTS=atomic_requests)
+    port = site.serve(threads=1).port
+    key = f"undone-{secrets.token_hex(4)}"
+    undone = post(port, key, "u1", mode="set-rollback")
+    assert undone.status == 503 and undone.problem().endswith("not-committed")
+    assert site.count("u1") == 0 and site.records() == 0
+    again = post(port, key, "u1", mode="set-rollback")  # the key was freed: it runs again
+    assert again.status == 503 and site.records() == 0
+    kept = post(port, key, "u1")
+    assert kept.status == 201 and not kept.replayed
+    assert site.count("u1") == 1 and site.records() == 1
+
+
 def test_the_database_stopped_before_the_commit_answers_503_and_the_retry_runs(
     sites: Callable[..., Site],
 ) -> None:

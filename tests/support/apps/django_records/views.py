@@ -29,7 +29,8 @@ def pay(request: HttpRequest) -> HttpResponse:
     view makes, ``connections.create_connection``), ``hook`` (an on_commit callback that
     logs whether the key's record had committed), ``500`` (the same callback, then a
     500), ``hook-raises`` (a callback that raises, then that one), ``ticket`` (a ticket
-    of ``code``, checked at COMMIT); ``work_ms`` is time the view works before its
+    of ``code``, checked at COMMIT), ``set-rollback`` (the transaction marked for rollback
+    after the write, and 201 all the same); ``work_ms`` is time the view works before its
     write."""
     body = json.loads(request.body or b"{}")
     ref, mode = body["ref"], body.get("mode")
@@ -47,6 +48,8 @@ def pay(request: HttpRequest) -> HttpResponse:
         payment = Payment.objects.create(ref=ref, amount=body["amount"])
     if mode == "ticket":
         Ticket.objects.create(code=body["code"])
+    if mode == "set-rollback":  # the view undoes its writes, and answers as if it had not
+        transaction.set_rollback(True)
     if mode == "other":
         Payment.objects.using("other").create(ref=f"{ref}-other", amount=0)
     if mode == "own":  # a connection of the view's own, in autocommit
