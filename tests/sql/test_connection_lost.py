@@ -1,25 +1,34 @@
-"""The run's connection lost midway, cut at TCP (a proxy's reset: the driver reads the end of
-its stream, with no word from the server, so no SQLSTATE says what happened): whatever the
-work or the commit meets then is the database unavailable, answered 503
+"""The run's connection lost midway, cut at TCP (a proxy's reset: the driver reads the end
+of its stream, with no word from the server, so no SQLSTATE says what happened), under the
+ASGI middleware with async records and the WSGI one with sync records: whatever the work
+or the commit meets then is the database unavailable, answered 503
 ``database-unavailable`` with nothing committed, and the key free for the retry."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import create_engine, insert
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware
+from goblin_idem._loop import loop_thread
 from goblin_idem.sql import SqlRecords, connection
+from goblin_idem.sql import sync as sql_sync
 from goblin_idem.sql._failures import unavailable
-from tests.sql.conftest import Setup, on_postgres
+from goblin_idem.sql._sync_records import SyncSqlRecords
+from goblin_idem.wsgi import IdempotencyMiddleware as WSGIIdempotencyMiddleware
+from tests.sql.conftest import Setup, SyncSetup, on_postgres, on_sync_postgres
 from tests.support.asgi import Reply, problem, request
 from tests.support.proxy import Proxy
+from tests.support.wsgi import call
 
 
 @dataclass
@@ -111,3 +120,61 @@ async def test_a_statement_on_a_connection_cut_midway_is_the_database_unavailabl
             await conn.execute(insert(setup.payments).values(ref="cut-2", amount=1))
         assert raised.value.connection_invalidated and conn.invalidated
         assert unavailable(raised.value)
+
+
+@pytest.fixture
+def sync_cut(sync_setup: SyncSetup) -> Iterator[tuple[SyncSqlRecords, Proxy]]:
+    """Sync records on the test's tables, their connections through a proxy."""
+    assert sync_setup.postgres is not None
+    port = sync_setup.postgres.port
+    proxy = Proxy(port).start()
+    engine = create_engine(sync_setup.url.replace(f":{port}/", f":{proxy.port}/"))
+    try:
+        yield SqlRecords(engine, table=sync_setup.records.table.name), proxy
+    finally:
+        engine.dispose()
+        proxy.stop()
+
+
+@on_sync_postgres
+@pytest.mark.parametrize("after", ["raise", "caught", "ignored", "nothing"])
+def test_a_sync_run_s_connection_lost_midway_answers_503_database_unavailable(
+    sync_setup: SyncSetup, sync_cut: tuple[SyncSqlRecords, Proxy], after: str
+) -> None:
+    """The same cut in a WSGI app writing through goblin_idem.sql.sync's connection()."""
+    records, proxy = sync_cut
+    payments = sync_setup.payments
+    runs: list[str] = []
+
+    def more(conn: Connection, ref: str, caught: bool) -> None:
+        try:
+            conn.execute(insert(payments).values(ref=ref, amount=1))
+        except Exception:
+            if not caught:
+                raise
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        conn = sql_sync.connection()
+        conn.execute(insert(payments).values(ref="cut", amount=1))
+        runs.append(after)
+        if len(runs) == 1:
+            assert proxy.reset() >= 1
+            if after in ("raise", "caught", "ignored"):
+                more(conn, "cut-2", caught=after != "raise")
+            if after in ("caught", "ignored"):
+                more(conn, "cut-3", caught=after == "ignored")
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [b"paid"]
+
+    store = sync_setup.store()
+    try:
+        wrapped = WSGIIdempotencyMiddleware(app, store=store, records=records)
+        reply = call(wrapped, "POST", "/payments", b"{}", key="k-cut")
+        assert reply.code == 503, reply.body
+        assert json.loads(reply.body)["type"].endswith("database-unavailable")
+        assert sync_setup.payment_count() == 0 and sync_setup.rows() == []
+        again = call(wrapped, "POST", "/payments", b"{}", key="k-cut")
+        assert again.code == 201 and again.body == b"paid"
+        assert sync_setup.payment_count("cut") == 1 and len(sync_setup.rows()) == 1
+    finally:
+        loop_thread().run(store.aclose())
