@@ -118,6 +118,13 @@ def unavailable_as(exc: BaseException, where: str) -> DatabaseUnavailableError |
     return failure
 
 
+def _closed(conn: Any) -> bool:
+    """Whether the driver's connection under Django's `conn` is closed (psycopg's and
+    psycopg2's say so; SQLite's connection is never lost)."""
+    raw = conn.connection
+    return raw is not None and bool(getattr(raw, "closed", False))
+
+
 def _database(alias: str) -> tuple[object, ...]:
     """What tells one database from another in `alias`'s settings (not its credentials)."""
     given = settings.DATABASES[alias]
@@ -402,6 +409,12 @@ class DjangoWork:
             raise RuntimeError("the run's transaction has ended: nothing of it can commit")
         conn = connections[self.records.using]
         try:
+            if conn.needs_rollback and _closed(conn):
+                raise DatabaseUnavailableError(
+                    "the database is unavailable at the run's commit: its connection was "
+                    "lost (the view caught the error, which marked its transaction for "
+                    "rollback), so nothing of the run commits"
+                )
             if conn.needs_rollback or not conn.in_atomic_block or self.undone:
                 raise RuntimeError(
                     "the run's transaction was marked for rollback by the view (an error "
@@ -418,8 +431,8 @@ class DjangoWork:
                 )
                 inserted = cursor.fetchone() is not None
         except Exception as exc:
-            self.rollback()
             failure = unavailable_as(exc, "at the run's commit")
+            self.rollback()
             if failure is None:
                 raise
             raise failure from exc

@@ -26,6 +26,7 @@ from goblin_idem._keys import key_names
 from goblin_idem.django import IdempotencyMiddleware
 from tests.support.postgres import Postgres, start_postgres
 from tests.support.procs import output_of
+from tests.support.proxy import Proxy
 from tests.support.servers import Server, free_port
 from tests.support.wsgi import Gunicorn, run_until_exit
 
@@ -372,6 +373,37 @@ def test_the_database_stopped_before_the_commit_answers_503_and_the_retry_runs(
         for server in site.servers:
             server.stop()
         postgres.remove()
+
+
+@pytest.mark.parametrize(
+    ("psycopg", "mode"),
+    [("3", "gate-then-try"), ("2", "gate-then-try"), ("2", "gate-then-save")],
+    ids=["psycopg-cursor", "psycopg2-cursor", "psycopg2-orm"],
+)
+def test_a_connection_lost_under_the_view_answers_503_database_unavailable(
+    psycopg: str, mode: str, sites: Callable[..., Site], postgres: Postgres
+) -> None:
+    """The view's connection cut at TCP while it waits after its write (a proxy's reset:
+    no word from the server); it then tries a write it can do without and catches the
+    error. Its commit meets a closed connection: psycopg's OperationalError, psycopg2's
+    InterfaceError ("connection already closed"), or (the ORM's error having marked the
+    block for rollback) no statement at all; each is the database unavailable: 503
+    database-unavailable, nothing kept, and the retry runs."""
+    site = sites(postgres)
+    with Proxy(postgres.port) as proxy:
+        through = f"postgresql://postgres@127.0.0.1:{proxy.port}/{site.database}"
+        port = site.serve(threads=1, DJANGO_DB=through, PSYCOPG=psycopg).port
+        key = f"cut-{secrets.token_hex(4)}"
+        running = in_thread(lambda: post(port, key, "c1", mode=mode))
+        wait_for(site.tmp / "c1.entered.1")
+        assert proxy.reset() >= 1
+        (site.tmp / "c1.go.1").touch()
+        reply = running()
+        assert reply.status == 503 and reply.problem().endswith("database-unavailable")
+        assert site.count("c1") == 0 and site.records() == 0
+        again = post(port, key, "c1")
+        assert again.status == 201 and not again.replayed
+        assert site.count("c1") == 1 and site.records() == 1
 
 
 @pytest.mark.parametrize("mode", ["other", "own"])
