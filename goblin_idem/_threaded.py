@@ -191,7 +191,12 @@ class ThreadedTransaction:
         error = exc.error if isinstance(exc, Raised) else exc
         if not isinstance(error, Exception):
             return None
-        failure = self.backend.unavailable(error)
+        failure: DatabaseUnavailableError | None
+        lost = getattr(self.work, "unavailable", None)  # a work that can tell (`SyncRun`)
+        if lost is not None:
+            failure = lost(error, "for the run's writes")
+        else:
+            failure = self.backend.unavailable(error)
         if failure is not None and failure is not error:
             failure.__cause__ = error
         return failure

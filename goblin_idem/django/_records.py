@@ -12,6 +12,9 @@ thread, on Django's connection of that thread for the records' alias
   the response leaves; ``transaction.on_commit`` callbacks run then, after the COMMIT;
 - the key's unexpired row already there (another run committed first): nothing returned,
   so this run's transaction is rolled back and that run's record answered;
+- the view's writes undone (its block marked for rollback, ATOMIC_REQUESTS' block
+  around the view included, which Django rolls back to its savepoint before the run's
+  commit: `DjangoWork._request_undone`): nothing commits, the record neither;
 - proof of the COMMIT: a callback of this module's registered first with
   ``on_commit``, which Django runs only once the COMMIT has succeeded (an atomic block left
   on a connection closed in the transaction commits nothing, and says nothing).
@@ -113,6 +116,13 @@ def unavailable_as(exc: BaseException, where: str) -> DatabaseUnavailableError |
     failure = DatabaseUnavailableError(f"the database is unavailable {where}: {describe(exc)}")
     failure.__cause__ = exc
     return failure
+
+
+def _closed(conn: Any) -> bool:
+    """Whether the driver's connection under Django's `conn` is closed (psycopg's and
+    psycopg2's say so; SQLite's connection is never lost)."""
+    raw = conn.connection
+    return raw is not None and bool(getattr(raw, "closed", False))
 
 
 def _database(alias: str) -> tuple[object, ...]:
@@ -341,10 +351,12 @@ class DjangoWork:
     __slots__ = (
         "atomic",
         "committed",
+        "depth",
         "ended",
         "nested",
         "peers",
         "records",
+        "undone",
         "watched",
         "where",
     )
@@ -358,6 +370,8 @@ class DjangoWork:
         self.nested = False  # begun inside an atomic block of the caller's (a TestCase's)
         self.ended = False
         self.watched: list[Any] = []  # connections whose writes are watched during the run
+        self.depth = -1  # the run's block's savepoints, with ATOMIC_REQUESTS (`_request_undone`)
+        self.undone = False  # ATOMIC_REQUESTS' block, in the run's, rolled back
 
     def begin(self) -> None:
         """Enter the run's atomic block (BEGIN, on the thread's connection; connecting if it
@@ -367,6 +381,10 @@ class DjangoWork:
         atomic.__enter__()
         self.atomic = atomic
         transaction.on_commit(self._committed, using=self.records.using)  # the first callback
+        conn = connections[self.records.using]
+        if conn.settings_dict.get("ATOMIC_REQUESTS"):
+            self.depth = len(conn.savepoint_ids)
+            conn.execute_wrappers.append(self._request_undone)
         for alias in self.peers:
             self.watch(connections[alias])
 
@@ -391,11 +409,17 @@ class DjangoWork:
             raise RuntimeError("the run's transaction has ended: nothing of it can commit")
         conn = connections[self.records.using]
         try:
-            if conn.needs_rollback or not conn.in_atomic_block:
+            if conn.needs_rollback and _closed(conn):
+                raise DatabaseUnavailableError(
+                    "the database is unavailable at the run's commit: its connection was "
+                    "lost (the view caught the error, which marked its transaction for "
+                    "rollback), so nothing of the run commits"
+                )
+            if conn.needs_rollback or not conn.in_atomic_block or self.undone:
                 raise RuntimeError(
                     "the run's transaction was marked for rollback by the view (an error "
-                    "caught inside atomic(), or set_rollback(True)): its writes are undone, so "
-                    "nothing of the run commits"
+                    "caught inside atomic(), or set_rollback(True), ATOMIC_REQUESTS' block "
+                    "included): its writes are undone, so nothing of the run commits"
                 )
             now = timezone.now()
             adapt = conn.ops.adapt_datetimefield_value
@@ -407,8 +431,8 @@ class DjangoWork:
                 )
                 inserted = cursor.fetchone() is not None
         except Exception as exc:
-            self.rollback()
             failure = unavailable_as(exc, "at the run's commit")
+            self.rollback()
             if failure is None:
                 raise
             raise failure from exc
@@ -475,6 +499,24 @@ class DjangoWork:
             if self._write_outside in conn.execute_wrappers:
                 conn.execute_wrappers.remove(self._write_outside)
         self.watched.clear()
+        if self.depth >= 0:
+            wrappers = connections[self.records.using].execute_wrappers
+            if self._request_undone in wrappers:
+                wrappers.remove(self._request_undone)
+
+    def _request_undone(
+        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        """With ATOMIC_REQUESTS, Django wraps the view in an atomic block of its own, a
+        savepoint directly inside the run's block: a view that marks it for rollback
+        (set_rollback(True)) has it rolled back to its savepoint when the view returns, and
+        the mark is gone by the run's commit. Django's ROLLBACK TO SAVEPOINT of that block
+        (the one at the run's depth, popped just before) is what tells; deeper ones are
+        the view's own blocks, whose failures it handled."""
+        if sql.startswith("ROLLBACK TO SAVEPOINT"):
+            if len(context["connection"].savepoint_ids) == self.depth:
+                self.undone = True
+        return execute(sql, params, many, context)
 
     def _write_outside(
         self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any

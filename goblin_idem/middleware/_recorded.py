@@ -114,6 +114,12 @@ class Recorded:
             self.state = PASSING
         return self.data
 
+    @property
+    def refused(self) -> bool:
+        """The commit was refused: another run had committed the key's row first, so this
+        run's writes rolled back and its client gets that run's record (`data`)."""
+        return self.state == ELSEWHERE
+
     async def rollback(self) -> None:
         """Undo the run's writes (nothing once committed); waits for a commit under way."""
         if self._commit is not None and not self._commit.done():

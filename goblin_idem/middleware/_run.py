@@ -366,6 +366,8 @@ class Run:
                 await self._release()
                 return
             self.data = committed
+            if self.recorded.refused:
+                _log_refused(names, self._records())
         await config.watchdog.release(self.lease)
         try:
             published = await publish_retried(
@@ -389,8 +391,11 @@ class Run:
                 names.hash,
             )
             return
+        refused = self.recorded is not None and self.recorded.refused
         if published == Published.SUPERSEDED:
             config.report("superseded", names.hash)
+            if refused:
+                return  # the stored response is the one this run answered with (logged)
             logger.warning(
                 "key %s: a response was already stored when this run published its own "
                 "(another run took the key after this run's claim lapsed or was lost): the "
@@ -399,9 +404,13 @@ class Run:
                 names.hash,
             )
         elif published != Published.STORED:
-            await self._retake()
+            await self._retake(refused)
 
-    async def _retake(self) -> None:
+    def _records(self) -> object:
+        recording = self.config.recording
+        return None if recording is None else recording.records
+
+    async def _retake(self, refused: bool) -> None:
         """The claim lapsed before the result was published (the run outlived a lease the
         watchdog could not renew, or a restart lost it). The result is stored; take the
         claim back for the result's TTL if it is free, so that duplicates are answered by
@@ -431,8 +440,7 @@ class Run:
                     )
                     return
                 await asyncio.sleep(delay)
-        recording = self.config.recording
-        _log_retaken(names, token, holder, None if recording is None else recording.records)
+        _log_retaken(names, token, holder, self._records(), refused)
 
 
 def _too_large(exc: Exception) -> bool:
@@ -445,22 +453,45 @@ def _report_lost(report: Events, lease: Lease) -> None:
     report("lease_lost", lease.label)
 
 
-def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None, records: object) -> None:
-    """What retaking a lapsed claim found: the claim back, another run's, or nothing. With
-    SQL records the other run's writes in its run's transaction cannot commit (this run's
-    record holds the key's row); its writes outside that transaction can. Which writes
-    join the run's transaction is the records' to say (`joined`: those of a backend kept
-    in the request's thread are its `backend`'s)."""
-    recorded = records is not None
-    joined = getattr(getattr(records, "backend", records), "joined", None) or (
-        "through goblin_idem.sql's connection() or session()"
+def _joined(records: object) -> str:
+    """Which writes join a run's transaction, as the records say (`joined`: those of a
+    backend kept in the request's thread are its `backend`'s)."""
+    joined = getattr(getattr(records, "backend", records), "joined", None)
+    return joined or "through goblin_idem.sql's connection() or session()"
+
+
+def _log_refused(names: KeyNames, records: object) -> None:
+    """This run's commit was refused by the key's row: another run, which took the key
+    after this run's claim lapsed, committed first. Said from the commit's result, once,
+    whatever the publish that follows finds (that run's response stored, or its claim)."""
+    logger.warning(
+        "key %s: another run committed this key first (this run's claim had lapsed or was "
+        "lost, and that run took the key): this run's commit was refused, so its writes %s "
+        "rolled back and it answered with that run's response; what it committed on a "
+        "connection of its own (a session the app made itself) is not rolled back: it "
+        "happened twice",
+        names.hash,
+        _joined(records),
     )
+
+
+def _log_retaken(
+    names: KeyNames, token: bytes, holder: bytes | None, records: object, refused: bool
+) -> None:
+    """What retaking a lapsed claim found: the claim back, another run's, or nothing. With
+    SQL records, after this run committed, the other run's writes in its run's transaction
+    cannot commit (this run's record holds the key's row); its writes outside that
+    transaction can. After this run's commit was `refused` (`_log_refused` said so), the
+    holder is the run that committed, or one that finds its record: nothing more to say."""
+    recorded = records is not None
     if holder == token:
         logger.warning(
             "key %s: the claim lapsed before the response was published; retaken for "
             "the result's TTL",
             names.hash,
         )
+    elif holder is not None and refused:
+        return
     elif holder is not None and recorded:
         logger.warning(
             "key %s: the claim lapsed before the response was published, and another "
@@ -470,7 +501,7 @@ def _log_retaken(names: KeyNames, token: bytes, holder: bytes | None, records: o
             "back: it happens twice",
             names.hash,
             holder.decode("latin-1"),
-            joined,
+            _joined(records),
         )
     elif holder is not None:
         logger.error(

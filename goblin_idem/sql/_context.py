@@ -203,7 +203,7 @@ class RunTransaction:
                 else:
                     committed = await self._commit_with_writes(key, key_hash, fp, data, ttl_ms)
             except Exception as exc:
-                failure = unavailable_as(exc, "at the run's commit")
+                failure = self._unavailable(exc, "at the run's commit")
                 if failure is None:
                     raise
                 raise failure from exc
@@ -277,10 +277,24 @@ class RunTransaction:
 
     def unavailable(self, exc: Exception) -> DatabaseUnavailableError | None:
         """`exc`, raised by the work (a DatabaseUnavailableError of connection(), or its
-        own statement's error), as the database unavailable (`_failures`), or None."""
-        failure = unavailable_as(exc, "for the run's writes")
+        own statement's error), as the database unavailable, or None."""
+        failure = self._unavailable(exc, "for the run's writes")
         if failure is not None and failure is not exc:
             failure.__cause__ = exc
+        return failure
+
+    def _unavailable(self, exc: Exception, where: str) -> DatabaseUnavailableError | None:
+        """`exc` (met `where`) as the database unavailable: by what it says (`_failures`),
+        or because the run's connection was invalidated, lost midway: SQLAlchemy answers
+        every statement after that with PendingRollbackError, and a work that caught the
+        first error goes on to meet only that, which says nothing of the database."""
+        failure = unavailable_as(exc, where)
+        conn = self.conn or self.looked
+        if failure is None and conn is not None and conn.invalidated:
+            failure = DatabaseUnavailableError(
+                f"the database is unavailable {where}: the run's connection was lost "
+                f"midway ({describe(exc)})"
+            )
         return failure
 
     async def rollback(self) -> None:

@@ -39,7 +39,7 @@ from sqlalchemy.ext.asyncio import (
 
 from .._log import describe
 from .._recording import kept
-from ..exceptions import DatabaseUnavailableError, SqlRecordsError
+from ..exceptions import SqlRecordsError
 from ._context import RunTransaction
 from ._failures import connecting, unavailable, unavailable_as
 from ._sqlite import sqlite_engine
@@ -436,21 +436,14 @@ class SqlRecords(RecordsTable):
         """Insert the record in the run's transaction and commit it, with the work's writes;
         False (nothing committed) if the key's unexpired row exists. On psycopg, the insert
         and the COMMIT go in one round trip (`_pipelined`), on asyncpg too (`_in_one`);
-        elsewhere one each.
-        DatabaseUnavailableError if the connection was lost on the way (`_failures`)."""
+        elsewhere one each. A connection lost on the way is invalidated (`_drop_if_broken`),
+        which the run's transaction answers as the database unavailable, whatever the
+        driver's own error said."""
         try:
             return await self._commit(conn, tx, key, key_hash, fp, data, ttl_ms)
         except Exception as exc:
-            lost = await _drop_if_broken(conn, exc)
-            failure = unavailable_as(exc, "at the run's commit")
-            if failure is None and lost:
-                failure = DatabaseUnavailableError(
-                    f"the database is unavailable at the run's commit (its connection was "
-                    f"lost: {describe(exc)})"
-                )
-            if failure is None:
-                raise
-            raise failure from exc
+            await _drop_if_broken(conn, exc)
+            raise
 
     async def _commit(
         self,
@@ -621,23 +614,24 @@ class SqlRecords(RecordsTable):
             await self._engine.dispose()
 
 
-async def _drop_if_broken(conn: AsyncConnection, exc: Exception) -> bool:
-    """Whether `conn` was lost (`exc` says the database is unavailable, or the driver's
-    connection is closed): then it is invalidated, since after a driver's own call
-    (asyncpg's, psycopg's pipeline), which SQLAlchemy did not make, SQLAlchemy would give it
-    back to the pool and every later call would meet the same closed connection."""
+async def _drop_if_broken(conn: AsyncConnection, exc: Exception) -> None:
+    """Invalidate `conn` if it was lost (`exc` says the database is unavailable, or the
+    driver's connection is closed), since after a driver's own call (asyncpg's, psycopg's
+    pipeline), which SQLAlchemy did not make, SQLAlchemy would give it back to the pool and
+    every later call would meet the same closed connection."""
+    if conn.invalidated:
+        return
     lost = unavailable(exc)
-    if not lost and not conn.invalidated:
+    if not lost:
         try:
             raw: Any = (await conn.get_raw_connection()).driver_connection
         except Exception:
-            return False
+            return
         is_closed = getattr(raw, "is_closed", None)  # asyncpg's
         lost = bool(is_closed()) if callable(is_closed) else bool(getattr(raw, "closed", False))
-    if lost and not conn.invalidated:
+    if lost:
         with contextlib.suppress(Exception):
             await conn.invalidate(exc)
-    return lost
 
 
 def _shape(conn: Connection, name: str) -> tuple[set[str], list[str]] | None:

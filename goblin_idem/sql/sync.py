@@ -35,7 +35,7 @@ from sqlalchemy.engine import Connection, NestedTransaction, RootTransaction
 from sqlalchemy.orm import Session
 
 from .._log import describe
-from ..exceptions import CommitRefusedError, NotInRunError
+from ..exceptions import CommitRefusedError, DatabaseUnavailableError, NotInRunError
 from ._context import _current
 from ._failures import connecting, unavailable_as
 
@@ -98,6 +98,7 @@ class SyncRun:
         self.sessions: list[Session] = []  # session()'s, and Flask-SQLAlchemy's joined ones
         self.adopted: list[Session] = []  # the app's own sessions on this connection
         self.ended = False  # committed or rolled back: connection() refuses
+        self.dropped = False  # its connection was given back invalidated (`lost`)
 
     # -- the work (goblin_idem._threaded.ThreadWork) --
 
@@ -125,7 +126,7 @@ class SyncRun:
                     conn, tx = self._flushed()
                     committed = self.records.commit(conn, tx, key, key_hash, fp, data, ttl_ms)
             except Exception as exc:
-                failure = unavailable_as(exc, "at the run's commit")
+                failure = self.unavailable(exc, "at the run's commit")
                 if failure is None:
                     raise
                 raise failure from exc
@@ -138,6 +139,24 @@ class SyncRun:
             return found[0]
         finally:
             self.rollback()  # after a commit: only gives the connection back
+
+    @property
+    def lost(self) -> bool:
+        """Whether the request's connection was invalidated, lost midway: SQLAlchemy answers
+        every statement after that with PendingRollbackError, and an app that caught the
+        first error goes on to meet only that, which says nothing of the database."""
+        return self.dropped or (self.conn is not None and self.conn.invalidated)
+
+    def unavailable(self, exc: Exception, where: str) -> DatabaseUnavailableError | None:
+        """`exc` (met `where`) as the database unavailable: by what it says (`_failures`),
+        or because the request's connection was lost (`lost`); else None."""
+        failure = unavailable_as(exc, where)
+        if failure is None and self.lost:
+            failure = DatabaseUnavailableError(
+                f"the database is unavailable {where}: the request's connection was lost "
+                f"midway ({describe(exc)})"
+            )
+        return failure
 
     def commit_work(self) -> None:
         """Commit the work's writes without a record (a request without a claimed key),
@@ -154,6 +173,7 @@ class SyncRun:
         if self.conn is None and not self.sessions:
             return
         conn, self.conn = self.conn, None
+        self.dropped = self.dropped or (conn is not None and conn.invalidated)
         sessions, self.sessions = self.sessions, []
         self.adopted.clear()  # the app's: it closes them
         for s in sessions:

@@ -26,6 +26,7 @@ from goblin_idem._keys import key_names
 from goblin_idem.django import IdempotencyMiddleware
 from tests.support.postgres import Postgres, start_postgres
 from tests.support.procs import output_of
+from tests.support.proxy import Proxy
 from tests.support.servers import Server, free_port
 from tests.support.wsgi import Gunicorn, run_until_exit
 
@@ -232,13 +233,17 @@ def test_an_on_commit_callback_that_raises_leaves_the_committed_answer(
     assert (site.tmp / "hooks.log").read_text().splitlines() == ["h2 unrecorded"]
 
 
-@pytest.mark.parametrize("second", ["commits-first", "commits-second"])
+@pytest.mark.parametrize(
+    "second", ["commits-first", "commits-first-store-lost-it", "commits-second"]
+)
 def test_a_claim_lost_mid_run_makes_one_payment_and_one_answer(
     second: str, sites: Callable[..., Site], postgres: Postgres, redis_server: Server
 ) -> None:
     """The claim deleted while the first run waits after its write: a duplicate claims the
     key and runs too. Whichever commits second finds the key's row, rolls back its payment
-    and answers the other's response: one payment, both clients the same answer."""
+    and answers the other's response: one payment, both clients the same answer. The log
+    says which run's commit was refused, also when the store lost the duplicate's result
+    before the first run published (it then finds the duplicate's claim)."""
     site = sites(postgres)
     server = site.serve()
     port = server.port
@@ -249,21 +254,27 @@ def test_a_claim_lost_mid_run_makes_one_payment_and_one_answer(
         assert r.delete(key_names(b"idem", b"", key.encode()).claim) == 1
     duplicate = in_thread(lambda: post(port, key, "lost", mode="gate"))
     wait_for(site.tmp / "lost.entered.2")
-    order = ["2", "1"] if second == "commits-first" else ["1", "2"]
+    order = ["1", "2"] if second == "commits-second" else ["2", "1"]
     (site.tmp / f"lost.go.{order[0]}").touch()
     done_first = (duplicate if order[0] == "2" else first)()
+    if second == "commits-first-store-lost-it":
+        with redis_server.sync_client() as r:
+            assert r.delete(key_names(b"idem", b"", key.encode()).result) == 1
     (site.tmp / f"lost.go.{order[1]}").touch()
     done_second = (first if order[0] == "2" else duplicate)()
     assert done_first.status == done_second.status == 201
     assert done_first.body == done_second.body
     assert not done_first.replayed and done_second.replayed
     assert site.count("lost") == 1 and site.records() == 1
-    if second == "commits-second":  # the first run, publishing, found the claim taken
-        said = output_of(server.proc)
-        assert (
-            "its commit will find this run's record, so its writes through Django's ORM on "
-            "the database 'default' roll back" in said
-        ), said
+    said = output_of(server.proc)
+    refused = [line for line in said.splitlines() if "this run's commit was refused" in line]
+    assert len(refused) == 1, said  # the run that committed second
+    assert "its writes through Django's ORM on the database 'default' rolled back" in refused[0]
+    # The first run, if it committed first, found the claim taken when it published.
+    assert (
+        "its commit will find this run's record, so its writes through Django's ORM on "
+        "the database 'default' roll back" in said
+    ) == (second == "commits-second"), said
 
 
 def test_a_worker_killed_after_its_commit_replays_once_after_the_lease(
@@ -312,6 +323,33 @@ def test_a_commit_refused_by_a_deferred_constraint_answers_503_and_the_retry_run
     assert site.count("d1") == 1 and site.records() == 1
 
 
+@pytest.mark.parametrize(
+    ("vendor", "atomic_requests"),
+    [("postgresql", "1"), ("sqlite", "1"), ("postgresql", "0")],
+    ids=["pg-atomic-requests", "sqlite-atomic-requests", "pg"],
+)
+def test_a_view_that_marked_its_transaction_for_rollback_gets_no_record(
+    vendor: str, atomic_requests: str, sites: Callable[..., Site], request: pytest.FixtureRequest
+) -> None:
+    """``transaction.set_rollback(True)`` after the write, then 201: the run's writes are
+    undone, so its record must not commit either (a replay would describe a payment that
+    does not exist). 503 not-committed, nothing kept, and the retry runs. With
+    ATOMIC_REQUESTS the mark is on Django's block around the view, rolled back (and the
+    mark gone) before the run commits."""
+    postgres = request.getfixturevalue("postgres") if vendor == "postgresql" else None
+    site = sites(postgres, ATOMIC_REQUESTS=atomic_requests)
+    port = site.serve(threads=1).port
+    key = f"undone-{secrets.token_hex(4)}"
+    undone = post(port, key, "u1", mode="set-rollback")
+    assert undone.status == 503 and undone.problem().endswith("not-committed")
+    assert site.count("u1") == 0 and site.records() == 0
+    again = post(port, key, "u1", mode="set-rollback")  # the key was freed: it runs again
+    assert again.status == 503 and site.records() == 0
+    kept = post(port, key, "u1")
+    assert kept.status == 201 and not kept.replayed
+    assert site.count("u1") == 1 and site.records() == 1
+
+
 def test_the_database_stopped_before_the_commit_answers_503_and_the_retry_runs(
     sites: Callable[..., Site],
 ) -> None:
@@ -335,6 +373,37 @@ def test_the_database_stopped_before_the_commit_answers_503_and_the_retry_runs(
         for server in site.servers:
             server.stop()
         postgres.remove()
+
+
+@pytest.mark.parametrize(
+    ("psycopg", "mode"),
+    [("3", "gate-then-try"), ("2", "gate-then-try"), ("2", "gate-then-save")],
+    ids=["psycopg-cursor", "psycopg2-cursor", "psycopg2-orm"],
+)
+def test_a_connection_lost_under_the_view_answers_503_database_unavailable(
+    psycopg: str, mode: str, sites: Callable[..., Site], postgres: Postgres
+) -> None:
+    """The view's connection cut at TCP while it waits after its write (a proxy's reset:
+    no word from the server); it then tries a write it can do without and catches the
+    error. Its commit meets a closed connection: psycopg's OperationalError, psycopg2's
+    InterfaceError ("connection already closed"), or (the ORM's error having marked the
+    block for rollback) no statement at all; each is the database unavailable: 503
+    database-unavailable, nothing kept, and the retry runs."""
+    site = sites(postgres)
+    with Proxy(postgres.port) as proxy:
+        through = f"postgresql://postgres@127.0.0.1:{proxy.port}/{site.database}"
+        port = site.serve(threads=1, DJANGO_DB=through, PSYCOPG=psycopg).port
+        key = f"cut-{secrets.token_hex(4)}"
+        running = in_thread(lambda: post(port, key, "c1", mode=mode))
+        wait_for(site.tmp / "c1.entered.1")
+        assert proxy.reset() >= 1
+        (site.tmp / "c1.go.1").touch()
+        reply = running()
+        assert reply.status == 503 and reply.problem().endswith("database-unavailable")
+        assert site.count("c1") == 0 and site.records() == 0
+        again = post(port, key, "c1")
+        assert again.status == 201 and not again.replayed
+        assert site.count("c1") == 1 and site.records() == 1
 
 
 @pytest.mark.parametrize("mode", ["other", "own"])

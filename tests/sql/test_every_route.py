@@ -48,8 +48,11 @@ def session_app(setup: Setup, gate: Callable[[str], Awaitable[None]] | None = No
             await gate(ref)
         if mode == "raise":
             raise RuntimeError("the handler failed after its write")
-        if mode == "500":
-            return JSONResponse({"error": "failed"}, status_code=500)  # type: ignore[return-value]
+        if mode.isdigit():  # answered with that status, after the write
+            location = {"location": f"/payments/{payment.id}"} if mode[0] == "3" else None
+            return JSONResponse(  # type: ignore[return-value]
+                {"status": mode}, status_code=int(mode), headers=location
+            )
         return {"ref": ref, "id": payment.id}
 
     @app.post("/uncovered", status_code=201)
@@ -119,6 +122,20 @@ async def test_a_request_without_a_key_that_fails_leaves_nothing(setup: Setup) -
     five = await post(app, "/payments", "f", mode="500")
     assert five.status == 500
     assert await setup.payment_count() == 0
+
+
+@pytest.mark.parametrize("status", [303, 404, 409, 499])
+async def test_a_request_without_a_key_answered_below_500_commits(
+    setup: Setup, status: int
+) -> None:
+    """A redirect or a client error is the handler's answer, not its failure: its writes
+    commit before the answer goes out. Only a 5xx (or an exception) rolls them back."""
+    app = session_app(setup)
+    reply = await post(app, "/payments", "answered", mode=str(status))
+    assert reply.status == status
+    assert await setup.payment_count("answered") == 1 and await setup.rows() == []
+    failed = await post(app, "/payments", "failed", mode="503")
+    assert failed.status == 503 and await setup.payment_count("failed") == 0
 
 
 async def test_a_keyed_run_through_the_session_commits_with_its_record(setup: Setup) -> None:

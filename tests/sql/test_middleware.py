@@ -22,7 +22,7 @@ from goblin_idem._recording import Looked
 from goblin_idem.records._format import decode
 from goblin_idem.sql import SqlRecords, connection
 from goblin_idem.sql._context import RunTransaction
-from tests.sql.conftest import Setup
+from tests.sql.conftest import Setup, on_postgres
 from tests.support.apps.sql_app import BIG, Gate, build
 from tests.support.asgi import Reply, problem, request
 
@@ -310,6 +310,49 @@ async def test_a_claim_taken_while_a_recorded_run_published_is_logged_as_harmles
     ), lines
     assert not any("a second time" in line for line in lines), lines
     assert await setup.payment_count("taken") == 1
+
+
+@on_postgres  # SQLite's one writer: the second run would wait for the first
+async def test_a_run_whose_commit_was_refused_says_another_run_committed_first(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first run's claim lapses mid-run; a second run takes the key, commits and
+    publishes; the store then loses that result (its claim stays). The first run's commit
+    is refused by the row: its client gets the second's response, one payment, and the log
+    says this run's writes rolled back, not the other's (which had committed)."""
+    names = key_names(b"idem", b"", b"k1")
+    client = setup.store.client
+    entered, go = asyncio.Event(), asyncio.Event()
+    calls = 0
+
+    async def gate(ref: str) -> None:  # only the first run waits
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            entered.set()
+            await go.wait()
+
+    app = build(setup.store, setup.records, setup.payments, gate=gate)
+    first = asyncio.ensure_future(pay(app, "k1", "a", "gate"))
+    await entered.wait()
+    assert await client.delete(names.claim) == 1  # type: ignore[union-attr]
+    with caplog.at_level(logging.WARNING, logger="goblin_idem"):
+        second = await pay(app, "k1", "a", "gate")
+        assert second.status == 201 and not replayed(second)
+        assert await client.delete(names.result) == 1  # type: ignore[union-attr]
+        go.set()
+        one = await first
+    assert one.status == 201 and replayed(one) and one.body == second.body
+    assert await setup.payment_count("a") == 1 and len(await setup.rows()) == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "goblin_idem.middleware"]
+    assert any(
+        "another run committed this key first" in line
+        and "this run's commit was refused, so its writes through goblin_idem.sql's "
+        "connection() or session() rolled back"
+        in line
+        for line in lines
+    ), lines
+    assert not any("its commit will find this run's record" in line for line in lines), lines
 
 
 async def test_replays_ask_the_database_nothing_once_duplicates_are_most_of_the_traffic(

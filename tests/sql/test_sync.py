@@ -101,6 +101,19 @@ def test_a_plain_app_s_failed_request_without_a_key_leaves_nothing(
     assert sync_setup.payment_count() == 0
 
 
+@pytest.mark.parametrize("status", ["303", "404", "409"])
+def test_a_plain_app_s_request_without_a_key_answered_below_500_commits(
+    sync_setup: SyncSetup, store: RedisStore, status: str
+) -> None:
+    """A redirect or a client error is the app's answer, not its failure: its writes commit
+    before the answer goes out. Only a 5xx (or an exception) rolls them back."""
+    app = build_wsgi(store, sync_setup.records, sync_setup.payments)
+    assert pay(app, "answered", mode=status).code == int(status)
+    assert sync_setup.payment_count("answered") == 1 and sync_setup.rows() == []
+    assert pay(app, "failed", mode="503").code == 503
+    assert sync_setup.payment_count("failed") == 0
+
+
 @pytest.mark.parametrize("key", [None, "k-bound"])
 def test_objects_added_to_a_session_bound_to_the_run_are_committed(
     sync_setup: SyncSetup, store: RedisStore, key: str | None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from goblin_idem._keys import key_names
 from tests.sql.conftest import SyncSetup, on_sync_postgres
 from tests.support.procs import output_of
 from tests.support.servers import free_port
@@ -90,7 +91,7 @@ def test_a_completed_run_replays_from_the_database_once_the_store_is_flushed(
     assert len(sync_setup.rows()) == 1
 
 
-@pytest.mark.parametrize("second_commits", ["first", "second"])
+@pytest.mark.parametrize("second_commits", ["first", "first-store-lost-it", "second"])
 @pytest.mark.parametrize(
     ("app", "workers"),
     [
@@ -106,7 +107,9 @@ def test_a_claim_deleted_mid_run_commits_one_effect_and_both_get_one_answer(
 ) -> None:
     """Two runs of one key (the first's claim deleted while it ran, after its write), in
     two workers or threads: the key's row stops the later commit, which answers the
-    earlier run's record."""
+    earlier run's record. When the second commits first, the first's log says its own
+    commit was refused (also when the store lost the second's result, and its claim is
+    what the first finds when it publishes)."""
     server = serve(app, workers, {**sync_setup.env(), "GATE_DIR": str(gates)})
     key = f"mid-{secrets.token_hex(4)}"
     try:
@@ -118,16 +121,25 @@ def test_a_claim_deleted_mid_run_commits_one_effect_and_both_get_one_answer(
             second = pool.submit(post, server.port, "a", key, "gate")
             wait_for(gates / "reached-a-1")  # the second run claimed the key and wrote
             runs = (first, second)
-            order = (1, 0) if second_commits == "first" else (0, 1)
+            order = (0, 1) if second_commits == "second" else (1, 0)
             (gates / f"go-a-{order[0]}").touch()
             done = runs[order[0]].result(timeout=30)
             assert done[0] == 201 and done[1].get("idempotent-replayed") != "true"
+            if second_commits == "first-store-lost-it":
+                with sync_setup.redis.sync_client() as client:
+                    assert client.delete(key_names(b"idem", b"", key.encode()).result) == 1
             (gates / f"go-a-{order[1]}").touch()
             one, two = first.result(timeout=30), second.result(timeout=30)
+        said = output_of(server.proc)
     finally:
         server.stop()
     assert one[0] == two[0] == 201 and one[2] == two[2]
     assert sync_setup.payment_count("a") == 1 and len(sync_setup.rows()) == 1
+    # The run that commits second is the one refused; the first, if it found the claim
+    # taken when it published, says the other's commit will be.
+    refused = [line for line in said.splitlines() if "this run's commit was refused" in line]
+    assert len(refused) == 1, said
+    assert ("its commit will find this run's record" in said) == (second_commits == "second")
 
 
 @pytest.mark.parametrize(("app", "workers"), [("flask", "sync"), ("wsgi", "gthread")])

@@ -13,7 +13,8 @@ process SIGKILLs itself right after a run's commit, before the store hears of it
 the runs of that ref) after its write and waits for ``go-<ref>-<n>``.
 
 ``POST /payments`` takes JSON ``{"ref", "amount", "mode"}`` and answers 201 with the
-payment's row id. Modes: ``gate``; ``raise`` (after its write); ``500``; ``own`` (the write
+payment's row id. Modes: ``gate``; ``raise`` (after its write); ``500`` (plain WSGI:
+any status, such as ``303`` or ``404``, answered after its write); ``own`` (the write
 committed through a connection of the app's own: not covered, the WARNING); ``bound``
 (plain WSGI: an object added to the app's own Session on ``connection()``, never
 flushed).
@@ -27,6 +28,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +189,9 @@ def build_wsgi(store: Store, records: SyncSqlRecords, payments: Table, **options
             gate(body["ref"])
         if mode == "raise":
             raise RuntimeError("the app failed after its write")
-        status = "500 Internal Server Error" if mode == "500" else "201 Created"
+        status = "201 Created"
+        if mode and mode.isdigit():  # that status, after the write
+            status = f"{mode} {HTTPStatus(int(mode)).phrase}"
         start_response(status, [("Content-Type", "application/json")])
         return [json.dumps(answer).encode()]
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from urllib.parse import urlsplit
+
+if os.environ.get("PSYCOPG") == "2":  # Django's PostgreSQL backend on psycopg2, not psycopg
+    sys.modules["psycopg"] = None  # type: ignore[assignment]
 
 SECRET_KEY = "not a secret: tests only"
 DEBUG = False

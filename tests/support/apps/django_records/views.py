@@ -9,7 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from goblin_idem._keys import key_names
@@ -29,7 +29,10 @@ def pay(request: HttpRequest) -> HttpResponse:
     view makes, ``connections.create_connection``), ``hook`` (an on_commit callback that
     logs whether the key's record had committed), ``500`` (the same callback, then a
     500), ``hook-raises`` (a callback that raises, then that one), ``ticket`` (a ticket
-    of ``code``, checked at COMMIT); ``work_ms`` is time the view works before its
+    of ``code``, checked at COMMIT), ``set-rollback`` (the transaction marked for rollback
+    after the write, and 201 all the same), ``gate-then-try`` (``gate``, then a second
+    write through a cursor whose DatabaseError is caught), ``gate-then-save`` (the same
+    through the ORM); ``work_ms`` is time the view works before its
     write."""
     body = json.loads(request.body or b"{}")
     ref, mode = body["ref"], body.get("mode")
@@ -47,6 +50,8 @@ def pay(request: HttpRequest) -> HttpResponse:
         payment = Payment.objects.create(ref=ref, amount=body["amount"])
     if mode == "ticket":
         Ticket.objects.create(code=body["code"])
+    if mode == "set-rollback":  # the view undoes its writes, and answers as if it had not
+        transaction.set_rollback(True)
     if mode == "other":
         Payment.objects.using("other").create(ref=f"{ref}-other", amount=0)
     if mode == "own":  # a connection of the view's own, in autocommit
@@ -65,8 +70,20 @@ def pay(request: HttpRequest) -> HttpResponse:
             transaction.on_commit(_raise)
         transaction.on_commit(lambda: _log_hook(ref, key))
     _kill_after_commit()
-    if mode == "gate":
+    if mode in ("gate", "gate-then-try", "gate-then-save"):
         _gate(Path(os.environ["GATE_DIR"]), ref)
+    if mode in ("gate-then-try", "gate-then-save"):  # a write the view can do without
+        try:
+            if mode == "gate-then-save":  # the ORM's: its error marks the block for rollback
+                Payment.objects.create(ref=f"{ref}-optional", amount=0)
+            else:
+                with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
+                    cursor.execute(
+                        f"INSERT INTO {Payment._meta.db_table} (ref, amount) VALUES (%s, 0)",
+                        [f"{ref}-optional"],
+                    )
+        except DatabaseError:
+            pass
     if mode == "500":
         return JsonResponse({"error": "failed"}, status=500)
     answer = {"ref": ref, "payment": payment.id, "run": uuid.uuid4().hex}
