@@ -11,7 +11,15 @@ import redis.asyncio
 from goblin_idem import RedisStore
 from goblin_idem.native import build_module
 from goblin_idem.store import Store
-from tests.support.backends import BACKENDS, Backend, TypedMemoryStore, server_for
+from tests.sql.conftest import postgres  # noqa: F401
+from tests.support.backends import (
+    BACKENDS,
+    Backend,
+    TypedMemoryStore,
+    postgres_store,
+    server_for,
+)
+from tests.support.postgres import Postgres
 from tests.support.servers import Server, start_server
 
 
@@ -58,11 +66,23 @@ def valkey_native_server(native_module: Path) -> Iterator[Server]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def store_database(postgres: Postgres) -> str:  # noqa: F811
+    """The database of the PostgresStore backends (each empties its table first)."""
+    return postgres.new_database()
+
+
 @pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     name: str = request.param
     if name == "memory":
         yield Backend(name, TypedMemoryStore())
+        return
+    if name.startswith("postgres-"):
+        database: str = request.getfixturevalue("store_database")
+        pg: Postgres = request.getfixturevalue("postgres")
+        async with postgres_store(name, pg, database) as pg_store:
+            yield Backend(name, pg_store)
         return
     server = server_for(request, name)
     _, mode, *direct = name.split("-")

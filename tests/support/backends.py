@@ -3,17 +3,20 @@ back from them directly."""
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis.asyncio
 from redis.exceptions import ResponseError
 
-from goblin_idem import MemoryStore, RedisStore
+from goblin_idem import MemoryStore, PostgresStore, RedisStore
 from goblin_idem.store import KeyT, Store, as_bytes
 from goblin_idem.store._server_errors import WRONGTYPE
+from tests.support.postgres import Postgres
 from tests.support.servers import Server
 
 # Every store the conformance suite runs against: the embedded store; the Lua scripts on a
@@ -29,6 +32,38 @@ BACKENDS = [
     "redis-script-direct",
     "redis-native-direct",
 ]
+
+# PostgresStore on its own pool of each driver, and on an SQLAlchemy AsyncEngine of each.
+POSTGRES_BACKENDS = [
+    "postgres-asyncpg",
+    "postgres-psycopg",
+    "postgres-engine-asyncpg",
+    "postgres-engine-psycopg",
+]
+
+
+@contextlib.asynccontextmanager
+async def postgres_store(
+    name: str, server: Postgres, database: str, **options: Any
+) -> AsyncIterator[PostgresStore]:
+    """A PostgresStore of backend `name` on `database`, its table created and emptied."""
+    driver = name.rsplit("-", 1)[1]
+    engine = None
+    if "-engine-" in name:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        engine = create_async_engine(server.url(database, driver))
+        store = PostgresStore(engine, **options)
+    else:
+        store = PostgresStore.from_url(server.url(database, driver), **options)
+    try:
+        await store.create_table()
+        await store.driver.script(f"TRUNCATE {store.table}")
+        yield store
+    finally:
+        await store.aclose()
+        if engine is not None:
+            await engine.dispose()
 
 
 @dataclass
@@ -61,7 +96,15 @@ class Backend:
     store: Store
     client: redis.asyncio.Redis | None = None
 
+    def _typed_values(self) -> None:
+        if isinstance(self.store, PostgresStore):
+            pytest.skip(
+                "not applicable: a PostgresStore holds strings only, so no key is of "
+                "another type (docs/operating/stores.md)"
+            )
+
     async def make_hash(self, key: str | bytes) -> None:
+        self._typed_values()
         if self.client is None:
             assert isinstance(self.store, TypedMemoryStore)
             await self.store.hset(key, "field", "value")
@@ -69,6 +112,7 @@ class Backend:
             await self.client.hset(key, "field", "value")
 
     async def make_zset(self, key: str | bytes) -> None:
+        self._typed_values()
         if self.client is None:
             assert isinstance(self.store, TypedMemoryStore)
             await self.store.zadd(key, "member", 1.0)
