@@ -231,6 +231,23 @@ class PostgresStore:
         k, e = as_bytes(key), as_bytes(expected, "expected")
         return int(await self.driver.row(self.sql.cad, (k, e)) is not None)
 
+    async def forget(
+        self, claim_key: KeyT, result_key: KeyT, *others: KeyT, expected: KeyT | None = None
+    ) -> int:
+        """Delete a key's result, `others` and its claim, unless a run holds the claim (it
+        is live, holds a token other than `expected`, and no result is stored): then -1 and
+        nothing deleted. Else the count of the keys that existed. One statement, the claim's
+        row locked, so no claim is taken or published between the check and the delete."""
+        args = (
+            as_bytes(claim_key),
+            as_bytes(result_key),
+            [as_bytes(k) for k in others],
+            None if expected is None else as_bytes(expected, "expected"),
+        )
+        row = await self.driver.row(self.sql.forget, args)
+        assert row is not None
+        return int(row[0])
+
     # -- compound steps --
 
     async def publish(

@@ -194,6 +194,24 @@ class Statements:
             f"WITH a AS (SELECT $1::bytea[] AS ks, {_NOW} AS now)"
             f" DELETE FROM {t} AS t USING a WHERE t.key = ANY (a.ks) RETURNING {_LIVE}"
         )
+        # FORGET: unless a run holds the claim (it is live, holds another token than
+        # `expected`, and no result is stored), delete the result, the others and the
+        # claim; the claim row is locked meanwhile. Replies -1 (held, nothing deleted) or
+        # the count of live keys deleted. Rows written after the statement began are not
+        # seen, so are not deleted: a claim taken meanwhile stands.
+        self.forget = Statement.of(
+            f"WITH a AS (SELECT $1::bytea AS ck, $2::bytea AS rk, $3::bytea[] AS others,"
+            f" $4::bytea AS expected, {_NOW} AS now),"
+            f" c AS (SELECT t.value FROM {t} AS t, a WHERE t.key = a.ck AND {_LIVE} FOR UPDATE),"
+            " held AS (SELECT EXISTS (SELECT 1 FROM c, a"
+            " WHERE a.expected IS NULL OR c.value <> a.expected)"
+            f" AND NOT EXISTS (SELECT 1 FROM {t} AS t, a WHERE t.key = a.rk AND {_LIVE})"
+            " AS held),"
+            f" gone AS (DELETE FROM {t} AS t USING a, held WHERE NOT held.held"
+            f" AND t.key = ANY (ARRAY[a.ck, a.rk] || a.others) RETURNING {_LIVE} AS live)"
+            " SELECT CASE WHEN held.held THEN -1"
+            " ELSE (SELECT count(*) FROM gone WHERE live) END FROM held"
+        )
         # One batch of the purge: expired rows not locked by anyone, by the index.
         # Replies the count of rows deleted.
         self.purge = Statement.of(

@@ -326,3 +326,37 @@ async def test_a_lapsed_claims_late_publish_is_refused(asyncpg_store: PostgresSt
     assert await store.publish("r", b"slow's", 60000, "c", "slow") == -1  # superseded
     assert await store.get("r") == b"fast's"
     assert await store.claim("c", "r", "third", 30) == b"fast's"
+
+
+# -- forget ----------------------------------------------------------------------------------
+
+
+async def test_forget_never_deletes_a_claim_a_run_holds(pg: PostgresStore) -> None:
+    assert await pg.claim("c", "r", "running", 30) is CLAIMED
+    await pg.set("h", "hop")
+    assert await pg.forget("c", "r", "h") == -1  # a run holds it: nothing deleted
+    assert await pg.forget("c", "r", "h", expected="other") == -1
+    assert await pg.get("c") == b"running" and await pg.get("h") == b"hop"
+    # the record says this very run completed: its claim may go
+    assert await pg.forget("c", "r", "h", expected="running") == 2
+    assert await pg.pttl("c") == -2 and await pg.pttl("h") == -2
+
+
+async def test_forget_deletes_a_published_key(pg: PostgresStore) -> None:
+    assert await pg.claim("c", "r", "t", 30) is CLAIMED
+    assert await pg.publish("r", b"done", 60000, "c", "t") == 1
+    await pg.set("h", "hop")
+    assert await pg.forget("c", "r", "h") == 3
+    assert [await pg.pttl(k) for k in ("c", "r", "h")] == [-2, -2, -2]
+    assert await pg.forget("c", "r", "h") == 0  # nothing stored
+    assert await pg.claim("c", "r", "again", 30) is CLAIMED  # the key runs anew
+
+
+async def test_forget_a_lapsed_claim_counts_only_live_keys(
+    asyncpg_store: PostgresStore,
+) -> None:
+    store = asyncpg_store
+    assert await store.claim("c", "r", "t", 1) is CLAIMED
+    await _wait_until_absent(store, "c", within=3)
+    assert await store.forget("c", "r") == 0
+    assert await _rows(store) == 0  # the expired row went too
