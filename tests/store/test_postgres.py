@@ -360,3 +360,28 @@ async def test_forget_a_lapsed_claim_counts_only_live_keys(
     await _wait_until_absent(store, "c", within=3)
     assert await store.forget("c", "r") == 0
     assert await _rows(store) == 0  # the expired row went too
+
+
+def test_the_printed_ddl_makes_a_working_table(postgres: Postgres) -> None:
+    """What `python -m goblin_idem postgres-ddl` prints, run by psql as a migration tool
+    would, gives a table the store works on."""
+    import subprocess
+    import sys
+
+    printed = subprocess.run(
+        [sys.executable, "-m", "goblin_idem", "postgres-ddl", "--table", "migrated_keys"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    database = postgres.new_database()
+    postgres.psql(printed, database)
+
+    async def use() -> object:
+        store = PostgresStore.from_url(postgres.url(database), table="migrated_keys")
+        try:
+            return await store.claim("c", "r", "t", 30)
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(use()) is CLAIMED
