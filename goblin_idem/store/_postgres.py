@@ -98,6 +98,7 @@ class PostgresStore:
         max_connections: int = 20,
         timeout: float = 5.0,
         prepared_statements: bool = True,
+        synchronous_commit: bool = True,
     ) -> PostgresStore:
         """A store with a pool of its own per event loop, of up to `max_connections`.
 
@@ -105,6 +106,13 @@ class PostgresStore:
         past it the database is unavailable (a store error, never a silent wait).
         `prepared_statements=False` for PgBouncer in transaction mode before 1.21 (or
         with ``max_prepared_statements = 0``): each statement is then parsed every time.
+
+        `synchronous_commit=False` sets ``synchronous_commit = off`` on the store's own
+        connections: a claim or publish no longer waits for its WAL to reach the disk (the
+        server writes it within 3 x ``wal_writer_delay``, 0.6 s by default), so a crash of
+        the server loses at most the last moment's claims, as Redis with ``appendfsync
+        everysec`` does; any synchronous commit after them (SQL records' in the same
+        database) makes them durable too. It never changes what is atomic.
         """
         driver = driver_for_url(
             url,
@@ -112,6 +120,7 @@ class PostgresStore:
             size=max_connections,
             timeout=timeout,
             prepared=prepared_statements,
+            settings={} if synchronous_commit else {"synchronous_commit": "off"},
         )
         return cls(
             table=table,

@@ -117,12 +117,12 @@ class _Psycopg:
         self.timeout = timeout
 
     async def row(self, conn: Any, stmt: Statement, args: Sequence[Any]) -> Sequence[Any] | None:
-        cursor = await asyncio.wait_for(conn.execute(stmt.psycopg, args), self.timeout)
+        cursor = await asyncio.wait_for(conn.execute(stmt.psycopg, args, binary=True), self.timeout)
         row: Sequence[Any] | None = await cursor.fetchone()
         return row
 
     async def rows(self, conn: Any, stmt: Statement, args: Sequence[Any]) -> list[Sequence[Any]]:
-        cursor = await asyncio.wait_for(conn.execute(stmt.psycopg, args), self.timeout)
+        cursor = await asyncio.wait_for(conn.execute(stmt.psycopg, args, binary=True), self.timeout)
         rows: list[Sequence[Any]] = await cursor.fetchall()
         return rows
 
@@ -295,8 +295,10 @@ class _OwnPool(Driver):
         size: int,
         timeout: float,
         prepared: bool,
+        settings: dict[str, str],
     ) -> None:
         super().__init__(dialect, where, table)
+        self.settings = settings  # sent when a connection starts: no statement of its own
         self.name = driver
         self.url = url
         self.size = size
@@ -328,15 +330,22 @@ class _OwnPool(Driver):
         if self.name == "asyncpg":
             asyncpg: Any = importlib.import_module("asyncpg")  # untyped
             return await asyncpg.connect(
-                self.url, timeout=self.timeout, statement_cache_size=100 if self.prepared else 0
+                self.url,
+                timeout=self.timeout,
+                statement_cache_size=100 if self.prepared else 0,
+                server_settings=self.settings,
             )
         import psycopg
 
+        extra: dict[str, Any] = {}
+        if self.settings:  # libpq's options: -c name=value, read when the session starts
+            extra["options"] = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
         return await psycopg.AsyncConnection.connect(
             self.url,
             autocommit=True,
             prepare_threshold=5 if self.prepared else None,
             connect_timeout=max(1, round(self.timeout)),
+            **extra,
         )
 
     def discard(self, conn: Any) -> None:
@@ -402,7 +411,15 @@ def _where(host: object, port: object, database: object) -> str:
     return f"{host}:{port}/{database}"
 
 
-def driver_for_url(url: str, table: str, *, size: int, timeout: float, prepared: bool) -> Driver:
+def driver_for_url(
+    url: str,
+    table: str,
+    *,
+    size: int,
+    timeout: float,
+    prepared: bool,
+    settings: dict[str, str],
+) -> Driver:
     """A pool of the store's own for a ``postgresql://`` URL (``postgresql+asyncpg://`` or
     ``postgresql+psycopg://`` to choose the driver; else asyncpg if installed, else psycopg)."""
     from urllib.parse import urlsplit
@@ -423,7 +440,15 @@ def driver_for_url(url: str, table: str, *, size: int, timeout: float, prepared:
     where = _where(parts.hostname or "localhost", parts.port or 5432, parts.path.lstrip("/"))
     dialect: _Dialect = _Asyncpg(timeout) if name == "asyncpg" else _Psycopg(timeout)
     return _OwnPool(
-        dialect, where, table, plain, name, size=size, timeout=timeout, prepared=prepared
+        dialect,
+        where,
+        table,
+        plain,
+        name,
+        size=size,
+        timeout=timeout,
+        prepared=prepared,
+        settings=settings,
     )
 
 

@@ -15,9 +15,10 @@ The arguments come first, once each and in order, in the CTE ``a``: so the same 
 with asyncpg's ``$n`` and, with each ``$n`` replaced by ``%s``, with psycopg's.
 
 Each statement runs alone in autocommit (its own transaction, no session state, so
-PgBouncer in transaction mode is fine). Under READ COMMITTED an ``INSERT ... ON CONFLICT DO
-UPDATE ... WHERE`` decides on the row's latest committed version, locked: of concurrent
-claims of one key exactly one inserts (or takes an expired row), and the others see it held.
+PgBouncer in transaction mode is fine). Under READ COMMITTED an UPDATE re-checks its WHERE on
+the row's latest committed version once it holds the row's lock, and an INSERT ... ON
+CONFLICT sees every committed or in-progress row of its key: of concurrent claims of one
+key exactly one takes it (`Statements._take`), and the others see it held.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def ddl(table: str = DEFAULT_TABLE) -> str:
         ");\n"
         f"CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
         " WHERE expires_at IS NOT NULL;\n"
+        # Stored responses come compressed already: PostgreSQL's own compression of a
+        # large value would cost time for nothing.
+        f"ALTER TABLE {table} ALTER COLUMN value SET STORAGE EXTERNAL;\n"
     )
 
 
@@ -84,6 +88,24 @@ class Statement:
 class Statements:
     """Every statement the store sends, for one table."""
 
+    def _take(self, token: str, deadline: str) -> str:
+        """The CTEs that take the claim ``a.ck`` if it is free: `taken`, an expired row
+        rewritten, `inserted`, an absent one written; at most one of them has a row.
+
+        A live claim is neither written nor locked (UPDATE skips a row its WHERE rejects,
+        and ON CONFLICT DO NOTHING locks nothing), so a replay or an in-flight duplicate
+        writes nothing and commits without waiting for the WAL to reach the disk. Two
+        claims of one expired row: the second waits for the first's row lock, then finds
+        the row live and skips it; two of an absent key: the second's insert conflicts."""
+        t = self.table
+        return (
+            f" taken AS (UPDATE {t} AS t SET value = {token}, expires_at = {deadline} FROM a"
+            " WHERE t.key = a.ck AND t.expires_at <= a.now RETURNING 1),"
+            f" inserted AS (INSERT INTO {t} AS t (key, value, expires_at)"
+            f" SELECT a.ck, {token}, {deadline} FROM a"
+            " ON CONFLICT (key) DO NOTHING RETURNING 1)"
+        )
+
     def __init__(self, table: str = DEFAULT_TABLE) -> None:
         t = check_table(table)
         self.table = t
@@ -94,12 +116,8 @@ class Statements:
         self.claim = Statement.of(
             f"WITH a AS (SELECT $1::bytea AS ck, $2::bytea AS rk, $3::bytea AS tok,"
             f" $4::bigint AS lease, {_NOW} AS now),"
-            f" won AS (INSERT INTO {t} AS t (key, value, expires_at)"
-            f" SELECT a.ck, a.tok, {_deadline('a.lease')} FROM a"
-            " ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value,"
-            " expires_at = EXCLUDED.expires_at"
-            " WHERE t.expires_at <= (SELECT now FROM a) RETURNING 1)"
-            " SELECT EXISTS (SELECT 1 FROM won),"
+            f"{self._take('a.tok', _deadline('a.lease'))}"
+            " SELECT EXISTS (SELECT 1 FROM taken) OR EXISTS (SELECT 1 FROM inserted),"
             f" (SELECT t.value FROM {t} AS t, a WHERE t.key = a.rk AND {_LIVE})"
         )
         # CLAIM where a stored result wins: the claim, if won, lasts as long as the result
@@ -109,13 +127,9 @@ class Statements:
             f" $4::bigint AS lease, {_NOW} AS now),"
             f" res AS (SELECT t.value, t.expires_at FROM {t} AS t, a"
             f" WHERE t.key = a.rk AND {_LIVE}),"
-            f" won AS (INSERT INTO {t} AS t (key, value, expires_at)"
-            f" SELECT a.ck, a.tok, GREATEST({_deadline('a.lease')},"
-            " (SELECT expires_at FROM res)) FROM a"
-            " ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value,"
-            " expires_at = EXCLUDED.expires_at"
-            " WHERE t.expires_at <= (SELECT now FROM a) RETURNING 1)"
-            " SELECT EXISTS (SELECT 1 FROM won), (SELECT value FROM res)"
+            + self._take("a.tok", f"GREATEST({_deadline('a.lease')}, (SELECT expires_at FROM res))")
+            + " SELECT EXISTS (SELECT 1 FROM taken) OR EXISTS (SELECT 1 FROM inserted),"
+            " (SELECT value FROM res)"
         )
         # CAEXPIRE with ms > 0: the new deadline, only on a live row holding the token.
         self.caexpire = Statement.of(

@@ -113,6 +113,21 @@ async def test_round_trips_per_request_as_with_redis(
     assert sent.take() == 2
 
 
+async def test_a_duplicate_neither_writes_nor_locks_the_claim(pg: PostgresStore) -> None:
+    """A replay or an in-flight duplicate is a read: the live claim's row keeps its version
+    and gets no lock (xmax stays 0), so the statement commits no WAL to wait for."""
+    from goblin_idem.store._postgres_sql import Statement
+
+    version = Statement.of(f"SELECT xmin::text, xmax::text FROM {pg.table} WHERE key = $1")
+    assert await pg.claim_unless_done("c", "r", "t", 30) is CLAIMED
+    before = await pg.driver.row(version, (b"c",))
+    assert before is not None and before[1] == "0"
+    for _ in range(3):
+        assert await pg.claim("c", "r", "dup", 30) is None
+        assert await pg.claim_unless_done("c", "r", "dup", 30) is None
+    assert await pg.driver.row(version, (b"c",)) == before
+
+
 # -- the server's clock ----------------------------------------------------------------------
 
 
