@@ -219,47 +219,38 @@ class Driver:
         raise NotImplementedError
 
     async def row(self, stmt: Statement, args: Sequence[Any]) -> Sequence[Any] | None:
-        conn = await self._connection()
-        try:
-            row = await self.dialect.row(conn, stmt, args)
-        except BaseException as exc:
-            await self._failed(conn, exc)
-            raise
-        await self._give(conn, True)
+        row: Sequence[Any] | None = await self._on_connection(self.dialect.row, stmt, args)
         return row
 
     async def rows(self, stmt: Statement, args: Sequence[Any]) -> list[Sequence[Any]]:
-        conn = await self._connection()
-        try:
-            rows = await self.dialect.rows(conn, stmt, args)
-        except BaseException as exc:
-            await self._failed(conn, exc)
-            raise
-        await self._give(conn, True)
+        rows: list[Sequence[Any]] = await self._on_connection(self.dialect.rows, stmt, args)
         return rows
 
     async def script(self, sql: str) -> None:
-        conn = await self._connection()
+        await self._on_connection(self.dialect.script, sql)
+
+    async def _on_connection(self, call: Any, *args: Any) -> Any:
+        """`call(conn, *args)` on a connection taken for it and given back after."""
         try:
-            await self.dialect.script(conn, sql)
+            conn = await self._take()
+        except Exception as exc:
+            named = self._named(exc)
+            if named is not exc:
+                raise named from exc
+            raise
+        try:
+            result = await call(conn, *args)
         except BaseException as exc:
-            await self._failed(conn, exc)
+            # Kept only if the server answered (an error of the statement's own) and the
+            # connection is idle; a cancellation or a lost connection closes it.
+            answered = getattr(exc, "sqlstate", None) is not None and not unavailable(exc)
+            await self._give(conn, answered and self.dialect.idle(conn))
+            said: BaseException = self._named(exc) if isinstance(exc, Exception) else exc
+            if said is not exc:
+                raise said from exc
             raise
         await self._give(conn, True)
-
-    async def _connection(self) -> Any:
-        try:
-            return await self._take()
-        except Exception as exc:
-            raise self._named(exc) from exc
-
-    async def _failed(self, conn: Any, exc: BaseException) -> None:
-        """Give the connection back (closed unless the server answered and it is idle),
-        and raise what `exc` means for the caller."""
-        answered = getattr(exc, "sqlstate", None) is not None and not unavailable(exc)
-        await self._give(conn, answered and self.dialect.idle(conn))
-        if isinstance(exc, Exception):
-            raise self._named(exc) from exc
+        return result
 
     def _named(self, exc: Exception) -> Exception:
         if unavailable(exc):
