@@ -428,7 +428,9 @@ def driver_for_url(
     _import_driver(name)
     plain = f"postgresql://{rest}"
     parts = urlsplit(plain)
-    where = _where(parts.hostname or "localhost", parts.port or 5432, parts.path.lstrip("/"))
+    # host:port, or several (host1:port1,host2:port2, for a failover); never the password
+    hosts = parts.netloc.rpartition("@")[2] or "localhost"
+    where = f"{hosts}/{parts.path.lstrip('/')}"
     dialect: _Dialect = _Asyncpg(timeout) if name == "asyncpg" else _Psycopg(timeout)
     return _OwnPool(
         dialect,

@@ -19,7 +19,14 @@ from goblin_idem import CLAIMED, IdempotencyMiddleware, PostgresStore
 from goblin_idem.store._postgres_sql import ddl
 from tests.support.asgi import Handler, problem, request
 from tests.support.backends import POSTGRES_BACKENDS, postgres_store
-from tests.support.postgres import PgBouncer, Postgres, start_pgbouncer, start_postgres
+from tests.support.postgres import (
+    PgBouncer,
+    Postgres,
+    promote,
+    start_pgbouncer,
+    start_postgres,
+    start_standby,
+)
 
 
 @pytest.fixture(params=POSTGRES_BACKENDS)
@@ -435,3 +442,56 @@ async def test_pgbouncer_in_transaction_mode(
         assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
     finally:
         await store.aclose()
+
+
+# -- a failover ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_a_failover_to_a_promoted_standby_runs_no_key_twice(driver: str) -> None:
+    """Keys in flight on the primary, replicated; the primary crashes and its standby is
+    promoted. The same store (a URL naming both, read-write wanted) reaches the new
+    primary: the claims in flight are still held there (no key runs twice), their results
+    publish, and new keys run."""
+    primary = start_postgres()
+    standby: Postgres | None = None
+    store: PostgresStore | None = None
+    try:
+        standby = start_standby(primary)
+        hosts = f"127.0.0.1:{primary.port},127.0.0.1:{standby.port}"
+        url = f"postgresql+{driver}://postgres@{hosts}/postgres?target_session_attrs=read-write"
+        store = PostgresStore.from_url(url, timeout=2)
+        await store.create_table()
+        handler = Handler()
+        mw = IdempotencyMiddleware(handler, store=store, retry_after_seconds=1)
+        assert (await request(mw, key="done")).status == 201
+        held = [await store.claim(f"c{i}", f"r{i}", f"run{i}", 60) for i in range(20)]
+        assert held == [CLAIMED] * 20
+        written = primary.psql("SELECT pg_current_wal_lsn()")
+        replayed = f"SELECT pg_last_wal_replay_lsn() >= '{written}'::pg_lsn"
+        deadline = time.monotonic() + 20
+        while standby.psql(replayed) != "t":  # the claims are on the standby
+            assert time.monotonic() < deadline, "the standby never caught up"
+            await asyncio.sleep(0.05)
+        primary.stop()  # a crash
+        promote(standby)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                replies = [await store.claim(f"c{i}", f"r{i}", "dup", 60) for i in range(20)]
+                break
+            except StoreConnectionError:
+                assert time.monotonic() < deadline, "the promoted standby never answered"
+                await asyncio.sleep(0.1)
+        assert replies == [None] * 20  # still in flight: no second run
+        assert await store.publish("r0", b"done", 60000, "c0", "run0") == 1
+        assert await store.claim("c0", "r0", "dup", 60) == b"done"
+        again = await request(mw, key="done")
+        assert again.header("idempotent-replayed") == b"true" and handler.runs == 1
+        assert (await request(mw, key="new")).status == 201 and handler.runs == 2
+    finally:
+        if store is not None:
+            await store.aclose()
+        if standby is not None:
+            standby.remove()
+        primary.remove()

@@ -234,3 +234,49 @@ def start_pgbouncer(server: Postgres, pool_mode: str = "transaction") -> PgBounc
         bouncer.stop()
         raise
     return bouncer
+
+
+def start_standby(primary: Postgres) -> Postgres:
+    """A streaming standby of `primary` (pg_basebackup -R) on a free port, started."""
+    directory = Path(tempfile.mkdtemp(prefix="goblin-pg-standby-"))
+    shutil.chown(directory, USER, USER)
+    os.chmod(directory, 0o700)
+    subprocess.run(
+        _as_postgres(
+            binaries() / "pg_basebackup",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(primary.port),
+            "-U",
+            USER,
+            "-D",
+            directory / "data",
+            "-R",
+            "-X",
+            "stream",
+            "--no-sync",
+        ),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=120,
+    )
+    standby = Postgres(free_port(), directory, durable=primary.durable)
+    try:
+        standby.start()
+    except BaseException:
+        standby.remove()
+        raise
+    return standby
+
+
+def promote(standby: Postgres) -> None:
+    """`pg_ctl promote`, waiting until the standby accepts writes."""
+    subprocess.run(
+        _as_postgres(binaries() / "pg_ctl", "-D", standby.dir / "data", "-w", "promote"),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=60,
+    )
