@@ -99,6 +99,9 @@ async def bench(args: argparse.Namespace, urls: dict[str, str]) -> None:
     for name in stores:  # the replay keys, completed
         for i in range(200):
             await request(variants[name], key=f"replay-{i}", body=b'{"sku": "A-1"}', path="/orders")
+    for target in variants.values():  # warm-up: connections opened, statements prepared
+        for scenario in args.scenarios.split(","):
+            await drive(target, scenario, 300, args.concurrency, -1)
     rates: dict[tuple[str, str], list[float]] = {}
     for scenario in args.scenarios.split(","):
         for rep in range(args.reps):
