@@ -6,19 +6,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import redis.asyncio
 
-from goblin_idem import RedisStore
 from goblin_idem.native import build_module
 from goblin_idem.store import Store
 from tests.sql.conftest import postgres  # noqa: F401
-from tests.support.backends import (
-    BACKENDS,
-    Backend,
-    TypedMemoryStore,
-    postgres_store,
-    server_for,
-)
+from tests.support.backends import BACKENDS, Backend, open_backend
 from tests.support.postgres import Postgres
 from tests.support.servers import Server, start_server
 
@@ -74,24 +66,8 @@ def store_database(postgres: Postgres) -> str:  # noqa: F811
 
 @pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
-    name: str = request.param
-    if name == "memory":
-        yield Backend(name, TypedMemoryStore())
-        return
-    if name.startswith("postgres-"):
-        database: str = request.getfixturevalue("store_database")
-        pg: Postgres = request.getfixturevalue("postgres")
-        async with postgres_store(name, pg, database) as pg_store:
-            yield Backend(name, pg_store)
-        return
-    server = server_for(request, name)
-    _, mode, *direct = name.split("-")
-    store = RedisStore.from_url(server.url, mode=mode, autopipeline=not direct)  # type: ignore[arg-type]
-    client = store.client
-    assert isinstance(client, redis.asyncio.Redis)
-    await client.flushall()
-    yield Backend(name, store, client)
-    await store.aclose()
+    async with open_backend(request, request.param) as opened:
+        yield opened
 
 
 @pytest.fixture

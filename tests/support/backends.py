@@ -120,6 +120,31 @@ class Backend:
             await self.client.zadd(key, {"member": 1.0})
 
 
+@contextlib.asynccontextmanager
+async def open_backend(request: pytest.FixtureRequest, name: str) -> AsyncIterator[Backend]:
+    """The store of backend `name` (of BACKENDS or POSTGRES_BACKENDS), emptied, closed after:
+    what a `backend` fixture yields."""
+    if name == "memory":
+        yield Backend(name, TypedMemoryStore())
+        return
+    if name.startswith("postgres-"):
+        database: str = request.getfixturevalue("store_database")
+        pg: Postgres = request.getfixturevalue("postgres")
+        async with postgres_store(name, pg, database) as pg_store:
+            yield Backend(name, pg_store)
+        return
+    server = server_for(request, name)
+    _, mode, *direct = name.split("-")
+    store = RedisStore.from_url(server.url, mode=mode, autopipeline=not direct)  # type: ignore[arg-type]
+    client = store.client
+    assert isinstance(client, redis.asyncio.Redis)
+    await client.flushall()
+    try:
+        yield Backend(name, store, client)
+    finally:
+        await store.aclose()
+
+
 def server_for(request: pytest.FixtureRequest, name: str) -> Server:
     """ "redis-script" runs on a stock server, "redis-native" on one with the module."""
     kind, mode = name.split("-")[:2]
@@ -130,12 +155,26 @@ def server_for(request: pytest.FixtureRequest, name: str) -> Server:
 
 async def stored_items(store: Store, match: bytes = b"*") -> list[tuple[bytes, bytes]]:
     """Every (key, value) of a string the store holds under `match`: what an operator, a
-    dump or a SCAN would see (MemoryStore has no SCAN, so its entries are read directly)."""
+    dump or a SCAN would see (MemoryStore has no SCAN, so its entries are read directly;
+    PostgresStore's are its table's rows)."""
     if isinstance(store, MemoryStore):
         return [
             (k, e)
             for k, e in store._data.items()
             if isinstance(e, bytes) and fnmatch.fnmatchcase(k.decode("latin-1"), match.decode())
+        ]
+    if isinstance(store, PostgresStore):  # the table's live rows, as a SELECT would see them
+        from goblin_idem.store._postgres_sql import Statement
+
+        every = Statement.of(
+            f"SELECT key, value FROM {store.table} WHERE expires_at IS NULL"
+            " OR expires_at > (extract(epoch FROM statement_timestamp()) * 1000)::bigint"
+        )
+        rows = await store.driver.rows(every, ())
+        return [
+            (bytes(k), bytes(v))
+            for k, v in rows
+            if fnmatch.fnmatchcase(bytes(k).decode("latin-1"), match.decode())
         ]
     assert isinstance(store, RedisStore)
     client = store.client
