@@ -28,11 +28,11 @@ from ._arguments import (
     claim_reply,
     claim_seconds,
     publish_ttl,
+    set_ttl_ms,
 )
 from ._postgres_pool import Driver, driver_for_engine, driver_for_url
 from ._postgres_sql import DEFAULT_TABLE, Statements
 from ._protocol import CLAIMED, ClaimReply, KeyT, Published
-from ._server_errors import invalid_expire
 
 __all__ = ["PostgresStore"]
 
@@ -323,11 +323,7 @@ class PostgresStore:
     ) -> bool:
         """SET with Redis' meaning: a plain SET drops any TTL the key had."""
         k, v = as_bytes(key), check_size(as_bytes(value, "value"), self.max_value_bytes)
-        if ex is not None and px is not None:
-            raise ResponseError("syntax error")
-        ttl_ms = ex * 1000 if ex is not None else px
-        if ttl_ms is not None and ttl_ms <= 0:
-            raise ResponseError(invalid_expire("set"))
+        ttl_ms = set_ttl_ms(ex, px)
         if nx:
             return await self.driver.row(self.sql.set_nx, (k, v, ttl_ms)) is not None
         await self.driver.row(self.sql.set, (k, v, ttl_ms))
