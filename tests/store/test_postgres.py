@@ -495,3 +495,9 @@ async def test_a_failover_to_a_promoted_standby_runs_no_key_twice(driver: str) -
         if standby is not None:
             standby.remove()
         primary.remove()
+
+
+async def test_forget_a_result_whose_claim_is_gone(pg: PostgresStore) -> None:
+    await pg.set("r", "done", px=60_000)
+    assert await pg.forget("c", "r") == 1
+    assert await pg.pttl("r") == -2
