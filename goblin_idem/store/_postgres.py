@@ -116,7 +116,7 @@ class PostgresStore:
         """
         driver = driver_for_url(
             url,
-            DEFAULT_TABLE if table is None else table,
+            table,
             size=max_connections,
             timeout=timeout,
             prepared=prepared_statements,

@@ -375,27 +375,29 @@ class _EnginePool(Driver):
     async def _take(self) -> Any:
         fairy = await self.engine.raw_connection()
         conn = fairy.driver_connection
-        if self.name == "psycopg" and not conn.autocommit:
+        switched = self.name == "psycopg" and not conn.autocommit
+        if switched:
             await conn.set_autocommit(True)
-        _fairies[id(conn)] = fairy
+        _fairies[id(conn)] = (fairy, switched)
         return conn
 
     async def _give(self, conn: Any, usable: bool) -> None:
         from sqlalchemy.util import greenlet_spawn
 
-        fairy = _fairies.pop(id(conn))
-        if usable and self.name == "psycopg":
-            await conn.set_autocommit(False)  # as SQLAlchemy's adapter expects it back
+        fairy, switched = _fairies.pop(id(conn))
         if not usable:
             fairy.invalidate()
+        elif switched:
+            await conn.set_autocommit(False)  # as the engine gave it, for the app's next use
         await greenlet_spawn(fairy.close)
 
     async def aclose(self) -> None:
         """Nothing: the engine is the app's, and so is closing it."""
 
 
-# Each engine connection's pool entry while the store has it.
-_fairies: dict[int, Any] = {}
+# Each engine connection's pool entry while the store has it, and whether the store
+# switched it to autocommit.
+_fairies: dict[int, tuple[Any, bool]] = {}
 
 
 def _where(host: object, port: object, database: object) -> str:

@@ -501,3 +501,31 @@ async def test_forget_a_result_whose_claim_is_gone(pg: PostgresStore) -> None:
     await pg.set("r", "done", px=60_000)
     assert await pg.forget("c", "r") == 1
     assert await pg.pttl("r") == -2
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_an_engines_connection_goes_back_as_the_app_had_it(
+    postgres: Postgres, driver: str
+) -> None:
+    """The store borrows the app's engine's one connection; the app's next transaction on
+    it still rolls back (psycopg's was switched to autocommit only while the store had it)."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(
+        postgres.url(postgres.new_database(), driver), pool_size=1, max_overflow=0
+    )
+    store = PostgresStore(engine)
+    try:
+        await store.create_table()
+        assert await store.claim("c", "r", "t", 30) is CLAIMED
+        async with engine.connect() as conn:
+            await conn.execute(text("CREATE TABLE app_rows (n int)"))
+            await conn.rollback()
+        async with engine.connect() as conn:
+            found = await conn.execute(text("SELECT to_regclass('app_rows') IS NULL"))
+            assert found.scalar() is True  # rolled back: the app's transaction was one
+        assert await store.get("c") == b"t"
+    finally:
+        await store.aclose()
+        await engine.dispose()
