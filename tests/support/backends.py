@@ -206,9 +206,10 @@ async def assert_published_together_or_not_at_all(
 
 
 # The stores the sync integrations are tested on: the embedded one, the Lua scripts on
-# redis-server, the module on valkey-server. A sync test module uses them as its `store`
-# fixture by importing `sync_store` from this module (with a noqa for F401).
-SYNC_STORES = ["memory", "redis-script", "valkey-native"]
+# redis-server, the module on valkey-server, PostgresStore on psycopg. A sync test module
+# uses them as its `store` fixture by importing `sync_store` from this module (with a noqa
+# for F401).
+SYNC_STORES = ["memory", "redis-script", "valkey-native", "postgres-psycopg"]
 
 
 @pytest.fixture(params=SYNC_STORES, name="store")
@@ -218,6 +219,15 @@ def sync_store(request: pytest.FixtureRequest) -> Iterator[Store]:
 
     if request.param == "memory":
         yield MemoryStore()
+        return
+    if request.param.startswith("postgres-"):
+        pg: Postgres = request.getfixturevalue("postgres")
+        url = pg.url(request.getfixturevalue("store_database"), request.param.rsplit("-", 1)[1])
+        pg_store = PostgresStore.from_url(url)
+        loop_thread().run(pg_store.create_table())
+        loop_thread().run(pg_store.driver.script(f"TRUNCATE {pg_store.table}"))
+        yield pg_store
+        loop_thread().run(pg_store.aclose())
         return
     server = server_for(request, request.param)
     with server.sync_client() as client:
