@@ -3,7 +3,7 @@
     python bench/sql_faults.py [--seed 20261202] [--keys 1500] [--duration 90]
                                [--workers 3] [--clients 12] [--fault-gap 1.5]
                                [--no-records] [--stack fastapi|flask|django]
-                               [--session] [--dir DIR]
+                               [--session] [--store redis|postgres] [--dir DIR]
 
 The scenario of ``tests/reliability/test_sql_faults.py``
 (``tests/reliability/sql_faults.py``): a throwaway PostgreSQL, a redis-server without
@@ -22,6 +22,8 @@ effect, an answer that differs), else 0.
 With ``--session`` (FastAPI) the handler writes through ``Depends(session)`` (with
 ``--no-records``, through the session dependency apps write themselves, which commits after
 the handler).
+With ``--store postgres`` (FastAPI) the claims are in PostgreSQL too (a PostgresStore in the
+records' database), no Redis runs, and the restart fault restarts PostgreSQL.
 ``--dir`` keeps every request, answer and fault (``requests.jsonl``) and the workers' logs.
 """
 
@@ -53,10 +55,13 @@ def main() -> int:
         action="store_true",
         help="write through the session dependency (without records: the app's own)",
     )
+    parser.add_argument("--store", choices=("redis", "postgres"), default="redis")
     parser.add_argument("--dir", type=Path, help="keep the request log and workers' logs here")
     args = parser.parse_args()
     if args.session and args.stack != "fastapi":
         parser.error("--session is FastAPI's session dependency: with --stack fastapi only")
+    if args.store == "postgres" and args.stack != "fastapi":
+        parser.error("--store postgres runs with --stack fastapi")
     outcome = run(
         Options(
             seed=args.seed,
@@ -69,6 +74,7 @@ def main() -> int:
             records=not args.no_records,
             path="/payments/session" if args.session else "/payments",
             stack=args.stack,
+            store=args.store,
             dir=args.dir,
         )
     )

@@ -25,7 +25,16 @@ from .exceptions import (
 from .middleware import Counters, IdempotencyMiddleware, RoutePolicy, idempotent
 from .once import Codec, once
 from .records._sealing import Sealer
-from .store import CLAIMED, Claimed, ClaimReply, KeyT, MemoryStore, RedisStore, Store
+from .store import (
+    CLAIMED,
+    Claimed,
+    ClaimReply,
+    KeyT,
+    MemoryStore,
+    PostgresStore,
+    RedisStore,
+    Store,
+)
 
 __all__ = [
     "CLAIMED",
@@ -49,6 +58,7 @@ __all__ = [
     "MemoryStore",
     "NotInRunError",
     "NotReplicatedError",
+    "PostgresStore",
     "RedisStore",
     "RoutePolicy",
     "Sealer",

@@ -1,4 +1,5 @@
-"""Command line: `python -m goblin_idem <command>` (build-module, inspect, forget, sql purge)."""
+"""Command line: `python -m goblin_idem <command>` (build-module, inspect, forget, sql purge,
+postgres-ddl)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_inspect(sub)
     _add_forget(sub)
     _add_sql(sub)
+    _add_postgres_ddl(sub)
 
     args = parser.parse_args(argv)
     result: int = args.func(args)
@@ -311,4 +313,27 @@ def _purge(args: argparse.Namespace) -> int:
         print(f"error: {describe(exc)}", file=sys.stderr)
         return 1
     print(deleted)
+    return 0
+
+
+def _add_postgres_ddl(subparsers: Any) -> None:
+    """Add `postgres-ddl`: PostgresStore's table, for those who migrate with their own tools."""
+    parser = subparsers.add_parser(
+        "postgres-ddl",
+        help="print the SQL that creates PostgresStore's table (what create_table() runs)",
+    )
+    parser.add_argument(
+        "--table", default="goblin_idem_keys", help="table name (default: goblin_idem_keys)"
+    )
+    parser.set_defaults(func=_postgres_ddl)
+
+
+def _postgres_ddl(args: argparse.Namespace) -> int:
+    from .store._postgres_sql import ddl
+
+    try:
+        print(ddl(args.table), end="")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -6,12 +6,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import redis.asyncio
 
-from goblin_idem import RedisStore
 from goblin_idem.native import build_module
 from goblin_idem.store import Store
-from tests.support.backends import BACKENDS, Backend, TypedMemoryStore, server_for
+from tests.sql.conftest import postgres  # noqa: F401
+from tests.support.backends import BACKENDS, Backend, open_backend
+from tests.support.postgres import Postgres
 from tests.support.servers import Server, start_server
 
 
@@ -58,20 +58,16 @@ def valkey_native_server(native_module: Path) -> Iterator[Server]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def store_database(postgres: Postgres) -> str:  # noqa: F811
+    """The database of the PostgresStore backends (each empties its table first)."""
+    return postgres.new_database()
+
+
 @pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
-    name: str = request.param
-    if name == "memory":
-        yield Backend(name, TypedMemoryStore())
-        return
-    server = server_for(request, name)
-    _, mode, *direct = name.split("-")
-    store = RedisStore.from_url(server.url, mode=mode, autopipeline=not direct)  # type: ignore[arg-type]
-    client = store.client
-    assert isinstance(client, redis.asyncio.Redis)
-    await client.flushall()
-    yield Backend(name, store, client)
-    await store.aclose()
+    async with open_backend(request, request.param) as opened:
+        yield opened
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ EXPORTED = [
     "MemoryStore",
     "NotInRunError",
     "NotReplicatedError",
+    "PostgresStore",
     "RedisStore",
     "RoutePolicy",
     "Sealer",

@@ -1,8 +1,10 @@
 """``settings.GOBLIN_IDEM``: the ASGI middleware's options, in upper case.
 
-``"STORE"`` is a URL (``redis://...``, ``rediss://...``, ``unix://...``: RedisStore.from_url),
-the dotted path of a function that returns a store (``"myproject.idem.store"``, called with
-no arguments), or a store itself; ``"memory"``, or no STORE, is a MemoryStore (one per
+``"STORE"`` is a URL (``redis://...``, ``rediss://...``, ``unix://...``: RedisStore.from_url;
+``postgresql://...``: PostgresStore.from_url), ``"postgres"`` (a PostgresStore on the
+project's ``default`` database, its table made by this app's migration), the dotted path
+of a function that returns a store (``"myproject.idem.store"``, called with no arguments),
+or a store itself; ``"memory"``, or no STORE, is a MemoryStore (one per
 process). ``"SCOPE"``,
 ``"ON_EVENT"`` and ``"OUTCOME"`` take a function or its dotted path (``"OUTCOME"`` also a
 list of statuses); ``"KEY_PATTERN"`` a regular expression
@@ -25,12 +27,27 @@ from django.core.exceptions import ImproperlyConfigured  # type: ignore[import-u
 from django.utils.module_loading import import_string  # type: ignore[import-untyped]
 
 from ..middleware._middleware import OPTIONS
-from ..store import MemoryStore, RedisStore, Store
+from ..store import MemoryStore, PostgresStore, RedisStore, Store
 
-__all__ = ["RECORDS_DATABASE", "SETTING", "django_records", "read", "refused"]
+__all__ = [
+    "POSTGRES",
+    "RECORDS_DATABASE",
+    "SETTING",
+    "django_records",
+    "postgres_url",
+    "read",
+    "refused",
+]
 
 SETTING = "GOBLIN_IDEM"
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
+POSTGRES_SCHEMES = (
+    "postgresql://",
+    "postgres://",
+    "postgresql+asyncpg://",
+    "postgresql+psycopg://",
+)
+POSTGRES = "postgres"  # the STORE that is a PostgresStore on the project's default database
 _FUNCTIONS = ("scope", "on_event", "outcome")
 RECORDS_DATABASE = "RECORDS_DATABASE"  # not an option of the middleware: of RECORDS "django"
 _stores: dict[str, Store] = {}
@@ -128,12 +145,22 @@ def _made(setting: str) -> Store:
             ) from None
     if setting == "memory":
         return MemoryStore()
+    if setting == POSTGRES or setting.startswith(POSTGRES_SCHEMES):
+        url = postgres_url("default") if setting == POSTGRES else setting
+        try:
+            return PostgresStore.from_url(url)
+        except (ImportError, ValueError) as exc:  # never repeats the URL: it may carry a password
+            raise ImproperlyConfigured(
+                f"settings.{SETTING}[{key!r}] = {setting if setting == POSTGRES else 'a URL'!r}"
+                f" cannot be used: {exc}"
+            ) from None
     if "://" in setting:
         scheme = setting.partition("://")[0]
         raise ImproperlyConfigured(
             f"settings.{SETTING}[{key!r}]: a URL of scheme {scheme!r} names no store; use "
-            "redis://, rediss:// or unix:// (a Redis-protocol server), or the dotted path "
-            "of a function that returns a store"
+            "redis://, rediss:// or unix:// (a Redis-protocol server), postgresql:// (or "
+            '"postgres" for the project\'s database), or the dotted path of a function that '
+            "returns a store"
         )
     found = _imported(key, setting, "myproject.idem.make_store")
     store = found
@@ -152,6 +179,31 @@ def _made(setting: str) -> Store:
             "store; it must be (or return) a RedisStore or MemoryStore"
         )
     return store
+
+
+def postgres_url(alias: str) -> str:
+    """The URL of Django's PostgreSQL database `alias`, for a PostgresStore of its own
+    connections (a socket directory as HOST goes in the query, as libpq reads it)."""
+    from urllib.parse import quote
+
+    db = settings.DATABASES.get(alias) or {}
+    engine = str(db.get("ENGINE", ""))
+    if not engine.endswith("postgresql"):
+        raise ImproperlyConfigured(
+            f'settings.{SETTING}["STORE"] = "{POSTGRES}" needs the {alias!r} database to be '
+            f"PostgreSQL (django.db.backends.postgresql), not {engine or 'unset'!r}"
+        )
+    user = quote(str(db.get("USER") or ""), safe="")
+    password = quote(str(db.get("PASSWORD") or ""), safe="")
+    credentials = f"{user}:{password}@" if password else (f"{user}@" if user else "")
+    host = str(db.get("HOST") or "")
+    port = str(db.get("PORT") or "")
+    name = quote(str(db.get("NAME") or ""), safe="")
+    if host.startswith("/"):
+        query = f"?host={quote(host, safe='')}" + (f"&port={port}" if port else "")
+        return f"postgresql://{credentials}/{name}{query}"
+    address = (host or "localhost") + (f":{port}" if port else "")
+    return f"postgresql://{credentials}{address}/{name}"
 
 
 def refused(exc: Exception) -> ImproperlyConfigured:

@@ -3,6 +3,8 @@ behind one `Store` protocol.
 
 - `_protocol`: `Store`, `CLAIMED`, `Published`.
 - `_memory`: `MemoryStore`, the commands in this process.
+- `_postgres`: `PostgresStore`, the commands as SQL statements (`_postgres_sql`) on a
+  PostgreSQL table, through asyncpg or psycopg (`_postgres_pool`).
 - `_redis`: `RedisStore`, the commands on a Redis-protocol server, natively or as Lua
   (`_scripts`), checked before the first command (`_detection`).
 - `_executor`, `_single`, `_cluster`: how commands reach a server, chosen when the store is
@@ -17,6 +19,7 @@ from __future__ import annotations
 from ..exceptions import NotReplicatedError, StorePermissionError
 from ._arguments import as_bytes
 from ._memory import MemoryStore
+from ._postgres import PostgresStore
 from ._protocol import CLAIMED, Claimed, ClaimReply, KeyT, Published, Store
 from ._redis import RedisStore
 
@@ -27,6 +30,7 @@ __all__ = [
     "KeyT",
     "MemoryStore",
     "NotReplicatedError",
+    "PostgresStore",
     "Published",
     "RedisStore",
     "Store",

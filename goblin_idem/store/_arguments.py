@@ -28,6 +28,7 @@ __all__ = [
     "claim_seconds",
     "parse_int",
     "publish_ttl",
+    "set_ttl_ms",
 ]
 
 #: Redis' own default ceiling for a value (its proto-max-bulk-len): what a store refuses
@@ -107,6 +108,17 @@ def publish_ttl(value: object) -> int:
     if ttl <= 0:
         raise ResponseError(invalid_expire("set"))
     return ttl
+
+
+def set_ttl_ms(ex: int | None, px: int | None) -> int | None:
+    """SET's TTL in ms from its EX or PX (None: no TTL), refused as the server refuses it:
+    both given, or a TTL that is not positive."""
+    if ex is not None and px is not None:
+        raise ResponseError("syntax error")
+    ttl_ms = ex * 1000 if ex is not None else px
+    if ttl_ms is not None and ttl_ms <= 0:
+        raise ResponseError(invalid_expire("set"))
+    return ttl_ms
 
 
 def check_size(value: bytes, limit: int | None) -> bytes:

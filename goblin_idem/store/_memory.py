@@ -21,9 +21,10 @@ from ._arguments import (
     claim_reply,
     claim_seconds,
     publish_ttl,
+    set_ttl_ms,
 )
 from ._protocol import CLAIMED, ClaimReply, KeyT, Published
-from ._server_errors import WRONGTYPE, invalid_expire
+from ._server_errors import WRONGTYPE
 
 __all__ = ["MemoryStore"]
 
@@ -303,11 +304,7 @@ class MemoryStore:
         """SET with Redis' meaning: a plain SET drops any TTL the key had."""
         with self._lock:
             k, v = as_bytes(key), as_bytes(value, "value")
-            if ex is not None and px is not None:
-                raise ResponseError("syntax error")
-            ttl_ms = ex * 1000 if ex is not None else px
-            if ttl_ms is not None and ttl_ms <= 0:
-                raise ResponseError(invalid_expire("set"))
+            ttl_ms = set_ttl_ms(ex, px)
             if nx and self._live(k) is not None:
                 return False
             self._put(k, v, None if ttl_ms is None else time.monotonic() + ttl_ms / 1000)

@@ -41,6 +41,8 @@ What a block sees:
   page's later blocks, as in one shell: ``export NAME=...``, a venv's ``bin/activate``.
 - ``REDIS_URL``: a redis-server the fixtures started on a free loopback port (its data
   flushed before each page), until the page exports its own.
+- ``POSTGRES_URL``, for a page that names it: a new database (``postgresql://...``) on a
+  PostgreSQL the fixtures started on a free loopback port.
 - Ports: every port number a page writes after ``127.0.0.1:``, ``localhost:`` or ``--port``
   stands for a free loopback port, the same one wherever the page writes that number (in
   code and in printed output alike). A server command of uvicorn, ``python -m example_app``
@@ -381,7 +383,7 @@ NOT_SOURCE = shutil.ignore_patterns(
 )
 
 
-def environment(scratch: Path, redis_url: str) -> dict[str, str]:
+def environment(scratch: Path, redis_url: str, postgres_url: str | None = None) -> dict[str, str]:
     # Nothing of the test process's own settings: its Redis, goblin-idem's variables, and
     # the Django settings the Django tests set for their worker process.
     own = ("REDIS_", "GOBLIN_", "DJANGO_")
@@ -390,12 +392,16 @@ def environment(scratch: Path, redis_url: str) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)  # as from a shell in the checkout: `python -m example_app`
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["REDIS_URL"] = redis_url
+    if postgres_url is not None:  # a page that names POSTGRES_URL: a database of its own
+        env["POSTGRES_URL"] = postgres_url
     env["XDG_CACHE_HOME"] = str(scratch / "cache")
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 
-def run_page(page: Path, redis_url: str, tmp: Path) -> Iterator[Block]:
+def run_page(
+    page: Path, redis_url: str, tmp: Path, postgres_url: str | None = None
+) -> Iterator[Block]:
     """Run every block of `page` in order; yields each block as it has run."""
     found = blocks(page)
     assert not unnamed_files(found), unnamed_files(found)
@@ -406,7 +412,7 @@ def run_page(page: Path, redis_url: str, tmp: Path) -> Iterator[Block]:
     else:
         directory = tmp / "work"
         directory.mkdir()
-    session = Session(directory, environment(scratch, redis_url), scratch)
+    session = Session(directory, environment(scratch, redis_url, postgres_url), scratch)
     try:
         for block in found:
             if block.runs:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs.examples import PAGES, blocks, matches, run_page
+from tests.support.postgres import Postgres
 from tests.support.procs import ROOT
 from tests.support.servers import Server
 
@@ -20,10 +21,16 @@ def runnable(page: Path) -> bool:
 @pytest.mark.parametrize(
     "page", [p for p in PAGES if runnable(p)], ids=lambda p: str(p.relative_to(ROOT))
 )
-def test_every_block_of_the_page_runs(page: Path, redis_server: Server, tmp_path: Path) -> None:
+def test_every_block_of_the_page_runs(
+    page: Path, redis_server: Server, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     with redis_server.sync_client() as client:
         client.flushall()
-    ran = list(run_page(page, redis_server.url, tmp_path))
+    postgres_url = None
+    if "POSTGRES_URL" in page.read_text():  # a PostgreSQL only for the pages that use one
+        postgres: Postgres = request.getfixturevalue("postgres")
+        postgres_url = f"postgresql://postgres@127.0.0.1:{postgres.port}/{postgres.new_database()}"
+    ran = list(run_page(page, redis_server.url, tmp_path, postgres_url))
     assert ran
 
 

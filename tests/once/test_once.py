@@ -34,17 +34,21 @@ from goblin_idem._keys import key_names
 from goblin_idem.exceptions import RecordError
 from goblin_idem.once._arguments import Fingerprint
 from tests.support.asgi import request
-from tests.support.backends import Backend, server_for
+from tests.support.backends import Backend, open_backend, server_for
 from tests.support.procs import APPS, spawn, stop
 from tests.support.servers import Server, start_cluster
 
-STORES = ["memory", "redis-script", "valkey-native"]
+STORES = ["memory", "redis-script", "valkey-native", "postgres-asyncpg"]
 
 
 @pytest.fixture(params=STORES)
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     if request.param == "memory":
         yield MemoryStore()
+        return
+    if request.param.startswith("postgres-"):
+        async with open_backend(request, request.param) as opened:
+            yield opened.store
         return
     server = server_for(request, request.param)
     store = RedisStore.from_url(server.url, mode=request.param.split("-")[1])

@@ -20,6 +20,11 @@ every 2xx body of a key the same bytes naming that key's one row, a committed re
 every key that got a 2xx. With ``records=False`` the same app runs without records (its
 handler commits its own row), for the contrast: there a Redis restart can pay twice.
 
+With ``store="postgres"`` (the FastAPI stack) the store is a PostgresStore in the same
+database, and no Redis runs: the fault that was a Redis restart restarts PostgreSQL instead
+(an immediate shutdown, a crash as far as the server knows, on a server whose commits are
+synced), with keys in flight.
+
 Every request, answer and fault is logged as a JSON line; every process is stopped by PID.
 """
 
@@ -88,6 +93,7 @@ STACKS: dict[str, Stack] = {
 RECORDS_TABLE = "goblin_idem_records"
 PAYMENTS_TABLE = "payments"
 FAULTS = ("redis_restart", "worker_kill", "kill_after_commit")
+POSTGRES_FAULTS = ("postgres_restart", "worker_kill", "kill_after_commit")
 
 
 @dataclass
@@ -104,6 +110,7 @@ class Options:
     records: bool = True
     path: str = "/payments"  # or /payments/session: the app's session dependency
     stack: str = "fastapi"  # one of STACKS
+    store: str = "redis"  # or "postgres": a PostgresStore in the records' database
     dir: Path | None = None  # for requests.jsonl (every request, answer and fault) and
     # the workers' logs; a new temporary directory if None
 
@@ -270,8 +277,17 @@ class Clients:
 class Faults:
     """The seeded fault schedule, and the restart of dead workers, in one thread."""
 
-    def __init__(self, opts: Options, redis: Server, workers: Workers, log: Log) -> None:
+    def __init__(
+        self,
+        opts: Options,
+        redis: Server | None,
+        workers: Workers,
+        log: Log,
+        postgres: Postgres | None = None,
+    ) -> None:
         self.opts, self.redis, self.workers, self.log = opts, redis, workers, log
+        self.postgres = postgres
+        self.kinds = POSTGRES_FAULTS if redis is None else FAULTS
         self.rng = random.Random(opts.seed)
         self.counts: Counter[str] = Counter()
         self.error: BaseException | None = None
@@ -289,11 +305,18 @@ class Faults:
             self.counts["worker_restarts"] += 1
 
     def fire(self) -> None:
-        kind = self.rng.choice(FAULTS)
+        kind = self.rng.choice(self.kinds)
         victim = self.rng.randrange(len(self.workers.ports))
-        self.log.write(fault=kind, worker=victim if kind != "redis_restart" else None)
+        self.log.write(fault=kind, worker=victim if not kind.endswith("_restart") else None)
         self.counts[kind] += 1
-        if kind == "redis_restart":
+        if kind == "postgres_restart":
+            assert self.postgres is not None
+            down = self.rng.uniform(0.0, 0.5)
+            self.postgres.stop()  # immediate: what was committed is kept, nothing else
+            time.sleep(down)
+            self.postgres.start()
+        elif kind == "redis_restart":
+            assert self.redis is not None
             down = self.rng.uniform(0.0, 0.5)
             self.redis.kill()
             time.sleep(down)
@@ -327,6 +350,16 @@ def _prepare(postgres: Postgres, driver: str) -> str:
     database = postgres.new_database()
     create_tables(postgres.url(database), RECORDS_TABLE, PAYMENTS_TABLE)
     return postgres.url(database, driver)
+
+
+def _store_env(postgres: Postgres, database: str, redis: Server | None) -> dict[str, str]:
+    """The app's store: the Redis, or a PostgresStore in the database (its table made)."""
+    if redis is not None:
+        return {"REDIS_URL": redis.url}
+    from goblin_idem.store._postgres_sql import ddl
+
+    postgres.psql(ddl(), database)
+    return {"POSTGRES_STORE_URL": f"postgresql://postgres@127.0.0.1:{postgres.port}/{database}"}
 
 
 def _database(postgres: Postgres, database: str) -> tuple[dict[str, list[int]], list[bytes]]:
@@ -387,12 +420,17 @@ def run(opts: Options) -> Outcome:
     with log_path.open("w") as out:
         log = Log(out)
         try:
-            postgres = start_postgres()
+            on_postgres = opts.store == "postgres"
+            if on_postgres and opts.stack != "fastapi":
+                raise ValueError("store='postgres' runs with the fastapi stack")
+            postgres = start_postgres(durable=on_postgres)  # a crash keeps what committed
             stack = STACKS[opts.stack]
-            redis = start_server("redis")  # no persistence: a restart loses every key
+            if not on_postgres:
+                redis = start_server("redis")  # no persistence: a restart loses every key
             if opts.stack == "django":
                 from tests.reliability import django_faults
 
+                assert redis is not None
                 env = django_faults.prepare(postgres, redis.url, opts)
                 database = env["DJANGO_DB"].rsplit("/", 1)[1]
             else:
@@ -400,7 +438,7 @@ def run(opts: Options) -> Outcome:
                 database = url.rsplit("/", 1)[1]
                 env = {
                     "DATABASE_URL": url,
-                    "REDIS_URL": redis.url,
+                    **_store_env(postgres, database, redis),
                     "RECORDS_TABLE": RECORDS_TABLE,
                     "PAYMENTS_TABLE": PAYMENTS_TABLE,
                     "LEASE_SECONDS": str(opts.lease),
@@ -411,7 +449,7 @@ def run(opts: Options) -> Outcome:
                 workers.start(i)
             keys = [f"pay-{opts.seed}-{i}" for i in range(opts.keys)]
             clients = Clients(opts, workers.ports, log, keys)
-            faults = Faults(opts, redis, workers, log)
+            faults = Faults(opts, redis, workers, log, postgres)
             log.t0 = time.monotonic()
             fault_thread = threading.Thread(
                 target=faults.run, args=(log.t0 + opts.duration, stop_faults), daemon=True
@@ -447,7 +485,8 @@ def run(opts: Options) -> Outcome:
                 "requests": sum(clients.statuses.values()),
                 "statuses": dict(sorted(clients.statuses.items())),
                 "replays": clients.replays,
-                "faults": {k: faults.counts[k] for k in FAULTS},
+                "store": opts.store,
+                "faults": {k: faults.counts[k] for k in faults.kinds},
                 "killed_after_commit": faults.counts["killed_after_commit"],
                 "worker_restarts": faults.counts["worker_restarts"],
                 "payment_rows": sum(len(ids) for ids in rows.values()),

@@ -112,3 +112,39 @@ async def test_a_claim_lost_in_a_restart_is_logged_by_its_key_hash(
     finally:
         await store.client.delete(names.claim, names.result)  # type: ignore[union-attr]
         await store.aclose()
+
+
+def test_random_faults_pay_each_key_once_with_postgresql_alone(tmp_path: Path) -> None:
+    """The claims in PostgreSQL too, no Redis at all: PostgreSQL restarted (a crash) with
+    keys in flight, workers killed, also right after their commit."""
+    opts = Options(
+        seed=SEED,
+        keys=pick(120, 1500),
+        duration=pick(12.0, 90.0),
+        fault_gap=pick(1.5, 2.0),
+        store="postgres",
+        dir=tmp_path,
+    )
+    outcome = run(opts)
+    record(
+        "sqlfaults-postgres",
+        "SQL records and PostgresStore in one PostgreSQL, no Redis: PostgreSQL restarted "
+        "(immediate shutdown), workers killed (also right after their commit), random schedule",
+        outcome.figures,
+        checks=[
+            "exactly one payment row per key (0 duplicate effects)",
+            "every key got a 2xx; every 2xx answer of a key the same bytes, naming its row",
+            "a committed record for every key answered 2xx",
+            "each key sent once more to every worker after the faults: the same bytes",
+        ],
+        notes=[
+            f"seed {opts.seed}; 3 uvicorn workers, the store and the records on one "
+            "PostgreSQL (asyncpg, commits synced), lease 2 s"
+        ],
+    )
+    assert outcome.failures == [], "\n".join(outcome.failures[:30])
+    assert outcome.duplicate_effects == 0
+    faults = outcome.figures["faults"]
+    assert (
+        faults["postgres_restart"] > 0 and faults["worker_kill"] + faults["kill_after_commit"] > 0
+    )

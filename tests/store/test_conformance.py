@@ -1,8 +1,9 @@
 """Every reply-table row and example transcript of the four GOBLIN spec pages, per store.
 
-The `backend` fixture runs each test against MemoryStore and against the Lua scripts on a
-real redis-server 7 and valkey-server 9 (and natively where the module is loaded). Expiry
-rows use real short leases: nothing here mocks a clock.
+The `backend` fixture runs each test against MemoryStore, against the Lua scripts on a
+real redis-server 7 and valkey-server 9 (and natively where the module is loaded), and
+against PostgresStore on a real PostgreSQL through each driver. Expiry rows use real short
+leases: nothing here mocks a clock.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from redis.exceptions import ResponseError
 from goblin_idem import CLAIMED
 from goblin_idem.store import Store
 from goblin_idem.store._server_errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
-from tests.support.backends import Backend
+from tests.support.backends import BACKENDS, POSTGRES_BACKENDS, Backend
+
+pytestmark = pytest.mark.parametrize("backend", BACKENDS + POSTGRES_BACKENDS, indirect=True)
 
 BINARY_KEY = b"claim:\x00\xff\xfe{tag}\r\n"
 BINARY_VALUE = b"\x00\x01\x80\xff not utf-8 \xc3\x28 \x00"

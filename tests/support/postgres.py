@@ -167,3 +167,116 @@ def start_postgres(*, durable: bool = False) -> Postgres:
         server.remove()
         raise
     return server
+
+
+@dataclass
+class PgBouncer:
+    """A PgBouncer in front of `server`, in `pool_mode`; stopped by PID."""
+
+    port: int
+    dir: Path
+    pid: int = 0
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://{USER}@127.0.0.1:{self.port}/{database}"
+
+    def stop(self) -> None:
+        if self.pid and alive(self.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while alive(self.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if alive(self.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+        self.pid = 0
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_pgbouncer(server: Postgres, pool_mode: str = "transaction") -> PgBouncer:
+    """Debian's pgbouncer (it refuses to run as root: as ``postgres``), daemonized on a
+    free port, trust auth, a small server pool so that clients share server connections."""
+    binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    if not Path(binary).exists():
+        raise RuntimeError("pgbouncer is not installed (apt-get install pgbouncer)")
+    directory = Path(tempfile.mkdtemp(prefix="goblin-pgbouncer-"))
+    bouncer = PgBouncer(free_port(), directory)
+    (directory / "users.txt").write_text(f'"{USER}" ""\n')
+    (directory / "pgbouncer.ini").write_text(
+        "[databases]\n"
+        f"* = host=127.0.0.1 port={server.port}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {bouncer.port}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {directory}/users.txt\n"
+        f"pool_mode = {pool_mode}\ndefault_pool_size = 4\nmax_client_conn = 400\n"
+        f"pidfile = {directory}/pgbouncer.pid\nlogfile = {directory}/pgbouncer.log\n"
+        "ignore_startup_parameters = extra_float_digits,synchronous_commit\n"
+    )
+    for path in (directory, *directory.iterdir()):
+        shutil.chown(path, USER, USER)
+    try:
+        subprocess.run(
+            _as_postgres(binary, "-d", directory / "pgbouncer.ini"),
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=30,
+        )
+        deadline = time.monotonic() + 10
+        pidfile = directory / "pgbouncer.pid"
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            if time.monotonic() > deadline:
+                raise RuntimeError("pgbouncer did not start")
+            time.sleep(0.02)
+        bouncer.pid = int(pidfile.read_text().split()[0])
+    except BaseException:
+        bouncer.stop()
+        raise
+    return bouncer
+
+
+def start_standby(primary: Postgres) -> Postgres:
+    """A streaming standby of `primary` (pg_basebackup -R) on a free port, started."""
+    directory = Path(tempfile.mkdtemp(prefix="goblin-pg-standby-"))
+    shutil.chown(directory, USER, USER)
+    os.chmod(directory, 0o700)
+    subprocess.run(
+        _as_postgres(
+            binaries() / "pg_basebackup",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(primary.port),
+            "-U",
+            USER,
+            "-D",
+            directory / "data",
+            "-R",
+            "-X",
+            "stream",
+            "--no-sync",
+        ),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=120,
+    )
+    standby = Postgres(free_port(), directory, durable=primary.durable)
+    try:
+        standby.start()
+    except BaseException:
+        standby.remove()
+        raise
+    return standby
+
+
+def promote(standby: Postgres) -> None:
+    """`pg_ctl promote`, waiting until the standby accepts writes."""
+    subprocess.run(
+        _as_postgres(binaries() / "pg_ctl", "-D", standby.dir / "data", "-w", "promote"),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=60,
+    )

@@ -1,7 +1,8 @@
 """A payments app whose effects commit with their records (goblin_idem.sql), for tests/sql.
 
 `build` makes it in the test process; under uvicorn, ``app`` is built from the environment:
-``REDIS_URL``, ``DATABASE_URL``, ``RECORDS_TABLE``, ``PAYMENTS_TABLE``, ``LEASE_SECONDS``;
+``REDIS_URL`` (or ``POSTGRES_STORE_URL``: a PostgresStore instead), ``DATABASE_URL``,
+``RECORDS_TABLE``, ``PAYMENTS_TABLE``, ``LEASE_SECONDS``;
 with ``KILL_AFTER_COMMIT=1`` the process SIGKILLs itself right after a run's commit, before
 the store hears of it (the worst moment for a crash); with ``KILL_AFTER_COMMIT_FILE`` set to
 a path, only the first commit after that file appears does (it is removed: one kill per file).
@@ -40,7 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 
-from goblin_idem import IdempotencyMiddleware, RedisStore, Store
+from goblin_idem import IdempotencyMiddleware, PostgresStore, RedisStore, Store
 from goblin_idem.sql import SqlRecords, connection, session
 from goblin_idem.sql._context import RunTransaction
 
@@ -247,7 +248,11 @@ class KillingRecords(SqlRecords):
 def _from_env() -> FastAPI | None:
     if "DATABASE_URL" not in os.environ:
         return None
-    store = RedisStore.from_url(os.environ["REDIS_URL"])
+    store: Store
+    if "POSTGRES_STORE_URL" in os.environ:
+        store = PostgresStore.from_url(os.environ["POSTGRES_STORE_URL"])
+    else:
+        store = RedisStore.from_url(os.environ["REDIS_URL"])
     payments = payments_table(os.environ["PAYMENTS_TABLE"])
     lease = float(os.environ.get("LEASE_SECONDS", "30"))
     if os.environ.get("RECORDS") == "0":

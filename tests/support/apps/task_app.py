@@ -8,7 +8,9 @@ the store (``COUNT_IN_STORE``, on by default), then works for the milliseconds i
 answers 201 with a body no other run could produce (a random nonce). ``GET /stats`` gives
 this worker's counters. The middleware's events that can lead to a second run or a refusal
 are appended to ``EVENT_LOG`` (if set) with the key's hash. Configured by environment:
-REDIS_URL, LEASE_SECONDS, SIDE_LOG, EVENT_LOG, COUNT_IN_STORE.
+REDIS_URL, LEASE_SECONDS, SIDE_LOG, EVENT_LOG, COUNT_IN_STORE; ``POSTGRES_STORE_URL``
+instead of REDIS_URL serves on a PostgresStore (with ``COUNT_IN_STORE=0``: count by the
+side log).
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from goblin_idem import IdempotencyMiddleware, RedisStore
+from goblin_idem import IdempotencyMiddleware, PostgresStore, RedisStore
 
-store = RedisStore.from_url(os.environ["REDIS_URL"])
+store = (
+    PostgresStore.from_url(os.environ["POSTGRES_STORE_URL"])
+    if "POSTGRES_STORE_URL" in os.environ
+    else RedisStore.from_url(os.environ["REDIS_URL"])
+)
 SIDE_LOG = os.environ.get("SIDE_LOG")
 EVENT_LOG = os.environ.get("EVENT_LOG")
 COUNT_IN_STORE = os.environ.get("COUNT_IN_STORE", "1") == "1"
