@@ -116,7 +116,14 @@ def _add_key_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
             f"from stdin, or set ${SCOPE_ENV} (the default when --scope is not given)"
         ),
     )
-    parser.add_argument("--namespace", default="idem", help="key prefix (default: idem)")
+    parser.add_argument(
+        "--namespace",
+        default="idem",
+        help=(
+            "key prefix (default: idem, the middleware's and its webhook routes'; once and "
+            "the broker consumers: once; gRPC calls: grpc, with --hash from on_event)"
+        ),
+    )
 
 
 def _scope(given: str | None) -> str:

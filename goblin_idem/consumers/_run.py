@@ -204,7 +204,11 @@ class MessageRun:
             except Exception:  # a metrics hook must never fail a delivery
                 logger.exception("on_event hook failed")
         if outcome.verdict is not Verdict.ACK:
-            shown = f"message {key!r:.80}" + (f" ({about})" if about else "")
+            # the id as the producer wrote it (Streams' fields are bytes), and the hash that
+            # `inspect --hash` and `forget --hash` take
+            text = key.decode("latin-1") if isinstance(key, bytes) else key
+            shown = f"message {text!r:.80}" + (f" (key hash {key_hash})" if key_hash else "")
+            shown += f" ({about})" if about else ""
             if outcome.verdict is Verdict.DEAD:
                 logger.error("%s: %s to the dead letter: %s", scope, shown, outcome.reason)
             else:

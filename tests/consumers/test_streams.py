@@ -163,6 +163,30 @@ async def test_a_poison_message_goes_to_the_dead_letter_after_max_deliveries(
     assert "failed 2 times" in reason and "cannot parse attempt 2" in reason
 
 
+async def test_the_dead_letter_log_line_names_the_id_as_sent_and_its_key_hash(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The id is read from the entry as bytes: the line shows it as the producer wrote it,
+    and the hash that `inspect --hash` and `forget --hash` take."""
+    hashes: list[str] = []
+
+    async def handler(fields: dict[bytes, bytes], entry_id: str) -> None:
+        raise ValueError("cannot parse")
+
+    with caplog.at_level(logging.ERROR, "goblin_idem.consumers"):
+        setup.start(handler, max_deliveries=1, on_event=lambda _, key_hash: hashes.append(key_hash))
+        await setup.group_ready()
+        await setup.publish("poison-7", body="{{{")
+
+        async def buried() -> bool:
+            return len(await setup.dead()) == 1
+
+        await until(buried, what="the dead letter's entry")
+    [line] = [r.getMessage() for r in caplog.records if "dead letter" in r.getMessage()]
+    assert "message 'poison-7' " in line and "b'poison-7'" not in line
+    assert f"key hash {hashes[-1]}" in line
+
+
 async def test_a_message_without_an_id_or_with_a_malformed_one_is_dead_lettered(
     setup: Setup,
 ) -> None:
