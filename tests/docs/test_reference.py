@@ -125,12 +125,14 @@ def options_of(dotted: str) -> list[str]:
     except (TypeError, ValueError):
         return []
     kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in params if p.kind in kinds and p.name not in {"self", "cls", *WRAPPED}]
+    skipped = {"self", "cls", *WRAPPED}
+    return [p.name for p in params if p.kind in kinds and p.name not in skipped and p.name[0] != "_"]
 
 
 # Takes the options of another entry, described there (test_same_options_as holds them alike).
 SAME_AS = {
     "goblin_idem.RedisStore": "goblin_idem.RedisStore.from_url",
+    "goblin_idem.PostgresStore": "goblin_idem.PostgresStore.from_url",
     "goblin_idem.client.IdempotentTransport": "goblin_idem.client.AsyncIdempotentTransport",
     "goblin_idem.grpc.IdempotencyInterceptor": "goblin_idem.grpc.AsyncIdempotencyInterceptor",
     "goblin_idem.grpc.IdempotentClientInterceptor": (
@@ -173,7 +175,8 @@ def test_same_options_as(dotted: str) -> None:
 
     def signature(name: str) -> dict[str, object]:
         params = list(inspect.signature(lookup(name)).parameters.values())[1:]
-        return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        return {p.name: p.default for p in params if p.kind is keyword and p.name[0] != "_"}
 
     mine, theirs = signature(dotted), signature(SAME_AS[dotted])
     assert all(theirs.get(name, inspect.Parameter.empty) == d for name, d in mine.items())
