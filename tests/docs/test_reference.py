@@ -125,8 +125,8 @@ def options_of(dotted: str) -> list[str]:
     except (TypeError, ValueError):
         return []
     kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    skipped = {"self", "cls", *WRAPPED}
-    return [p.name for p in params if p.kind in kinds and p.name not in skipped and p.name[0] != "_"]
+    public = [p.name for p in params if p.kind in kinds and not p.name.startswith("_")]
+    return [name for name in public if name not in {"self", "cls", *WRAPPED}]
 
 
 # Takes the options of another entry, described there (test_same_options_as holds them alike).
