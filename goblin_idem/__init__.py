@@ -1,13 +1,12 @@
 """goblin-idem: exactly-once POST/PATCH for ASGI and WSGI apps on atomic Redis-protocol claims."""
 
-__version__ = "0.2.0"  # the one place: pyproject.toml reads it
-
 from . import _log
 from ._claim import Claim, current_claim
 from ._forget import forget
 from ._keys import cookie_scope, header_scope
 from ._lease import Lease, Watchdog
 from ._lock import Lock
+from ._version import __version__ as __version__
 from .exceptions import (
     ClaimLostError,
     CommitRefusedError,

@@ -18,12 +18,11 @@ import itertools
 import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Protocol
 
 from ._derived import call_key, label_key, secret_bytes
 from ._lease import Lease
-from ._loop import loop_thread
 from .exceptions import ClaimLostError
 from .store import ClaimReply, Store
 
@@ -67,14 +66,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=new_token.reset)
 
 
+# How sync code runs a coroutine to its end: the door that builds a claim hands it over
+# (`_loop.in_loop_thread`, the process's loop thread).
+SyncRunner = Callable[[Coroutine[Any, Any, None]], None]
+
+
 class Claim:
     """One run's claim: its key hash (what logs show), token, and whether it is still held."""
 
-    __slots__ = ("_lease", "_store", "_sync")
+    __slots__ = ("_lease", "_run_sync", "_store", "_sync")
 
-    def __init__(self, store: Store, lease: Lease, *, sync: bool = False) -> None:
+    def __init__(
+        self, store: Store, lease: Lease, run_sync: SyncRunner, *, sync: bool = False
+    ) -> None:
         self._store = store
         self._lease = lease
+        self._run_sync = run_sync
         self._sync = sync  # seen by sync code: ensure_owned() checks at once
 
     @property
@@ -95,7 +102,8 @@ class Claim:
 
         In async code, await it. In sync code (a thread that runs no event loop: a WSGI or
         Django view, a sync `once` function, a FastAPI ``def`` endpoint), call it: it checks
-        at once, through the process's loop thread (`_loop`), and raises there.
+        at once, through the sync runner its door handed it (the process's loop thread), and
+        raises there.
 
         One round trip (a GET of the claim key), none if the watchdog already saw the claim
         lost. It reads and never writes, so asking after the result was stored is harmless.
@@ -103,7 +111,7 @@ class Claim:
         after it, and no check closes the gap between itself and the commit that follows.
         """
         if self._sync or not _in_event_loop():
-            loop_thread().run(self._check())
+            self._run_sync(self._check())
             return _CHECKED
         return self._check()
 
@@ -162,7 +170,7 @@ class _InSyncCode:
 
     def claim(self) -> Claim:
         claim = self.holder.claim()
-        return Claim(claim._store, claim._lease, sync=True)
+        return Claim(claim._store, claim._lease, claim._run_sync, sync=True)
 
 
 def for_sync_code(holder: ClaimHolder | None) -> ClaimHolder | None:

@@ -23,7 +23,14 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread", "loop_thread", "new_loop", "refuse_green_threads", "started_loop"]
+__all__ = [
+    "LoopThread",
+    "in_loop_thread",
+    "loop_thread",
+    "new_loop",
+    "refuse_green_threads",
+    "started_loop",
+]
 
 T = TypeVar("T")
 
@@ -77,6 +84,12 @@ def loop_thread() -> LoopThread:
     if thread is not None and thread.alive:
         return thread
     return _start()
+
+
+def in_loop_thread(coro: Coroutine[Any, Any, T]) -> T:
+    """`coro` run to its end on the process's loop thread, for sync code: what a door hands
+    its claims, so that a claim need not know who drives its loop."""
+    return loop_thread().run(coro)
 
 
 def started_loop() -> asyncio.AbstractEventLoop | None:

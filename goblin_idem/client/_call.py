@@ -32,7 +32,7 @@ import httpx
 from .._claim import current_claim
 from .._derived import secret_bytes
 from .._keys import credentials_scope, key_names
-from ..middleware._problems import (
+from .._problems import (
     BODY_TOO_LARGE,
     IN_FLIGHT,
     INVALID_KEY,

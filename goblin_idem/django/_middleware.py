@@ -28,13 +28,13 @@ from django.http.response import HttpResponseBase  # type: ignore[import-untyped
 from django.urls import Resolver404, get_resolver, resolve  # type: ignore[import-untyped]
 from starlette.types import Scope
 
+from .. import _routes
 from .._exchange import Exchange
 from .._loop import loop_thread
+from .._routes import RESOLVED_POLICY, RoutePolicy, policy_of
 from .._threaded import for_sync_apps
 from ..exceptions import SqlRecordsError
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
-from ..middleware import _routes
-from ..middleware._routes import RESOLVED_POLICY, RoutePolicy, policy_of
 from ..wsgi._app import body_cut, body_reader, scope_of
 from ..wsgi._bridge import HANDOFF, ClientGone, Handoff, Outer, thread_app
 from ..wsgi._memory import MemoryReplays

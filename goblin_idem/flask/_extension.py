@@ -12,9 +12,9 @@ from flask import Flask
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import RequestRedirect
 
+from .._routes import RoutePolicy, policy_of
 from .._threaded import ThreadedRecords
 from ..middleware._middleware import OPTIONS
-from ..middleware._routes import RoutePolicy, policy_of
 from ..store import MemoryStore, RedisStore, Store
 from ..wsgi import IdempotencyMiddleware
 

@@ -28,13 +28,12 @@ import grpc
 
 from .. import _options as options
 from .._claim_step import ClaimStep
+from .._events import Counters, Event, Events, log_store_error
 from .._keys import KeyNames
 from .._lease import Watchdog
 from .._log import describe
 from .._recording import Records
 from ..exceptions import DatabaseUnavailableError, InFlightError, KeyReusedError, RecordError
-from ..middleware._events import Counters, Event, Events
-from ..middleware._run import log_store_error
 from ..once._once import POLL_SECONDS, _Once
 from ..records._sealing import Sealer
 from ..store import Store

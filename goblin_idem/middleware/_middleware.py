@@ -6,11 +6,11 @@ one that wins it runs the app and publishes the response in one more (result + c
 a MULTI/EXEC) before the last body chunk reaches the client; every duplicate is answered
 from the claim step's reply alone. A request without a key costs nothing.
 
-The middleware decides and answers: which requests are covered (_routes.py), whether a key
+The middleware decides and answers: which requests are covered (../_routes.py), whether a key
 is acceptable, what the claim step's reply (../_claim_step.py) means, and every response it
 writes itself. The
 run of the app under a won claim is a `Run` (_run.py); what happened is counted by one
-event function (_events.py).
+event function (../_events.py).
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import _options as options
+from .. import _routes
 from .._claim import new_token
 from .._claim_step import ClaimStep
+from .._events import Counters, Events, log_store_error
 from .._keys import (
     DEFAULT_KEY_PATTERN,
     KeyNames,
@@ -42,19 +44,17 @@ from .._keys import (
 )
 from .._lease import Watchdog
 from .._recording import Records
+from .._routes import RoutePolicy, Routes, Settings, idempotent
 from ..exceptions import DatabaseUnavailableError, WebhookRefusedError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Store
-from . import _routes
-from ._events import Counters, Events
 from ._lifespan import Lifespan, Refused
 from ._names_010 import previous_reply
 from ._openapi import Coverage, document_openapi
 from ._recorded import Recording, Unkeyed
 from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
 from ._responses import Answers
-from ._routes import RoutePolicy, Routes, Settings, idempotent
-from ._run import Run, RunConfig, log_store_error
+from ._run import Run, RunConfig
 
 if TYPE_CHECKING:
     from ..webhooks import Provider

@@ -20,8 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _problems as problems
-from ._routes import Routes
+from .. import _problems as problems
+from .._routes import Routes
 
 if TYPE_CHECKING:
     from ..webhooks import Provider

@@ -31,10 +31,10 @@ try:
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("otel=True needs OpenTelemetry: pip install 'goblin-idem[otel]'") from exc
 
-from .. import __version__
+from .._events import Counters
 from .._lease import Watchdog
+from .._version import __version__
 from ..store import Store
-from ._events import Counters
 
 __all__ = ["TimedStore", "instrumented"]
 

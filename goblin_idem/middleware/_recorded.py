@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .. import _problems as problems
 from .._keys import KeyNames
 from .._log import describe
 from .._recording import Committed, Records, RunTransaction
 from ..exceptions import DatabaseUnavailableError
-from . import _problems as problems
 from ._responses import Answers
 
 __all__ = ["Recorded", "Recording", "Unkeyed"]

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from starlette.types import Message, Send
 
+from .. import _problems as problems
+from .._events import Events
 from .._keys import KeyNames, hop_key
 from .._log import describe
 from ..exceptions import RecordError, WebhookRefusedError
@@ -19,8 +21,6 @@ from ..records._format import Decoded, Record, decode
 from ..records._sealing import Sealer
 from ..store import Store
 from . import _hops
-from . import _problems as problems
-from ._events import Events
 
 __all__ = ["REPLAYED", "Answers", "replay_start"]
 

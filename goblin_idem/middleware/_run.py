@@ -19,20 +19,23 @@ import asyncio
 import functools
 import logging
 import os
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.exceptions import ResponseError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import _options as options
 from .._claim import Claim, current
 from .._closing import ClosingStep, free_claim, publish_retried, run_to_end
+from .._events import Events, log_store_error
 from .._keys import KeyNames, hop_key
 from .._lease import Lease, Watchdog
 from .._log import describe
+from .._loop import in_loop_thread
+from .._outcome import is_outcome
+from .._routes import Settings
 from ..exceptions import DatabaseUnavailableError
 from ..records._compression import Compressor
 from ..records._format import Record, encode
@@ -40,22 +43,15 @@ from ..records._sealing import Sealer
 from ..store import Published, Store
 from ..store._server_errors import VALUE_TOO_LARGE
 from . import _hops
-from ._events import Events
-from ._outcome import is_outcome
 from ._recorded import HOLDING, Recorded, Recording
-from ._routes import Settings
 
-__all__ = ["Run", "RunConfig", "log_store_error"]
+__all__ = ["Run", "RunConfig"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
 # Taking a lapsed claim back is retried after these pauses: the publish before it has just
 # reached the store, and should it fail, the next duplicate's claim step takes it back.
 RETAKE_PAUSES = (0.05, 0.25)
-
-# Errors that no retry fixes, only a change of configuration: logged once per store.
-CONFIGURATION_ERRORS = (NoPermissionError, AuthenticationError)
-_misconfigured: weakref.WeakSet[Any] = weakref.WeakSet()  # stores whose error was logged
 
 # Never stored or replayed: they describe one connection, not the response.
 HOP_BY_HOP = frozenset(
@@ -203,7 +199,7 @@ class Run:
 
     def claim(self) -> Claim:
         """This run's claim, for current_claim() in the handler: built when asked."""
-        return Claim(self.config.store, self.lease)
+        return Claim(self.config.store, self.lease, in_loop_thread)
 
     # -- the response, as it streams --
 
@@ -517,19 +513,6 @@ def _log_retaken(
             "response and replays it",
             names.hash,
         )
-
-
-def log_store_error(store: Store, level: int, exc: BaseException, message: str, key: str) -> None:
-    """`message` and the error, each time; a configuration error (a permission the
-    store's user lacks, a wrong password) only once per store, since every request
-    would repeat it until the configuration changes, and its text names the fix."""
-    if isinstance(exc, CONFIGURATION_ERRORS):
-        if store in _misconfigured:
-            logger.debug("%s: %s", message % key, describe(exc))
-            return
-        _misconfigured.add(store)
-        message += " (a configuration error, logged once for this store)"
-    logger.log(level, "%s: %s", message % key, describe(exc))
 
 
 # The Vary fields that a middleware adapting each response to its client adds (GZip or

@@ -43,6 +43,7 @@ from .._closing import free_claim, publish_retried, run_to_end
 from .._keys import KeyNames, key_names
 from .._lease import Lease, Watchdog
 from .._log import describe
+from .._loop import in_loop_thread
 from .._recording import Committed, Records, RunTransaction
 from ..exceptions import InFlightError, KeyReusedError
 from ..records._sealing import Sealer
@@ -288,7 +289,7 @@ class _Once:
         tx = None if self.records is None else self.records.transaction(self._where)
         kept = True
         try:
-            held = current.set(Claim(self.store, lease))
+            held = current.set(Claim(self.store, lease, in_loop_thread))
             in_sql = None if tx is None else tx.enter()
             try:
                 value = await self.func(*args, **kwargs)

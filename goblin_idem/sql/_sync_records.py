@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection, Engine, RootTransaction
 from .._log import describe
 from ..exceptions import DatabaseUnavailableError, SqlRecordsError
 from ._failures import connecting, unavailable_as
-from ._records import DEFAULT_TABLE, PURGE_BATCH, RecordsTable, _shape, _utcnow
+from ._table import DEFAULT_TABLE, PURGE_BATCH, RecordsTable, _shape, _utcnow
 from .sync import SyncRun
 
 __all__ = ["SyncSqlRecords"]

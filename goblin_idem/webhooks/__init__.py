@@ -6,10 +6,10 @@ run once.
 ``webhooks={"/hooks/github": GitHub(secrets=[...])}`` for a path; docs/webhooks.md.
 """
 
+from .._provider import Delivery, Provider
 from ..exceptions import WebhookRefusedError
 from ._github import GitHub
 from ._mark import webhook
-from ._provider import Delivery, Provider
 from ._shopify import Shopify
 from ._standard import StandardWebhooks
 from ._stripe import Stripe

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..middleware import _routes
-from ..middleware._outcome import OutcomeOption
-from ._provider import Provider
+from .. import _routes
+from .._outcome import OutcomeOption
+from .._provider import Provider
 
 __all__ = ["webhook"]
 

@@ -15,7 +15,7 @@ import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
 
-from ._provider import Delivery, any_equal, body_id, secret_list, unverified
+from .._provider import Delivery, any_equal, body_id, secret_list, unverified
 
 __all__ = ["Shopify"]
 

@@ -15,7 +15,7 @@ import hmac
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._provider import (
+from .._provider import (
     DEFAULT_TOLERANCE_SECONDS,
     Delivery,
     any_equal,

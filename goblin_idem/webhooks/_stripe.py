@@ -13,7 +13,7 @@ import hmac
 import json
 from collections.abc import Iterable, Mapping
 
-from ._provider import (
+from .._provider import (
     DEFAULT_TOLERANCE_SECONDS,
     Delivery,
     any_equal,

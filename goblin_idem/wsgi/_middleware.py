@@ -15,13 +15,14 @@ from typing import Any, TypeAlias
 
 from starlette.types import Scope
 
+from .. import _routes
 from .._exchange import Exchange
 from .._loop import loop_thread
+from .._routes import RESOLVED_POLICY, RoutePolicy
 from .._threaded import ThreadedRecords, for_sync_apps
-from ..middleware import Counters, _routes
+from ..middleware import Counters
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._lifespan import Lifespan
-from ..middleware._routes import RESOLVED_POLICY, RoutePolicy
 from ..store import Store
 from ._app import WSGIApp, WSGIResponder, body_reader, read_whole, scope_of
 from ._bridge import HANDOFF, ClientGone, Handoff, Outer, latin1, status_line, thread_app

@@ -16,9 +16,9 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from .. import _problems as problems
 from .._log import describe
 from .._threaded import ThreadRecords, ThreadWork
-from ..middleware import _problems as problems
 from ._app import WSGIApp
 
 __all__ = ["UnkeyedApp"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import TypeAlias
 
-from .._durations import kind
+from ._durations import kind
 
 __all__ = ["NOT_OUTCOME", "Outcome", "OutcomeOption", "default", "is_outcome", "table"]
 

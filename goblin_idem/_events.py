@@ -1,4 +1,5 @@
-"""What the middleware counts: one typed event per outcome, counted in one place.
+"""What a door counts and logs: one typed event per outcome, counted in one place, and a
+store's failure logged in one place (`log_store_error`).
 
 Every outcome is an `Event`, a name mypy checks wherever one is reported; `Events` is the
 one function that counts it (a field of `Counters` per event, checked at import) and tells
@@ -9,11 +10,19 @@ once per request; a closing step that is started again after a cancel reports no
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-__all__ = ["Counters", "Event", "Events"]
+from redis.exceptions import AuthenticationError, NoPermissionError
+
+from ._log import describe
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["Counters", "Event", "Events", "log_store_error"]
 
 logger = logging.getLogger("goblin_idem.middleware")
 
@@ -85,3 +94,21 @@ class Events:
                 self.on_event(event, key_hash)
             except Exception:  # a metrics hook must never fail a request
                 logger.exception("on_event hook failed")
+
+
+# Errors that no retry fixes, only a change of configuration: logged once per store.
+CONFIGURATION_ERRORS = (NoPermissionError, AuthenticationError)
+_misconfigured: weakref.WeakSet[Any] = weakref.WeakSet()  # stores whose error was logged
+
+
+def log_store_error(store: Store, level: int, exc: BaseException, message: str, key: str) -> None:
+    """`message` and the error, each time; a configuration error (a permission the
+    store's user lacks, a wrong password) only once per store, since every request
+    would repeat it until the configuration changes, and its text names the fix."""
+    if isinstance(exc, CONFIGURATION_ERRORS):
+        if store in _misconfigured:
+            logger.debug("%s: %s", message % key, describe(exc))
+            return
+        _misconfigured.add(store)
+        message += " (a configuration error, logged once for this store)"
+    logger.log(level, "%s: %s", message % key, describe(exc))

@@ -3,7 +3,7 @@
 The middleware's options give the defaults and the path patterns (`include`, `exclude`,
 `required_paths`); an endpoint marked with `@idempotent` overrides them for its route. The
 mark is found the way the router finds the endpoint, so a request meets the policy of the
-route that serves it, and the OpenAPI document (openapi.py) says the same. A framework
+route that serves it, and the OpenAPI document (middleware/_openapi.py) says the same. A framework
 that routes by its own means (Flask's URL map, Django's resolver) resolves the endpoint
 itself and hands the middleware its mark in the scope (`RESOLVED_POLICY`, `policy_of`).
 """
@@ -17,17 +17,15 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from starlette.routing import Match
 from starlette.types import Scope
 
-from .. import _options as options
+from . import _options as options
 from . import _outcome
 from ._outcome import Outcome, OutcomeOption
-
-if TYPE_CHECKING:
-    from ..webhooks import Provider
+from ._provider import Provider
 
 __all__ = [
     "RESOLVED_POLICY",
@@ -290,8 +288,6 @@ def mark_endpoint(func: F, policy: RoutePolicy) -> F:
 
 def check_provider(name: str, provider: object) -> None:
     """A webhook provider: a `name`, the `headers` it reads and a `verify` method."""
-    from ..webhooks import Provider  # here: the webhooks package imports the marks
-
     if not isinstance(provider, Provider) or not callable(provider.verify):
         raise TypeError(
             f"{name} takes a webhook provider (goblin_idem.webhooks: StandardWebhooks, "

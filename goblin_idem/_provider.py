@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from .._durations import seconds
-from ..exceptions import WebhookRefusedError
+from ._durations import seconds
+from .exceptions import WebhookRefusedError
 
 __all__ = [
     "DEFAULT_TOLERANCE_SECONDS",

@@ -1,0 +1,194 @@
+"""`RecordsTable`: what the async `SqlRecords` (`_records`) and the sync one (`_sync_records`)
+share, in a module below both, so that neither imports the other to get it."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import (
+    Column,
+    DateTime,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    bindparam,
+    inspect,
+    select,
+)
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import ArgumentError, InvalidRequestError
+
+from .._log import describe
+from ..exceptions import SqlRecordsError
+
+__all__ = ["DEFAULT_TABLE", "PURGE_BATCH", "RecordsTable"]
+
+DEFAULT_TABLE = "goblin_idem_records"
+DIALECTS = ("postgresql", "sqlite")
+PURGE_BATCH = 1000  # rows deleted per transaction: short locks on a busy table
+
+E = TypeVar("E")  # an engine, sync or async
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+class RecordsTable:
+    """What the async `SqlRecords` and the sync one (`_sync_records`) share: the table, the
+    statements a run executes, the URL that logs show, and what a check says of a table
+    that is missing or of another shape. One definition, so both write the same rows."""
+
+    def __init__(self, url: str, table: str) -> None:
+        try:
+            parsed = make_url(url)
+        except ArgumentError as exc:
+            raise ValueError(f"SqlRecords: not a database URL: {exc}") from None
+        if parsed.get_backend_name() not in DIALECTS:
+            raise ValueError(
+                f"SqlRecords supports PostgreSQL and SQLite, not {parsed.get_backend_name()}"
+            )
+        if not isinstance(table, str) or not table:
+            raise TypeError("table must be a non-empty str")
+        self.where = parsed.render_as_string(hide_password=True)
+        self.metadata = MetaData()
+        self.table = Table(
+            table,
+            self.metadata,
+            Column("key", LargeBinary(255), primary_key=True),
+            Column("key_hash", String(64), nullable=False),
+            Column("fingerprint", LargeBinary(16), nullable=False),
+            Column("record", LargeBinary, nullable=False),
+            Column("created_at", DateTime(timezone=True), nullable=False),
+            Column("expires_at", DateTime(timezone=True), nullable=False, index=True),
+        )
+        # The statements a run executes, built once: building one costs more than its
+        # round trip (SQLAlchemy coerces every clause), compiling it is cached per dialect.
+        t = self.table
+        self._lookup = select(t.c.record, t.c.expires_at).where(
+            t.c.key == bindparam("wanted"), t.c.expires_at > bindparam("now")
+        )
+        self._upserts: dict[str, Any] = {}
+
+    def _upsert(self, dialect: str) -> Any:
+        """INSERT ... ON CONFLICT (key) DO UPDATE ... WHERE the row has expired, RETURNING
+        key: a row only if the key had none, or an expired one. Built once per dialect."""
+        statement = self._upserts.get(dialect)
+        if statement is not None:
+            return statement
+        insert: Any
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        t = self.table
+        upsert = insert(t)
+        updated = [c.name for c in t.columns if c.name != "key"]
+        statement = upsert.on_conflict_do_update(
+            index_elements=[t.c.key],
+            set_={name: upsert.excluded[name] for name in updated},
+            where=t.c.expires_at <= upsert.excluded.created_at,
+        ).returning(t.c.key)
+        self._upserts[dialect] = statement
+        return statement
+
+    @staticmethod
+    def _row(key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> dict[str, Any]:
+        """The record's row, committed now, expiring in `ttl_ms`."""
+        now = _utcnow()
+        return {
+            "key": key,
+            "key_hash": key_hash,
+            "fingerprint": fp,
+            "record": data,
+            "created_at": now,
+            "expires_at": now + datetime.timedelta(milliseconds=ttl_ms),
+        }
+
+    def _pipeline(
+        self, dialect: Any, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
+    ) -> list[tuple[str, tuple[Any, ...] | None]]:
+        """What psycopg's pipeline sends to commit the record with the run's writes: the
+        key's expired row deleted, the row inserted (the primary key refuses an unexpired
+        one, which aborts what follows), and a COMMIT statement, not the driver's commit(),
+        which would sync the pipeline (a second round trip)."""
+        table = dialect.identifier_preparer.format_table(self.table)
+        now = _utcnow()
+        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        return [
+            (f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (key, now)),
+            (
+                f"INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, "
+                "expires_at) VALUES (%s, %s, %s, %s, %s, %s)",
+                (key, key_hash, fp, data, now, expires),
+            ),
+            ("COMMIT", None),
+        ]
+
+    @staticmethod
+    def _found(row: Any, now: datetime.datetime) -> tuple[bytes, int] | None:
+        """A lookup's row as the record and the milliseconds it has left."""
+        if row is None:
+            return None
+        expires = row[1] if row[1].tzinfo else row[1].replace(tzinfo=datetime.timezone.utc)
+        return bytes(row[0]), max(1, int((expires - now).total_seconds() * 1000))
+
+    def _engine_made(self, make: Callable[[], E], drivers: str) -> E:
+        """The engine `make` returns, made now (which imports its driver); SqlRecordsError
+        saying what to install, or which driver to name (`drivers`), if it cannot be."""
+        try:
+            return make()
+        except ModuleNotFoundError as exc:
+            raise SqlRecordsError(
+                f"goblin-idem records: the database driver {exc.name!r} is not installed: "
+                f"install it (pip install {exc.name}), or name an installed driver in the URL "
+                f"{self.where}"
+            ) from exc
+        except InvalidRequestError as exc:
+            raise SqlRecordsError(f"goblin-idem records: {exc}: name {drivers}") from exc
+
+    def _unreachable(self, exc: Exception) -> SqlRecordsError:
+        """What check() says of a database it could not ask."""
+        return SqlRecordsError(
+            f"goblin-idem records: cannot use the database at {self.where} "
+            f"({describe(exc)}); start it, or fix the URL"
+        )
+
+    def _taken(self, exc: Any) -> bool:
+        """Whether psycopg's UniqueViolation `exc` is this table's key (another run committed
+        the key first), not an app's own constraint checked at COMMIT (its error stands)."""
+        return bool(exc.diag.table_name == self.table.name)
+
+    def _shaped(self, columns: tuple[set[str], list[str]] | None, create: str) -> str:
+        """What check() says: raise SqlRecordsError unless the table exists with this
+        release's columns (`columns` as `_shape` found them); `create` is how to make it."""
+        name = self.table.name
+        if columns is None:
+            raise SqlRecordsError(
+                f"goblin-idem records: the table {name!r} does not exist in {self.where}: "
+                f"create it with `{create}` (or from `records.table` in a migration), or pass "
+                "table= the name of the one you created"
+            )
+        expected = {c.name for c in self.table.columns}
+        missing = sorted(expected - columns[0])
+        if missing or columns[1] != ["key"]:
+            raise SqlRecordsError(
+                f"goblin-idem records: the table {name!r} in {self.where} has another shape "
+                f"(missing columns: {', '.join(missing) or 'none'}; primary key: "
+                f"{', '.join(columns[1]) or 'none'}, should be key): create the table from "
+                f"`records.table` (`{create}`), or pass table= another name"
+            )
+        return f"table {name} in {self.where}"
+
+
+def _shape(conn: Connection, name: str) -> tuple[set[str], list[str]] | None:
+    """The table's column names and primary key, or None if there is no such table."""
+    inspector = inspect(conn)
+    if not inspector.has_table(name):
+        return None
+    columns = {c["name"] for c in inspector.get_columns(name)}
+    primary = list(inspector.get_pk_constraint(name).get("constrained_columns") or [])
+    return columns, primary
