@@ -14,6 +14,7 @@ import pytest
         ("goblin_idem.sql", "sqlalchemy", "sql"),
         ("goblin_idem.sql", "greenlet", "sql"),  # SQLAlchemy without its asyncio half
         ("goblin_idem.client", "httpx", "client"),
+        ("goblin_idem.grpc", "grpc", "grpc"),
     ],
 )
 def test_a_missing_extra_is_named(module: str, missing: str, extra: str) -> None:
