@@ -305,7 +305,9 @@ class Session:
             )
         server = Server(block, port, proc, log)
         self.servers.append(server)
-        deadline = time.monotonic() + 120
+        # A server command may install first (README's `pip install -e '.[docs]' && mkdocs
+        # serve`: the docs extra into a fresh venv, then the whole site built).
+        deadline = time.monotonic() + 240
         while not accepts(port):
             said = log.read_text(errors="replace")
             assert proc.poll() is None, f"{block.where}: the server exited: {said}"
