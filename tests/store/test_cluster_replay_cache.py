@@ -354,6 +354,10 @@ async def test_a_slot_table_flagged_stale_is_not_read_for_an_answer_from_memory(
         r = await completed(store)
         client = store.client
         assert isinstance(client, RedisCluster) and not slots_stale(client)
+        if not hasattr(client.nodes_manager, "_topology_refresh_min_interval"):
+            # A redis-py with no minimum time between refreshes (6.x) refreshes within the
+            # command that met the MOVED: no command ever finds the table flagged stale.
+            pytest.skip("this redis-py leaves no slot table flagged stale between commands")
         # Set now, not at construction (the first refreshes would then leave it stale):
         client.reinitialize_steps = 1  # every MOVED asks for a refresh...
         client.nodes_manager._topology_refresh_min_interval = 60  # ...not due for a minute
