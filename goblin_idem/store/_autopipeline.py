@@ -503,12 +503,14 @@ class AutoPipeline:
         expiries and the server's last word come out sooner there, never later; entries are
         read without the cache's lock (`_replay_cache`)."""
         conn = self._conn
-        if conn is None or conn.cache is None:
+        if conn is None:
+            return None
+        cache = conn.cache
+        if cache is None or key not in cache.entries:  # a miss (every first run) ends here
             return None
         if now is None:
             now = conn.loop.time()
-        cache = conn.serving(now)
-        return None if cache is None else cache.get(key, now)
+        return None if conn.serving(now) is None else cache.get(key, now)
 
     def fill(self, key: bytes, claim: bytes) -> None:
         """Read result `key` into the cache, in the background: its GET and the PTTLs of it

@@ -140,7 +140,14 @@ class ReplayCache:
 
     def discard(self, key: bytes) -> None:
         """Forget `key` (a result key, or the claim key of one): the server's invalidation,
-        or this process changing or forgetting it. A fill of it under way is spoiled."""
+        or this process changing or forgetting it. A fill of it under way is spoiled.
+
+        A key with no entry, no fill and no claim returns at once, without the lock: each
+        membership test is atomic, every change is made under the lock, and a fill that
+        starts after the tests is the caller's own race, as it is after the lock's release
+        (a first run's publish asks here for keys that are almost never kept)."""
+        if key not in self.entries and key not in self.pending and key not in self.claims:
+            return
         with self._lock:
             for result in (key, self.claims.get(key)):
                 if result is not None:
