@@ -234,7 +234,9 @@ class _StoreConnection:
         is not served until the server's invalidation arrives)."""
         if not self.replay_cache_bytes:
             return
-        for executor in (self._first, *self._loops.values()):
+        loops = self._loops.values()  # replaced whole, never changed in place
+        first = self._first  # one of them while its loop runs: visited once
+        for executor in loops if first in loops else (first, *loops):
             replays = executor.replays
             if replays is not None:
                 for key in keys:
