@@ -13,9 +13,9 @@ inherited (fork) connection drops everything, since its tracking is gone too.
 
 Only a key that had a duplicate is kept: the first duplicate, which reads the result from
 the store (`RedisStore.claim_unless_done`), starts a fill, and later duplicates are answered
-from memory. A publish tracks nothing, so a first run costs the same with the cache as
-without it (most keys never see a duplicate), and the server's tracking table holds only
-the keys that had one (their result and claim keys; bench/README.md has the bytes each
+from memory. A publish tracks nothing, so a first run sends the same commands with the
+cache as without it (most keys never see a duplicate), and the server's tracking table
+holds only the keys that had one (their result and claim keys; bench/README.md has the bytes each
 takes).
 
 The fill is race-free because the tracked read and the value read are one step: the value
