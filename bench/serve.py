@@ -141,10 +141,11 @@ def count_store_calls(store: Any) -> None:
 
 def count_tracked_sends() -> None:
     """A publish that fills the replay cache goes out on its connection directly, not
-    through `execute`: count it as the round trip it is."""
+    through `execute`: count it as the round trip it is (in the releases whose publish
+    filled it; since then only a duplicate's read does, in the background)."""
     from goblin_idem.store import _autopipeline as autopipeline
 
-    tracked = getattr(autopipeline, "TrackedSend", None)  # a release before the cache: none
+    tracked = getattr(autopipeline, "TrackedSend", None)  # before or after those: none
     if tracked is None:
         return
     send = tracked.send

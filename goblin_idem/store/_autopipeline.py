@@ -49,7 +49,7 @@ try:
 except ImportError:  # pragma: no cover - the "fast" extra installs it
     hiredis = None  # type: ignore[assignment]
 
-__all__ = ["HIREDIS", "AutoPipeline", "TrackedSend", "pack"]
+__all__ = ["HIREDIS", "AutoPipeline", "pack"]
 
 logger = logging.getLogger("goblin_idem.store")
 
@@ -75,8 +75,8 @@ MAX_DRAINING = 3
 #: server that stopped answering (a partition, a stuck primary) cannot send invalidations.
 HEARD_SECONDS = 1.0
 #: What turns a connection's replay cache on: RESP3, for invalidations pushed down the same
-#: socket; no echo of the connection's own writes (NOLOOP: a publish changes the claim it
-#: then tracks in the same step, and the store drops what it changes itself); tracking of
+#: socket; no echo of the connection's own writes (NOLOOP: the store drops what it changes
+#: itself, before and after); tracking of
 #: only the reads that ask for it (``CLIENT CACHING YES``, tried
 #: here once, so that an ACL refusing it turns the cache off; the PING after it takes the
 #: flag and reads no key, and its reply, allowed or not, does not count).
@@ -503,12 +503,14 @@ class AutoPipeline:
         expiries and the server's last word come out sooner there, never later; entries are
         read without the cache's lock (`_replay_cache`)."""
         conn = self._conn
-        if conn is None or conn.cache is None:
+        if conn is None:
+            return None
+        cache = conn.cache
+        if cache is None or key not in cache.entries:  # a miss (every first run) ends here
             return None
         if now is None:
             now = conn.loop.time()
-        cache = conn.serving(now)
-        return None if cache is None else cache.get(key, now)
+        return None if conn.serving(now) is None else cache.get(key, now)
 
     def fill(self, key: bytes, claim: bytes) -> None:
         """Read result `key` into the cache, in the background: its GET and the PTTLs of it
@@ -550,18 +552,6 @@ class AutoPipeline:
             return None
         return conn
 
-    def tracked(self, key: bytes, claim: bytes) -> TrackedSend | None:
-        """A send whose commands track `key` and whose reply may fill the cache with it
-        (`TrackedSend`); None with no cache, a fill of `key` under way, or while retries
-        are on (a retried send could land on another connection than the cache's)."""
-        conn = self._usable()
-        if conn is None or self.retry is not None:
-            return None
-        cache = conn.cache
-        if cache is None or not cache.start(key, claim):
-            return None
-        return TrackedSend(self, conn, cache, key, claim)
-
     async def aclose(self) -> None:
         """Close the connection; calls still in flight fail, a later call opens a new one."""
         conn, self._conn = self._conn, None
@@ -570,47 +560,6 @@ class AutoPipeline:
         for c in (conn, *draining):
             if c is not None and c.broken is None:
                 c.fail(RedisConnectionError("Connection closed by the client."))
-
-
-class TrackedSend:
-    """Commands sent on one connection of `pipeline`, whose tracked read of `key` lets its
-    cache keep `key`'s result (a publish: its PTTL follows the SET inside one MULTI/EXEC).
-    The caller ends it with `finish` or `cancel`; the first ends it, a later call does
-    nothing (a cancelled send's reply never fills: another fill of `key` may have started
-    since, and its entry is its own)."""
-
-    __slots__ = ("cache", "claim", "conn", "ended", "key", "pipeline", "sent")
-
-    def __init__(
-        self,
-        pipeline: AutoPipeline,
-        conn: _Connection,
-        cache: ReplayCache,
-        key: bytes,
-        claim: bytes,
-    ) -> None:
-        self.pipeline = pipeline
-        self.conn = conn
-        self.cache = cache
-        self.key = key
-        self.claim = claim
-        self.sent = conn.loop.time()
-        self.ended = False
-
-    def send(self, commands: Sequence[Sequence[Any]]) -> asyncio.Future[list[Any]]:
-        return self.conn.send(pack(commands), len(commands))
-
-    def finish(self, value: bytes, ttl_ms: int) -> None:
-        """The result stored, `ttl_ms` left (the shorter of its and its claim's) when it
-        was read: keep it."""
-        if not self.ended:
-            self.ended = True
-            self.cache.finish(self.key, self.claim, value, ttl_ms, self.sent)
-
-    def cancel(self) -> None:
-        if not self.ended:
-            self.ended = True
-            self.cache.cancel(self.key, self.claim)
 
 
 async def _ignore(error: Exception) -> None:

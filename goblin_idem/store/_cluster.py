@@ -26,7 +26,7 @@ from redis.exceptions import (
 )
 
 from . import _scripts as scripts
-from ._autopipeline import PUSHES, AutoPipeline, TrackedSend
+from ._autopipeline import PUSHES, AutoPipeline
 from ._executor import LOST, Address, Command, Executor, Outcome, Wait, Where, no_script, pipelined
 from ._redis_compat import (
     drop_cluster_nodes,
@@ -275,24 +275,6 @@ class ClusterPipelined(Clustered):
             outcome = replies
         return await self._after(key, commands, address, outcome)
 
-    async def send_tracked(
-        self, key: bytes, commands: Sequence[Command], tracked: TrackedSend
-    ) -> list[Any]:
-        """`send`, its first attempt on `tracked`'s connection (a replay cache's, of the
-        primary the slot table named); anything but a clean reply cancels `tracked` and
-        goes on as `send` does from there (a redirect, TRYAGAIN, a lost connection)."""
-        pipeline = tracked.pipeline
-        try:
-            replies = await tracked.send(commands)
-        except LOST as exc:
-            outcome: Outcome = exc
-        else:
-            if _clean(replies):
-                return replies
-            outcome = replies
-        tracked.cancel()
-        return await self._after(key, commands, (pipeline.host, pipeline.port), outcome)
-
     async def _after(
         self, key: bytes, commands: Sequence[Command], address: Address, outcome: Outcome
     ) -> list[Any]:
@@ -385,8 +367,8 @@ class ClusterPipelined(Clustered):
 
 class ClusterReplays:
     """The replay caches of a cluster store: each primary's shared connection tracks, and
-    keeps, what was read on it (`_replay_cache`); a key's result is looked up, filled and
-    published through the pipeline of the primary its slot has in the slot table, read in
+    keeps, what was read on it (`_replay_cache`); a key's result is looked up and filled
+    through the pipeline of the primary its slot has in the slot table, read in
     place (no network call; nothing while the table is stale), and forgotten in all of them.
 
     An entry holds the bytes that one node held for the key when that node's connection read
@@ -437,10 +419,6 @@ class ClusterReplays:
         pipeline = self._pipeline(key)
         if pipeline is not None:
             pipeline.fill(key, claim)
-
-    def tracked(self, key: bytes, claim: bytes) -> TrackedSend | None:
-        pipeline = self._pipeline(key)
-        return None if pipeline is None else pipeline.tracked(key, claim)
 
     def discard(self, key: bytes) -> None:
         """Forget `key` in every primary's cache (any thread may call it)."""

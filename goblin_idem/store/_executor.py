@@ -35,7 +35,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -44,9 +44,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..exceptions import NotReplicatedError
 from . import _scripts as scripts
 from ._redis_compat import drop_pool, shut_down
-
-if TYPE_CHECKING:
-    from ._autopipeline import TrackedSend
 
 __all__ = [
     "NOT_WAITED",
@@ -90,8 +87,6 @@ class Replays(Protocol):
     def cached(self, key: bytes) -> bytes | None: ...
 
     def fill(self, key: bytes, claim: bytes) -> None: ...
-
-    def tracked(self, key: bytes, claim: bytes) -> TrackedSend | None: ...
 
     def discard(self, key: bytes) -> None: ...
 
@@ -167,18 +162,6 @@ class Executor:
         """After NOSCRIPT: load the scripts where it came from, send once more."""
         await self._load_scripts(key, where)
         replies, _ = await self._send(key, commands)
-        return replies
-
-    async def send_tracked(
-        self, key: bytes, commands: Sequence[Command], tracked: TrackedSend
-    ) -> list[Any]:
-        """`commands` on `tracked`'s connection, whose reply may fill its cache; where they
-        must be sent again (NOSCRIPT here), they go through `send` and `tracked` is
-        cancelled: the read that counts is then another connection's, or a later one."""
-        replies = await tracked.send(commands)
-        if no_script(replies):
-            tracked.cancel()
-            return await self.send(key, commands)
         return replies
 
     async def send_durably(

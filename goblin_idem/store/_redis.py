@@ -34,10 +34,10 @@ from ._arguments import (
     claim_seconds,
     publish_ttl,
 )
-from ._autopipeline import AutoPipeline, TrackedSend
+from ._autopipeline import AutoPipeline
 from ._cluster import Clustered, ClusterPipelined
 from ._detection import Detection, Mode, node_name
-from ._executor import NOT_WAITED, Acked, Command, Executor, Wait
+from ._executor import Acked, Command, Executor, Wait
 from ._protocol import CLAIMED, ClaimReply, KeyT, Published
 from ._redis_compat import copy_client, startup_nodes
 from ._replay_cache import DEFAULT_REPLAY_CACHE_BYTES
@@ -234,7 +234,9 @@ class _StoreConnection:
         is not served until the server's invalidation arrives)."""
         if not self.replay_cache_bytes:
             return
-        for executor in (self._first, *self._loops.values()):
+        loops = self._loops.values()  # replaced whole, never changed in place
+        first = self._first  # one of them while its loop runs: visited once
+        for executor in loops if first in loops else (first, *loops):
             replays = executor.replays
             if replays is not None:
                 for key in keys:
@@ -368,8 +370,9 @@ class RedisStore(_StoreConnection):
     hiredis. Plain commands and mode detection always use the client.
 
     Replay cache (``replay_cache_bytes``, 0 by default: off): with a budget, each event
-    loop's shared connection keeps the results it published or read in memory and answers
-    their duplicates from there, kept coherent by the server's invalidations (RESP3 client
+    loop's shared connection keeps in memory the results a duplicate read from the store,
+    and answers later duplicates from there (a first run tracks nothing), kept coherent by
+    the server's invalidations (RESP3 client
     tracking on that connection, `_replay_cache`); `forget_cached` drops a key at once.
     In a cluster each primary's shared connection has its own, and a key is looked up in
     the one of its slot's primary (`executors.ClusterReplays`, which says what keeps it
@@ -560,57 +563,10 @@ class RedisStore(_StoreConnection):
         renew = scripts.CAEXPIRE.call(await self._ready(), (ck,), (tok, ttl))
         executor = self._executor
         self._forget((rk, ck))  # changed below: what this process kept of them is over
-        tracked = None if executor.replays is None else executor.replays.tracked(rk, ck)
-        if tracked is None:
-            transaction: list[Command] = [
-                ("MULTI",),
-                ("SET", rk, v, "PX", ttl, "NX"),
-                renew,
-                ("EXEC",),
-            ]
-            replies, acked = await executor.send_durably(ck, transaction)
-            written, renewed = self._published(replies, acked)
-            return WRITTEN[renewed] if written else await self._stood(rk, v, ck, tok, renewed)
-        try:
-            return await self._publish_tracked(tracked, executor, rk, v, ttl, ck, tok, renew)
-        finally:
-            tracked.cancel()  # unless it finished
-
-    async def _publish_tracked(
-        self,
-        tracked: TrackedSend,
-        executor: Executor,
-        rk: bytes,
-        v: bytes,
-        ttl: int,
-        ck: bytes,
-        tok: bytes,
-        renew: Command,
-    ) -> Published:
-        """`publish` with the replay cache: ``CLIENT CACHING YES`` before the MULTI tracks the
-        PTTLs inside it, which read the result and its claim right after they were written,
-        in the same atomic step; a written result whose claim is held is then kept in memory
-        for the shorter of the two TTLs. Same round trip, on the connection whose cache it
-        fills (`TrackedSend`)."""
-        transaction: list[Command] = [
-            ("CLIENT", "CACHING", "YES"),
-            ("MULTI",),
-            ("SET", rk, v, "PX", ttl, "NX"),
-            renew,
-            ("PTTL", rk),
-            ("PTTL", ck),
-            ("EXEC",),
-        ]
-        replies = await executor.send_tracked(ck, transaction, tracked)
-        caching, *replies = replies  # refused (an ACL changed): the PTTL was not tracked
-        written, renewed = self._published(replies, NOT_WAITED)
-        if not written:
-            return await self._stood(rk, v, ck, tok, renewed)
-        result_left, claim_left = replies[-1][-2:]
-        if not isinstance(caching, Exception):
-            if type(result_left) is int and type(claim_left) is int:
-                tracked.finish(v, min(result_left, claim_left))
-        return WRITTEN[renewed]
+        transaction: list[Command] = [("MULTI",), ("SET", rk, v, "PX", ttl, "NX"), renew, ("EXEC",)]
+        replies, acked = await executor.send_durably(ck, transaction)
+        written, renewed = self._published(replies, acked)
+        return WRITTEN[renewed] if written else await self._stood(rk, v, ck, tok, renewed)
 
     def _published(self, replies: list[Any], acked: Acked) -> tuple[bool, int]:
         """What the publish transaction's replies (its EXEC's last) say was done: whether

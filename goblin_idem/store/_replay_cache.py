@@ -2,23 +2,30 @@
 
 A stored result never changes: publish writes it with SET NX, so its bytes stand until the key
 is gone (expired, evicted, deleted, flushed). A duplicate of a key whose result this process
-has read or written can then be answered from memory, provided the process learns at once
-that the key is gone. The server tells it: the shared connection (`AutoPipeline`) speaks
-RESP3 with ``CLIENT TRACKING ON OPTIN``, and every result kept here was read by a tracked
-command on that same connection, so the server pushes an invalidation for it down the same
-socket when another client changes the key, or the server expires, evicts or flushes it
-(NOLOOP: this connection's own changes are not echoed; `RedisStore` drops the keys it changes
-itself, before and after). One cache belongs to one connection and dies with it: a lost,
-retired or inherited (fork) connection drops everything, since its tracking is gone too.
+has read can then be answered from memory, provided the process learns at once that the key
+is gone. The server tells it: the shared connection (`AutoPipeline`) speaks RESP3 with
+``CLIENT TRACKING ON OPTIN``, and every result kept here was read by a tracked command on
+that same connection, so the server pushes an invalidation for it down the same socket when
+another client changes the key, or the server expires, evicts or flushes it (NOLOOP: this
+connection's own changes are not echoed; `RedisStore` drops the keys it changes itself,
+before and after). One cache belongs to one connection and dies with it: a lost, retired or
+inherited (fork) connection drops everything, since its tracking is gone too.
+
+Only a key that had a duplicate is kept: the first duplicate, which reads the result from
+the store (`RedisStore.claim_unless_done`), starts a fill, and later duplicates are answered
+from memory. A publish tracks nothing, so a first run sends the same commands with the
+cache as without it (most keys never see a duplicate), and the server's tracking table
+holds only the keys that had one (their result and claim keys; bench/README.md has the bytes each
+takes).
 
 The fill is race-free because the tracked read and the value read are one step: the value
 and the PTTLs of the result and its claim are read inside one MULTI/EXEC preceded by
-``CLIENT CACHING YES`` (which covers the whole transaction), or, for a publish, the PTTLs
-follow the SET inside the same MULTI/EXEC. Any change after that step is pushed after its
-reply, on the same socket, so it is read after the entry is made and removes it. A fill is
-registered before it is sent (`start`), and an invalidation or `clear` meanwhile spoils it:
-whatever its reply says, it is then not kept (this covers a push read before the reply, and
-`RedisStore.forget_cached` called while a fill is on the wire).
+``CLIENT CACHING YES`` (which covers the whole transaction). Any change after that step is
+pushed after its reply, on the same socket, so it is read after the entry is made and
+removes it. A fill is registered before it is sent (`start`), and an invalidation or
+`clear` meanwhile spoils it: whatever its reply says, it is then not kept (this covers a
+push read before the reply, and `RedisStore.forget_cached` called while a fill is on the
+wire).
 
 The claim is tracked too: the store's CLAIM returns the result and changes nothing only
 while the claim is held (a lost claim is retaken by the next CLAIM), so an entry ends when
@@ -133,7 +140,14 @@ class ReplayCache:
 
     def discard(self, key: bytes) -> None:
         """Forget `key` (a result key, or the claim key of one): the server's invalidation,
-        or this process changing or forgetting it. A fill of it under way is spoiled."""
+        or this process changing or forgetting it. A fill of it under way is spoiled.
+
+        A key with no entry, no fill and no claim returns at once, without the lock: each
+        membership test is atomic, every change is made under the lock, and a fill that
+        starts after the tests is the caller's own race, as it is after the lock's release
+        (a first run's publish asks here for keys that are almost never kept)."""
+        if key not in self.entries and key not in self.pending and key not in self.claims:
+            return
         with self._lock:
             for result in (key, self.claims.get(key)):
                 if result is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from goblin_idem._loop import loop_thread
 from goblin_idem.django import IdempotencyMiddleware
 from goblin_idem.records._format import decode, encode
 from goblin_idem.sql import SqlRecords, connection
+from goblin_idem.store._autopipeline import AutoPipeline
 from tests.store.test_replay_cache import commands_served
 from tests.support.servers import Server
 from tests.support.wsgi import run_until_exit
@@ -363,6 +365,17 @@ def test_a_replay_without_a_content_type_has_none(redis_server: Server) -> None:
     assert again["X-Trace"] == "t1, t2"
 
 
+def until_kept(store: RedisStore, result: bytes) -> None:
+    """Wait for the loop thread's replay cache to hold `result` (its fill's reply)."""
+    deadline = time.monotonic() + 5
+    while not any(
+        isinstance(e.replays, AutoPipeline) and e.replays.cached(result, time.monotonic())
+        for e in tuple(store._loops.values())
+    ):
+        assert time.monotonic() < deadline, "the fill never arrived"
+        time.sleep(0.001)
+
+
 def test_a_replay_kept_in_memory_is_answered_in_the_request_thread(redis_server: Server) -> None:
     """With a replay cache, a duplicate is answered in the request's thread (its event
     reported there), with no command sent: the same response, cookies included, as a
@@ -377,6 +390,9 @@ def test_a_replay_kept_in_memory_is_answered_in_the_request_thread(redis_server:
     try:
         with override_settings(GOBLIN_IDEM={"STORE": store, "ON_EVENT": hook}):
             assert post(Client(), "/cookie", k).status_code == 201
+            # the first duplicate reads the store, whose answer is then kept in memory
+            assert post(Client(), "/cookie", k).status_code == 201
+            until_kept(store, key_names(b"idem", b"", k.encode()).result)
             before = commands_served(redis_server)
             again = post(Client(), "/cookie", k)
             assert commands_served(redis_server) == before

@@ -137,7 +137,7 @@ async def test_a_replay_read_from_the_store_fills_the_cache_of_its_node(
     cluster, mode = shared
     other = store_on(cluster, mode)
     try:
-        r = await completed(other)
+        r = await completed(other, duplicated=False)
         before = served(cluster)
         assert await cached_store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
         port = node_of(cached_store, r)

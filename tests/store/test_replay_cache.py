@@ -79,22 +79,48 @@ async def until(condition: Callable[[], bool], seconds: float = 5.0) -> float:
     return loop.time() - start
 
 
-async def completed(store: RedisStore, value: bytes = b"done", ttl_ms: int = 60_000) -> str:
-    """A key run and published by `store`; its result key."""
+async def completed(
+    store: RedisStore, value: bytes = b"done", ttl_ms: int = 60_000, *, duplicated: bool = True
+) -> str:
+    """A key run and published by `store`; its result key. `duplicated`: then asked once
+    more, as a duplicate, which reads the result from the store, and kept in `store`'s
+    replay cache once that read's fill is in."""
     c, r = keys()
     assert await store.claim_unless_done(c, r, "t", 30) is CLAIMED
     assert await store.publish(r, value, ttl_ms, c, "t") is Published.STORED
+    if duplicated:
+        replays = store._executor.replays
+        assert replays is not None
+        assert await store.claim_unless_done(c, r, "u", 30) == value
+        await until(lambda: replays.cached(r.encode()) is not None)
     return r
+
+
+def tracked_keys(server: Server) -> int:
+    """The keys in the server's tracking table, of every client."""
+    with server.sync_client() as client:
+        return int(client.info("stats")["tracking_total_keys"])
 
 
 def claim_key(r: str) -> str:
     return r[:-1] + "c"
 
 
-async def test_a_published_key_replays_from_memory_with_no_command_sent(
+async def test_a_key_is_tracked_from_its_first_duplicate_and_then_replays_from_memory(
     store: RedisStore, server: Server
 ) -> None:
-    r = await completed(store, b"\x00answer\xff")
+    """A first run tracks nothing (most keys never see a duplicate): the server's tracking
+    table grows only with the keys that had one. The first duplicate reads the store and
+    fills the cache (its result and its claim tracked); later ones send no command."""
+    tracked = tracked_keys(server)
+    r = await completed(store, b"\x00answer\xff", duplicated=False)
+    assert tracked_keys(server) == tracked
+    assert not kept(store, r)
+    before = commands_served(server)
+    assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"\x00answer\xff"
+    assert commands_served(server) > before
+    await until(lambda: kept(store, r))
+    assert tracked_keys(server) == tracked + 2
     before = commands_served(server)
     for _ in range(3):
         assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"\x00answer\xff"
@@ -106,7 +132,7 @@ async def test_a_replay_read_from_the_store_fills_the_cache_of_another_process(
 ) -> None:
     other = RedisStore.from_url(server.url, replay_cache_bytes=BUDGET)
     try:
-        r = await completed(other)
+        r = await completed(other, duplicated=False)
         before = commands_served(server)
         assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
         await until(lambda: pipeline_of(store).cached(r.encode()) is not None)
@@ -207,7 +233,7 @@ async def test_the_cache_is_off_by_default_and_nothing_is_tracked(server: Server
     name = f"off-{secrets.token_hex(4)}"
     store = RedisStore.from_url(server.url, client_name=name)  # off by default
     try:
-        r = await completed(store)
+        r = await completed(store, duplicated=False)
         assert store._executor.replays is None
         before = commands_served(server)
         assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
@@ -237,7 +263,7 @@ async def test_a_server_that_refuses_tracking_leaves_the_cache_off(
         own_redis.url, username="app", password="pw", replay_cache_bytes=BUDGET
     )
     try:
-        r = await completed(store)
+        r = await completed(store, duplicated=False)
         assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
         assert pipeline_of(store).cached(r.encode()) is None
         assert "refused client-side tracking" in caplog.text
@@ -397,34 +423,13 @@ async def test_forget_drops_the_answer_kept_in_memory_at_once(
     assert await store.publish(names.result, b"done", 60_000, names.claim, "t") is (
         Published.STORED
     )
+    assert await store.claim_unless_done(names.claim, names.result, "u", 30) == b"done"
+    await until(lambda: pipeline_of(store).cached(names.result) is not None)
     before = commands_served(server)
     assert await store.claim_unless_done(names.claim, names.result, "u", 30) == b"done"
     assert commands_served(server) == before  # from memory
     assert await forget(store, key) is True
     assert await store.claim_unless_done(names.claim, names.result, "u", 30) is CLAIMED
-
-
-async def test_a_cancelled_tracked_send_never_fills_in_place_of_a_later_fill(
-    redis_server: Server,
-) -> None:
-    """A tracked publish sent again elsewhere (NOSCRIPT, a cluster redirect) is cancelled;
-    its `finish` afterwards must not take the place of a fill of the key started since,
-    whose tracked read is the one that counts."""
-    pipeline = AutoPipeline(
-        host=redis_server.host, port=redis_server.port, replay_cache_bytes=BUDGET
-    )
-    try:
-        await pipeline.execute([("PING",)])
-        tracked = pipeline.tracked(b"r", b"c")
-        assert tracked is not None
-        tracked.cancel()
-        cache = tracked.cache
-        assert cache.start(b"r", b"c")  # another fill of the key, on the wire
-        tracked.finish(b"not read by that fill", 60_000)
-        assert cache.get(b"r", asyncio.get_running_loop().time()) is None
-        assert cache.pending == {b"r": False}  # that fill still counts
-    finally:
-        await pipeline.aclose()
 
 
 async def test_a_stalled_connection_is_not_answered_from_memory(redis_server: Server) -> None:
