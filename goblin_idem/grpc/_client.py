@@ -165,12 +165,9 @@ def _retry_after(trailing: Any) -> float | None:
     return None
 
 
-class IdempotentClientInterceptor(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-):
-    """Keys and retries a sync channel's unary calls (see the module docstring):
-    ``grpc.intercept_channel(channel, IdempotentClientInterceptor())``."""
+class _Interceptor:
+    """What the sync and the grpc.aio client interceptors share: the options, and keying a
+    call's first message (or its metadata) before the first attempt."""
 
     def __init__(
         self,
@@ -188,6 +185,28 @@ class IdempotentClientInterceptor(
             derived_keys=derived_keys,
             key_secret=key_secret,
         )
+
+    def _keyed(self, details: Any, requests: list[Any]) -> tuple[list[Any], Any]:
+        if not requests:
+            return requests, details
+        first, metadata = self._keys.keyed(details.method, details.metadata, requests[0])
+        if metadata is not details.metadata:
+            details = self._with_metadata(details, metadata)
+        return [first, *requests[1:]], details
+
+    @staticmethod
+    def _with_metadata(details: Any, metadata: Any) -> Any:
+        """`details` with `metadata` instead of its own, as the channel kind wants them."""
+        raise NotImplementedError
+
+
+class IdempotentClientInterceptor(
+    _Interceptor,
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+):
+    """Keys and retries a sync channel's unary calls (see the module docstring):
+    ``grpc.intercept_channel(channel, IdempotentClientInterceptor())``."""
 
     def intercept_unary_unary(
         self, continuation: Callable[[Any, Any], Any], client_call_details: Any, request: Any
@@ -204,20 +223,16 @@ class IdempotentClientInterceptor(
         requests, details = self._keyed(client_call_details, list(request_iterator))
         return self._retried(lambda: continuation(details, iter(requests)))
 
-    def _keyed(self, details: Any, requests: list[Any]) -> tuple[list[Any], Any]:
-        if not requests:
-            return requests, details
-        first, metadata = self._keys.keyed(details.method, details.metadata, requests[0])
-        if metadata is not details.metadata:
-            details = _Details(
-                details.method,
-                details.timeout,
-                metadata,
-                details.credentials,
-                getattr(details, "wait_for_ready", None),
-                getattr(details, "compression", None),
-            )
-        return [first, *requests[1:]], details
+    @staticmethod
+    def _with_metadata(details: Any, metadata: Any) -> Any:
+        return _Details(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
 
     def _retried(self, attempt: Callable[[], Any]) -> Any:
         ends = self._keys.deadline()
@@ -233,27 +248,10 @@ class IdempotentClientInterceptor(
 
 
 class AsyncIdempotentClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamUnaryClientInterceptor
+    _Interceptor, grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamUnaryClientInterceptor
 ):
     """Keys and retries a grpc.aio channel's unary calls (see the module docstring):
     ``grpc.aio.insecure_channel(target, interceptors=[AsyncIdempotentClientInterceptor()])``."""
-
-    def __init__(
-        self,
-        *,
-        policy: RetryPolicy | None = None,
-        key_field: str = "request_id",
-        key_metadata: str = "idempotency-key",
-        derived_keys: bool = True,
-        key_secret: bytes | str | None = None,
-    ) -> None:
-        self._keys = _Keys(
-            policy=policy,
-            key_field=key_field,
-            key_metadata=key_metadata,
-            derived_keys=derived_keys,
-            key_secret=key_secret,
-        )
 
     async def intercept_unary_unary(
         self, continuation: Callable[[Any, Any], Any], client_call_details: Any, request: Any
@@ -274,19 +272,15 @@ class AsyncIdempotentClientInterceptor(
         requests, details = self._keyed(client_call_details, messages)
         return await self._retried(lambda: continuation(details, iter(requests)))
 
-    def _keyed(self, details: Any, requests: list[Any]) -> tuple[list[Any], Any]:
-        if not requests:
-            return requests, details
-        first, metadata = self._keys.keyed(details.method, details.metadata, requests[0])
-        if metadata is not details.metadata:
-            details = grpc.aio.ClientCallDetails(
-                details.method,
-                details.timeout,
-                grpc.aio.Metadata(*metadata),
-                details.credentials,
-                details.wait_for_ready,
-            )
-        return [first, *requests[1:]], details
+    @staticmethod
+    def _with_metadata(details: Any, metadata: Any) -> Any:
+        return grpc.aio.ClientCallDetails(
+            details.method,
+            details.timeout,
+            grpc.aio.Metadata(*metadata),
+            details.credentials,
+            details.wait_for_ready,
+        )
 
     async def _retried(self, attempt: Callable[[], Any]) -> Any:
         ends = self._keys.deadline()
