@@ -1,5 +1,6 @@
 """`forget`: an operator lets a key run again, by removing what answers it: the SQL record
-(the truth), then the stored result (with the redirects its runs answered) and the claim.
+(the truth), then the stored result (with the redirects its runs answered, and a broker
+consumer's count of its failed deliveries) and the claim.
 
 Every way of forgetting a key (the function, ``python -m goblin_idem forget``) is this one
 function, so whatever else comes to hold a key's answer is removed here too.
@@ -27,7 +28,7 @@ claim would let a second run start while the first one still runs.
 from __future__ import annotations
 
 from . import _options as options
-from ._keys import KeyNames, hop_key
+from ._keys import KeyNames, failures_key, hop_key
 from ._recording import Records
 from ._threaded import outside_requests
 from .exceptions import InFlightError
@@ -71,7 +72,9 @@ async def forget(
         removed = await records.forget(names.result)
     # RedisStore also drops the key from every replay cache of this process, before and
     # after the step; other processes drop theirs on the server's invalidation.
-    deleted = await store.forget(names.claim, names.result, hop_key(names), expected=expected)
+    deleted = await store.forget(
+        names.claim, names.result, hop_key(names), failures_key(names), expected=expected
+    )
     if deleted < 0:
         raise await _in_flight(store, names)
     return deleted > 0 or removed

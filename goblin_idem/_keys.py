@@ -35,6 +35,7 @@ __all__ = [
     "cookie_scope",
     "credential_header",
     "credentials_scope",
+    "failures_key",
     "header_key",
     "header_scope",
     "hop_key",
@@ -212,6 +213,13 @@ def hop_key(names: KeyNames) -> bytes:
     """``<ns>:{<hash>}:h``: the redirects the key's runs answered (`middleware/_hops.py`),
     named as the claim and the result are, so it shares their cluster slot."""
     return names.result[:-1] + b"h"
+
+
+def failures_key(names: KeyNames) -> bytes:
+    """``<ns>:{<hash>}:f``: a broker consumer's count of the key's failed deliveries
+    (`consumers/_run.py`), named as the claim is, so it shares its cluster slot and goes
+    with it when the key is forgotten."""
+    return names.claim[:-1] + b"f"
 
 
 def previous_names(namespace: bytes, digest: str) -> KeyNames:

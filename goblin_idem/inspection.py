@@ -227,14 +227,20 @@ def _completed(
                 result_ttl,
                 len(data),
                 value_bytes=len(value),
-                note="a value stored by once: calls with this key return it without running",
+                note=(
+                    "a value stored by once, a gRPC interceptor or a broker consumer: calls "
+                    "and deliveries with this key get it without running"
+                ),
                 format=fmt,
             )
         fmt = _format_or_none(data)
         record = decode(data, sealer=sealer, name=names.result, require_sealed=require_sealed)
     except RecordError as exc:
         if once_value:
-            note = "calls with this key raise goblin_idem.record.RecordError and never run"
+            note = (
+                "once raises goblin_idem.exceptions.RecordError for this key (gRPC: INTERNAL); "
+                "nothing with it runs"
+            )
         else:
             note = "the middleware answers requests with this key with 503 and never runs them"
         if fmt is not None and fmt.sealed and sealer is None:

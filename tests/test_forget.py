@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from goblin_idem import CLAIMED, InFlightError, MemoryStore, RedisStore, forget
-from goblin_idem._keys import KeyNames, hop_key, key_names
+from goblin_idem._keys import KeyNames, failures_key, hop_key, key_names
 from goblin_idem.store import Published, Store
 from tests.store.test_replay_cache import BUDGET
 from tests.support.brokers import until
@@ -55,6 +55,19 @@ async def test_a_completed_key_loses_claim_result_and_redirects_together(store: 
     assert await store.forget(n.claim, n.result, hop_key(n)) == 3
     assert await state(store, n) == (False, False, False)
     assert await store.forget(n.claim, n.result, hop_key(n)) == 0  # nothing left
+
+
+async def test_forget_drops_a_consumers_failure_count_so_the_key_runs_again(
+    store: Store,
+) -> None:
+    """A broker message dead-lettered after its failures is stored like a result; an operator
+    who forgets the key wants its next delivery run, not dead-lettered again by the count."""
+    n = names("dead")
+    await run_to_completion(store, n)
+    await store.set(failures_key(n), b'[5, "ValueError: boom"]', px=TTL_MS)
+    assert await forget(store, names=n)
+    assert await state(store, n) == (False, False, False)
+    assert await store.get(failures_key(n)) is None
 
 
 async def test_a_claim_a_run_holds_is_never_deleted(store: Store) -> None:

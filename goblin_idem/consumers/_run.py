@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from redis.exceptions import RedisError
 
-from .._keys import DEFAULT_KEY_PATTERN, KeyNames, key_names
+from .._keys import DEFAULT_KEY_PATTERN, KeyNames, failures_key, key_names
 from .._log import describe
 from .._recording import Records
 from ..exceptions import DatabaseUnavailableError, InFlightError
@@ -135,12 +135,6 @@ def checked_options(key: object, requeue_delay_seconds: object) -> float:
             f"requeue_delay_seconds must be >= 0 and finite, got {requeue_delay_seconds}"
         )
     return float(requeue_delay_seconds)
-
-
-def failures_name(names: KeyNames) -> bytes:
-    """The failure count's store key: the claim's name with ``:f`` for ``:c``, so it shares
-    the claim's hash tag (one cluster slot) and namespace."""
-    return names.claim[:-1] + b"f"
 
 
 class MessageRun:
@@ -268,7 +262,7 @@ class MessageRun:
             if not redelivered:  # a first delivery's count was not read
                 count, last = await self._failures(names)
             await self.store.set(
-                failures_name(names),
+                failures_key(names),
                 json.dumps([count + 1, describe(exc)[:1000]]).encode(),
                 px=self.ttl_ms,
             )
@@ -276,7 +270,7 @@ class MessageRun:
         return {"value": self._kept(value, names)}
 
     async def _failures(self, names: KeyNames) -> tuple[int, str]:
-        data = await self.store.get(failures_name(names))
+        data = await self.store.get(failures_key(names))
         if data is None:
             return 0, ""
         try:
