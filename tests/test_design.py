@@ -98,6 +98,7 @@ LAYERS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
                 "_durations",
                 "_log",
                 "_problems",
+                "_unavailable",
                 "records",
                 "sealing",
                 "native",

@@ -61,6 +61,7 @@ from django.db.backends.signals import connection_created  # type: ignore[import
 from django.utils import timezone  # type: ignore[import-untyped]
 
 from .._log import describe
+from .._unavailable import sqlite_unavailable, sqlstate_unavailable
 from ..exceptions import DatabaseUnavailableError, SqlRecordsError
 
 __all__ = ["APP", "DjangoRecords", "unavailable"]
@@ -70,11 +71,6 @@ logger = logging.getLogger("goblin_idem.django")
 APP = "goblin_idem.django"  # what INSTALLED_APPS names
 VENDORS = ("postgresql", "sqlite")
 COLUMNS = ("key", "key_hash", "fingerprint", "record", "created_at", "expires_at")
-# SQLSTATE classes of "the database is unavailable" (as goblin_idem.sql._failures): 08
-# connection exception, 53 insufficient resources, 57 operator intervention.
-UNAVAILABLE_SQLSTATE_CLASSES = frozenset({"08", "53", "57"})
-# SQLITE_BUSY, SQLITE_LOCKED, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
-UNAVAILABLE_SQLITE_CODES = frozenset({5, 6, 10, 13, 14})
 # The first words of the statements that write (a CTE is looked into).
 WRITES = frozenset({"INSERT", "UPDATE", "DELETE", "MERGE", "REPLACE", "COPY", "TRUNCATE"})
 
@@ -92,13 +88,10 @@ def unavailable(exc: BaseException) -> bool:
         if isinstance(error, (OSError, InterfaceError)):
             return True
         if isinstance(error, sqlite3.OperationalError):
-            code = getattr(error, "sqlite_errorcode", None)
-            if code is not None:
-                return code & 0xFF in UNAVAILABLE_SQLITE_CODES
-            return str(error).startswith(("database is locked", "unable to open"))
+            return sqlite_unavailable(error)
         sqlstate = getattr(error, "sqlstate", None) or getattr(error, "pgcode", None)
         if isinstance(sqlstate, str):
-            return sqlstate[:2] in UNAVAILABLE_SQLSTATE_CLASSES
+            return sqlstate_unavailable(sqlstate)
         cause = error.__cause__
         if cause is None and isinstance(error, OperationalError):
             return True  # Django's own, of no driver error: its connection is unusable

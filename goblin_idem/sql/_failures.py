@@ -24,14 +24,10 @@ from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from .._log import describe
+from .._unavailable import sqlite_unavailable, sqlstate_unavailable
 from ..exceptions import DatabaseUnavailableError
 
 __all__ = ["connecting", "unavailable", "unavailable_as"]
-
-UNAVAILABLE_SQLSTATE_CLASSES = frozenset({"08", "53", "57"})
-# SQLITE_BUSY, SQLITE_LOCKED, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
-UNAVAILABLE_SQLITE_CODES = frozenset({5, 6, 10, 13, 14})
-UNAVAILABLE_SQLITE_TEXTS = ("database is locked", "database table is locked", "unable to open")
 
 
 def unavailable(exc: BaseException) -> bool:
@@ -46,9 +42,9 @@ def unavailable(exc: BaseException) -> bool:
         if isinstance(error, DBAPIError) and error.connection_invalidated:
             return True
         sqlstate = getattr(error, "sqlstate", None)
-        if isinstance(sqlstate, str) and sqlstate[:2] in UNAVAILABLE_SQLSTATE_CLASSES:
+        if isinstance(sqlstate, str) and sqlstate_unavailable(sqlstate):
             return True
-        if isinstance(error, sqlite3.OperationalError) and _sqlite_unavailable(error):
+        if isinstance(error, sqlite3.OperationalError) and sqlite_unavailable(error):
             return True
         if _asyncpg_connection_error(error):
             return True
@@ -62,13 +58,6 @@ def _asyncpg_connection_error(error: BaseException) -> bool:
     connection is closed or gone ("connection is closed"), with no SQLSTATE to say so."""
     asyncpg = sys.modules.get("asyncpg")  # imported by the app's engine, if it uses it
     return asyncpg is not None and isinstance(error, asyncpg.InterfaceError)
-
-
-def _sqlite_unavailable(error: sqlite3.OperationalError) -> bool:
-    code = getattr(error, "sqlite_errorcode", None)  # Python 3.11 on
-    if code is not None:
-        return code & 0xFF in UNAVAILABLE_SQLITE_CODES  # the primary code of an extended one
-    return str(error).startswith(UNAVAILABLE_SQLITE_TEXTS)
 
 
 def unavailable_as(exc: BaseException, where: str) -> DatabaseUnavailableError | None:

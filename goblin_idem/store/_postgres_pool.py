@@ -29,15 +29,14 @@ from redis.exceptions import ConnectionError as StoreConnectionError
 from redis.exceptions import ResponseError
 
 from .._log import describe
+from .._unavailable import sqlstate_unavailable
 from ._postgres_sql import Statement
 
 __all__ = ["Driver", "driver_for_engine", "driver_for_url", "unavailable"]
 
-# SQLSTATE classes that mean the database cannot serve now, not that it refused this
-# statement: 08 connection exception, 53 insufficient resources, 57 operator intervention
-# (shutdown, "cannot connect now"); and 25006, a read-only transaction: a standby answering
-# where the primary was, until a failover ends.
-UNAVAILABLE_SQLSTATE_CLASSES = frozenset({"08", "53", "57"})
+# Besides the classes every database part reads as "cannot serve now" (`_unavailable`):
+# 25006, a read-only transaction: a standby answering where the primary was, until a
+# failover ends.
 READ_ONLY_SQLSTATE = "25006"
 UNDEFINED_TABLE = "42P01"
 
@@ -52,7 +51,7 @@ def unavailable(exc: BaseException) -> bool:
             return True
         sqlstate = getattr(error, "sqlstate", None)
         if isinstance(sqlstate, str) and (
-            sqlstate[:2] in UNAVAILABLE_SQLSTATE_CLASSES or sqlstate == READ_ONLY_SQLSTATE
+            sqlstate_unavailable(sqlstate) or sqlstate == READ_ONLY_SQLSTATE
         ):
             return True
         if _driver_connection_error(error):
