@@ -25,7 +25,7 @@ from .. import _log
 from .._log import describe
 from .._recording import Records
 from ..exceptions import StorePermissionError
-from ..store import MemoryStore, RedisStore, Store
+from ..store import MemoryStore, PostgresStore, RedisStore, Store
 
 __all__ = ["Lifespan", "Refused", "startup_logger"]
 
@@ -155,16 +155,21 @@ class Lifespan:
                 self._label,
             )
             return
+        if isinstance(store, PostgresStore):
+            try:
+                where = await store.check()
+            except Exception as exc:
+                self._unusable(log, f"goblin-idem store: {exc}", exc)
+                return
+            log.info("goblin-idem store%s: %s", self._label, where)
+            return
         if not isinstance(store, RedisStore):
             log.info("goblin-idem store%s: %s", self._label, type(store).__name__)
             return
         try:
             notes = await store.detection_notes()
         except Exception as exc:
-            problem = _unusable(store, exc)
-            if self.check_store:
-                raise RuntimeError(problem + "; or pass check_store=False to start anyway") from exc
-            log.warning("%s; starting anyway (check_store=False): those requests get 503", problem)
+            self._unusable(log, _unusable(store, exc), exc)
             return
         texts = [text.removeprefix("goblin-idem store").lstrip(": ") for _, text in notes]
         modes = [text for text in texts if text.startswith("mode")] or [f"mode: {store.mode}"]
@@ -172,6 +177,12 @@ class Lifespan:
         parts = [f"redis at {store.address}", *modes, "every command it sends is allowed", *others]
         level = max((level for level, _ in notes), default=logging.INFO)
         log.log(level, "goblin-idem store%s: %s", self._label, "; ".join(parts))
+
+    def _unusable(self, log: logging.Logger | _Silent, problem: str, exc: Exception) -> None:
+        """A store that cannot be used stops startup, unless `check_store` is False."""
+        if self.check_store:
+            raise RuntimeError(problem + "; or pass check_store=False to start anyway") from exc
+        log.warning("%s; starting anyway (check_store=False): those requests get 503", problem)
 
     @property
     def _label(self) -> str:

@@ -140,6 +140,13 @@ class PostgresStore:
     def forget_cached(self, result_key: KeyT) -> None:
         """Nothing: a PostgresStore keeps no copy of a result beside the table."""
 
+    async def check(self) -> str:
+        """One read of the table, made at startup: a database that is down or a table not
+        created stops the app there, with the fix, not at its first keyed request (a 503).
+        The startup line it returns names the database and the table."""
+        await self.get(b"goblin-idem startup check")
+        return f"postgres at {self.address}, table {self.table}"
+
     async def create_table(self) -> None:
         """Create the table and its index if they do not exist (idempotent)."""
         await self.driver.script(self.sql.ddl)

@@ -14,10 +14,13 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as StoreConnectionError
 from redis.exceptions import ResponseError
+from starlette.applications import Starlette
+from starlette.types import Receive, Scope, Send
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, PostgresStore
 from goblin_idem.store._postgres_sql import ddl
-from tests.support.asgi import Handler, problem, request
+from tests.middleware.test_lifespan import lifespan
+from tests.support.asgi import Handler, Reply, problem, request
 from tests.support.backends import POSTGRES_BACKENDS, postgres_store
 from tests.support.postgres import (
     PgBouncer,
@@ -330,9 +333,25 @@ async def test_middleware_replay_reuse_and_in_flight(pg: PostgresStore) -> None:
 
 
 async def test_twenty_concurrent_duplicates_run_once(pg: PostgresStore) -> None:
-    handler = Handler(delay=0.2)
-    mw = IdempotencyMiddleware(handler, store=pg)
-    replies = await asyncio.gather(*(request(mw, key="storm", body=b"x") for _ in range(20)))
+    """The run holds until the other nineteen are answered, however slow the database."""
+    handler = Handler()
+    others_answered = asyncio.Event()
+    answered = 0
+
+    async def held(scope: Scope, receive: Receive, send: Send) -> None:
+        await others_answered.wait()
+        await handler(scope, receive, send)
+
+    async def one() -> Reply:
+        nonlocal answered
+        reply = await request(mw, key="storm", body=b"x")
+        answered += 1
+        if answered == 19:
+            others_answered.set()
+        return reply
+
+    mw = IdempotencyMiddleware(held, store=pg)
+    replies = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(20))), 60)
     assert handler.runs == 1
     assert sorted(r.status for r in replies) == [201] + [409] * 19
     assert (await request(mw, key="storm", body=b"x")).body == b"run 1"
@@ -529,3 +548,27 @@ async def test_an_engines_connection_goes_back_as_the_app_had_it(
     finally:
         await store.aclose()
         await engine.dispose()
+
+
+async def test_startup_checks_the_table_and_stops_with_the_fix(postgres: Postgres) -> None:
+    """A table not created stops startup (every lifespan mode runs this check), not the first
+    keyed request with a 503; with check_store=False the app starts, warned."""
+    store = PostgresStore.from_url(postgres.url(driver="asyncpg"), table="not_created_yet")
+    try:
+        app = IdempotencyMiddleware(Starlette(), store=store, close_store=False)
+        async with lifespan(app, expect="failed") as sent:
+            pass
+        message = sent[-1]["message"]
+        assert "not_created_yet does not exist" in message and "postgres-ddl" in message
+        assert "check_store=False" in message
+        started = IdempotencyMiddleware(
+            Starlette(), store=store, check_store=False, close_store=False
+        )
+        async with lifespan(started):
+            pass
+        await store.create_table()
+        fine = IdempotencyMiddleware(Starlette(), store=store, close_store=False)
+        async with lifespan(fine):
+            pass
+    finally:
+        await store.aclose()
