@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, InvalidRequestError
 
 from .._log import describe
+from .._recording import RecordRow
 from ..exceptions import SqlRecordsError
 
 __all__ = ["DEFAULT_TABLE", "PURGE_BATCH", "RecordsTable"]
@@ -29,6 +30,30 @@ __all__ = ["DEFAULT_TABLE", "PURGE_BATCH", "RecordsTable"]
 DEFAULT_TABLE = "goblin_idem_records"
 DIALECTS = ("postgresql", "sqlite")
 PURGE_BATCH = 1000  # rows deleted per transaction: short locks on a busy table
+
+# The lookup and the upsert as asyncpg takes them (the statements `RecordsTable` builds, in
+# PostgreSQL's words): a row only if the key had none, or an expired one.
+LOOKUP_SQL = "SELECT record, expires_at FROM {table} WHERE key = $1 AND expires_at > $2"
+LOOKUP_SQL_PSYCOPG = LOOKUP_SQL.replace("$1", "%s").replace("$2", "%s")
+# asyncpg's commit in one round trip (`SqlRecords._in_one`): placeholders filled with hex
+# digits and ISO timestamps only; {{table}} is the quoted table name, filled first.
+IN_ONE_SQL = (
+    "DELETE FROM {table} WHERE key = decode('{{key}}', 'hex') "
+    "AND expires_at <= '{{now}}'::timestamptz; "
+    "INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, expires_at) "
+    "VALUES (decode('{{key}}', 'hex'), '{{key_hash}}', decode('{{fp}}', 'hex'), "
+    "decode('{{record}}', 'hex'), '{{now}}'::timestamptz, '{{expires}}'::timestamptz); "
+    "COMMIT"
+)
+IN_ONE_MAX = 256 * 1024  # a larger record goes as a parameter (its hex text is twice its size)
+UPSERT_SQL = (
+    "INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, expires_at) "
+    "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (key) DO UPDATE SET "
+    "key_hash = EXCLUDED.key_hash, fingerprint = EXCLUDED.fingerprint, "
+    "record = EXCLUDED.record, created_at = EXCLUDED.created_at, "
+    "expires_at = EXCLUDED.expires_at WHERE {table}.expires_at <= EXCLUDED.created_at "
+    "RETURNING key"
+)
 
 E = TypeVar("E")  # an engine, sync or async
 
@@ -95,35 +120,38 @@ class RecordsTable:
         self._upserts[dialect] = statement
         return statement
 
+    def _sql(self, conn: Any, text: str) -> str:
+        """`text` (one of the statements above) with this table's name, quoted as `conn`'s
+        dialect quotes it."""
+        return text.format(table=conn.dialect.identifier_preparer.format_table(self.table))
+
     @staticmethod
-    def _row(key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> dict[str, Any]:
-        """The record's row, committed now, expiring in `ttl_ms`."""
+    def _row(row: RecordRow) -> dict[str, Any]:
+        """The record's row, committed now, expiring in its `ttl_ms`."""
         now = _utcnow()
         return {
-            "key": key,
-            "key_hash": key_hash,
-            "fingerprint": fp,
-            "record": data,
+            "key": row.key,
+            "key_hash": row.key_hash,
+            "fingerprint": row.fp,
+            "record": row.data,
             "created_at": now,
-            "expires_at": now + datetime.timedelta(milliseconds=ttl_ms),
+            "expires_at": now + datetime.timedelta(milliseconds=row.ttl_ms),
         }
 
-    def _pipeline(
-        self, dialect: Any, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> list[tuple[str, tuple[Any, ...] | None]]:
+    def _pipeline(self, dialect: Any, row: RecordRow) -> list[tuple[str, tuple[Any, ...] | None]]:
         """What psycopg's pipeline sends to commit the record with the run's writes: the
         key's expired row deleted, the row inserted (the primary key refuses an unexpired
         one, which aborts what follows), and a COMMIT statement, not the driver's commit(),
         which would sync the pipeline (a second round trip)."""
         table = dialect.identifier_preparer.format_table(self.table)
         now = _utcnow()
-        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        expires = now + datetime.timedelta(milliseconds=row.ttl_ms)
         return [
-            (f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (key, now)),
+            (f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (row.key, now)),
             (
                 f"INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, "
                 "expires_at) VALUES (%s, %s, %s, %s, %s, %s)",
-                (key, key_hash, fp, data, now, expires),
+                (row.key, row.key_hash, row.fp, row.data, now, expires),
             ),
             ("COMMIT", None),
         ]

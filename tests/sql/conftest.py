@@ -17,8 +17,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from goblin_idem import RedisStore, _recording
-from goblin_idem.sql import SqlRecords
-from goblin_idem.sql._sync_records import SyncSqlRecords
+from goblin_idem.sql import SqlRecords, SyncSqlRecords
 from tests.support.apps.sql_app import payments_table
 from tests.support.backends import server_for
 from tests.support.postgres import Postgres, start_postgres
@@ -177,7 +176,7 @@ def sync_setup(
         url = postgres.url(request.getfixturevalue("pg_database"), "psycopg")
     engine = create_engine(url)
     suffix = secrets.token_hex(4)
-    records = SqlRecords(engine, table=f"records_{suffix}")
+    records = SyncSqlRecords(engine, table=f"records_{suffix}")
     payments = payments_table(f"payments_{suffix}")
     records.create_table()
     payments.metadata.create_all(engine)

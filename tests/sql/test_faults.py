@@ -12,6 +12,7 @@ from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem._keys import key_names
+from goblin_idem._recording import RecordRow
 from goblin_idem.exceptions import CommitRefusedError, NotInRunError
 from goblin_idem.sql import SqlRecords, connection, session
 from goblin_idem.sql._context import RunTransaction
@@ -198,7 +199,7 @@ async def test_connection_after_the_run_ended_is_refused(setup: Setup) -> None:
     try:
         conn = await connection()
         await conn.execute(insert(setup.payments).values(ref="late", amount=1))
-        await tx.commit(b"idem:{late}:r", "late", bytes(16), b"GI", 60_000)
+        await tx.commit(RecordRow(b"idem:{late}:r", "late", bytes(16), b"GI", 60_000))
         with pytest.raises(NotInRunError, match="has ended"):
             await connection()
         with pytest.raises(NotInRunError, match="has ended"):

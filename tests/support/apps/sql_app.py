@@ -42,6 +42,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, s
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 
 from goblin_idem import IdempotencyMiddleware, PostgresStore, RedisStore, Store
+from goblin_idem._recording import RecordRow
 from goblin_idem.sql import SqlRecords, connection, session
 from goblin_idem.sql._context import RunTransaction
 
@@ -234,8 +235,8 @@ def _kill_now() -> bool:
 class KillingTransaction(RunTransaction):
     """Commits, then ends the process at once (SIGKILL) when told to: nothing is published."""
 
-    async def commit(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> None:
-        await super().commit(key, key_hash, fp, data, ttl_ms)
+    async def commit(self, row: RecordRow) -> None:
+        await super().commit(row)
         if _kill_now():
             os.kill(os.getpid(), signal.SIGKILL)
 
