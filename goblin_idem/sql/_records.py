@@ -11,12 +11,9 @@ PostgreSQL and SQLite (their ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``).
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import delete, select
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -27,12 +24,11 @@ from sqlalchemy.ext.asyncio import (
 
 from .._recording import RecordRow, kept
 from ._context import RunTransaction
-from ._failures import connecting, unavailable, unavailable_as
+from ._drivers import drop_if_broken, in_one, pipelined
+from ._failures import connecting, unavailable_as
 from ._sqlite import sqlite_engine
 from ._table import (
     DEFAULT_TABLE,
-    IN_ONE_MAX,
-    IN_ONE_SQL,
     LOOKUP_SQL,
     LOOKUP_SQL_PSYCOPG,
     PURGE_BATCH,
@@ -151,7 +147,7 @@ class SqlRecords(RecordsTable):
         """The key's unexpired record, looked up on `conn` in one round trip. `begin`: on
         psycopg, the run's transaction begins with the lookup (`begun`), in the same round
         trip (its pipeline), so that the run's first write does not wait for a BEGIN. The
-        connection is invalidated if it was lost (`_drop_if_broken`)."""
+        connection is invalidated if it was lost (`drop_if_broken`)."""
         now = _utcnow()
         try:
             driver = conn.dialect.driver
@@ -173,7 +169,7 @@ class SqlRecords(RecordsTable):
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
                 row = (await conn.execute(self._lookup, {"wanted": key, "now": now})).first()
         except Exception as exc:
-            await _drop_if_broken(conn, exc)
+            await drop_if_broken(conn, exc)
             raise
         return self._found(row, now)
 
@@ -204,24 +200,24 @@ class SqlRecords(RecordsTable):
     async def commit(self, conn: AsyncConnection, tx: AsyncTransaction, row: RecordRow) -> bool:
         """Insert `row` in the run's transaction and commit it, with the work's writes;
         False (nothing committed) if the key's unexpired row exists. On psycopg, the insert
-        and the COMMIT go in one round trip (`_pipelined`), on asyncpg too (`_in_one`);
-        elsewhere one each. A connection lost on the way is invalidated (`_drop_if_broken`),
+        and the COMMIT go in one round trip (`pipelined`), on asyncpg too (`in_one`);
+        elsewhere one each. A connection lost on the way is invalidated (`drop_if_broken`),
         which the run's transaction answers as the database unavailable, whatever the
         driver's own error said."""
         try:
             return await self._commit(conn, tx, row)
         except Exception as exc:
-            await _drop_if_broken(conn, exc)
+            await drop_if_broken(conn, exc)
             raise
 
     async def _commit(self, conn: AsyncConnection, tx: AsyncTransaction, row: RecordRow) -> bool:
         if conn.dialect.driver == "psycopg":
-            return await self._pipelined(conn, tx, row)
+            return await pipelined(self, conn, tx, row)
         if conn.dialect.driver == "asyncpg":
             # The driver's own call on the run's connection, inside the transaction the
             # work's writes began (SQLAlchemy's layer cost more CPU than the round trip).
             adapter: Any = (await conn.get_raw_connection()).dbapi_connection
-            committed = await self._in_one(conn, adapter, row)
+            committed = await in_one(self, conn, adapter, row)
             if committed is not None:
                 if committed:
                     await tx.commit()  # SQLAlchemy's side: nothing left to send
@@ -233,70 +229,6 @@ class SqlRecords(RecordsTable):
         elif not await self.insert(conn, row):
             return False
         await tx.commit()
-        return True
-
-    async def _in_one(self, conn: AsyncConnection, adapter: Any, row: RecordRow) -> bool | None:
-        """asyncpg's commit in one round trip: the key's expired row deleted, the row
-        inserted and COMMIT, sent as one text (asyncpg has no pipeline, and its
-        transaction's COMMIT is a query of its own). The insert raises on an unexpired row
-        (the primary key), which aborts the rest, the COMMIT included: False, nothing of
-        the run committed. The values go in the text as literals made of hex digits and
-        ISO timestamps only, never text from outside. None, having sent
-        nothing, unless the transaction is the one SQLAlchemy's asyncpg adapter began (its
-        asyncpg Transaction the connection's top one, which are then ended without a
-        second COMMIT; SQLAlchemy 2.1's adapter, whose state is those two), or the record
-        is too large to send as hex."""
-        raw = adapter.driver_connection
-        xact = getattr(adapter, "_transaction", None)
-        too_large = len(row.data) > IN_ONE_MAX
-        if xact is None or getattr(raw, "_top_xact", None) is not xact or too_large:
-            return None
-        if hasattr(adapter, "_started"):
-            return None  # SQLAlchemy 2.0's adapter, whose own flag would outlive the commit
-        if not row.key_hash.isascii() or not row.key_hash.isalnum():
-            return None  # never the case (a hex digest), but a literal must hold no quote
-        now = _utcnow()
-        expires = now + datetime.timedelta(milliseconds=row.ttl_ms)
-        table = conn.dialect.identifier_preparer.format_table(self.table)
-        text = IN_ONE_SQL.format(table=table.replace("{", "{{").replace("}", "}}")).format(
-            key=row.key.hex(),
-            key_hash=row.key_hash,
-            fp=row.fp.hex(),
-            record=row.data.hex(),
-            now=now.isoformat(),
-            expires=expires.isoformat(),
-        )
-        try:
-            await raw.execute(text)
-        except Exception as exc:
-            if getattr(exc, "sqlstate", None) == "23505" and (
-                getattr(exc, "table_name", None) == self.table.name
-            ):
-                return False  # the key's row: another run committed it first
-            raise
-        # The server committed: asyncpg's and the adapter's transaction end here too.
-        raw._top_xact = None
-        adapter._transaction = None
-        return True
-
-    async def _pipelined(self, conn: AsyncConnection, tx: AsyncTransaction, row: RecordRow) -> bool:
-        """psycopg's pipeline mode: the expired row's delete, the insert and the COMMIT sent
-        together and answered together (one round trip, as the COMMIT alone would cost).
-        The insert raises on an unexpired row (the primary key), which aborts what follows
-        it in the pipeline, the COMMIT included: nothing of the run commits."""
-        from psycopg.errors import UniqueViolation
-
-        raw: Any = (await conn.get_raw_connection()).driver_connection  # psycopg's own
-        statements = self._pipeline(conn.dialect, row)
-        try:
-            async with raw.pipeline(), raw.cursor() as cursor:
-                for sql, params in statements:
-                    await cursor.execute(sql, params)
-        except UniqueViolation as exc:
-            if not self._taken(exc):
-                raise
-            return False
-        await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
         return True
 
     async def check(self) -> str:
@@ -324,22 +256,15 @@ class SqlRecords(RecordsTable):
     async def forget(self, key: bytes) -> bool:
         """Delete `key`'s record, expired or not: the next run of the key is a new one
         (`goblin_idem.forget`, which also clears the store). True if there was a row."""
-        t = self.table
         async with self.engine.begin() as conn:
-            deleted = (await conn.execute(delete(t).where(t.c.key == key))).rowcount
-        return bool(deleted)
+            return bool((await conn.execute(self._forget(key))).rowcount)
 
     async def purge_expired(self, batch: int = PURGE_BATCH) -> int:
         """Delete the expired rows, `batch` per transaction; how many were deleted."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
-        t = self.table
         total = 0
         while True:
-            now = _utcnow()
-            keys = select(t.c.key).where(t.c.expires_at <= now).limit(batch).scalar_subquery()
             async with self.engine.begin() as conn:
-                deleted = (await conn.execute(delete(t).where(t.c.key.in_(keys)))).rowcount
+                deleted = (await conn.execute(self._purge(batch))).rowcount
             total += deleted
             if deleted < batch:
                 return total
@@ -348,23 +273,3 @@ class SqlRecords(RecordsTable):
         """Dispose of the engine's pool (the engine stays usable: it reconnects)."""
         if self._engine is not None:
             await self._engine.dispose()
-
-
-async def _drop_if_broken(conn: AsyncConnection, exc: Exception) -> None:
-    """Invalidate `conn` if it was lost (`exc` says the database is unavailable, or the
-    driver's connection is closed), since after a driver's own call (asyncpg's, psycopg's
-    pipeline), which SQLAlchemy did not make, SQLAlchemy would give it back to the pool and
-    every later call would meet the same closed connection."""
-    if conn.invalidated:
-        return
-    lost = unavailable(exc)
-    if not lost:
-        try:
-            raw: Any = (await conn.get_raw_connection()).driver_connection
-        except Exception:
-            return
-        is_closed = getattr(raw, "is_closed", None)  # asyncpg's
-        lost = bool(is_closed()) if callable(is_closed) else bool(getattr(raw, "closed", False))
-    if lost:
-        with contextlib.suppress(Exception):
-            await conn.invalidate(exc)

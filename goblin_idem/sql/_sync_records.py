@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import create_engine, delete, select
+from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection, Engine, RootTransaction
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -194,22 +194,17 @@ class SyncSqlRecords(RecordsTable):
     def forget(self, key: bytes) -> bool:
         """Delete `key`'s record, expired or not: the next run of the key is a new one
         (`goblin_idem.forget`, which also clears the store). True if there was a row."""
-        t = self.table
         with self.engine.begin() as conn:
-            return bool(conn.execute(delete(t).where(t.c.key == key)).rowcount)
+            return bool(conn.execute(self._forget(key)).rowcount)
 
     def purge_expired(self, batch: int = PURGE_BATCH) -> int:
         """Delete the expired rows, `batch` per transaction; how many were deleted."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
-        t = self.table
         total = 0
         while True:
-            keys = select(t.c.key).where(t.c.expires_at <= _utcnow()).limit(batch)
             with self.engine.begin() as conn:
-                deleted = conn.execute(delete(t).where(t.c.key.in_(keys.scalar_subquery())))
-            total += deleted.rowcount
-            if deleted.rowcount < batch:
+                deleted = conn.execute(self._purge(batch)).rowcount
+            total += deleted
+            if deleted < batch:
                 return total
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from sqlalchemy import (
     String,
     Table,
     bindparam,
+    delete,
     inspect,
     select,
 )
@@ -35,7 +36,7 @@ PURGE_BATCH = 1000  # rows deleted per transaction: short locks on a busy table
 # PostgreSQL's words): a row only if the key had none, or an expired one.
 LOOKUP_SQL = "SELECT record, expires_at FROM {table} WHERE key = $1 AND expires_at > $2"
 LOOKUP_SQL_PSYCOPG = LOOKUP_SQL.replace("$1", "%s").replace("$2", "%s")
-# asyncpg's commit in one round trip (`SqlRecords._in_one`): placeholders filled with hex
+# asyncpg's commit in one round trip (`_drivers.in_one`): placeholders filled with hex
 # digits and ISO timestamps only; {{table}} is the quoted table name, filled first.
 IN_ONE_SQL = (
     "DELETE FROM {table} WHERE key = decode('{{key}}', 'hex') "
@@ -119,6 +120,19 @@ class RecordsTable:
         ).returning(t.c.key)
         self._upserts[dialect] = statement
         return statement
+
+    def _forget(self, key: bytes) -> Any:
+        """The DELETE of `key`'s row, expired or not."""
+        return delete(self.table).where(self.table.c.key == key)
+
+    def _purge(self, batch: object) -> Any:
+        """The DELETE of up to `batch` expired rows (one short transaction each); ValueError
+        unless `batch` is a whole number >= 1."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
+        t = self.table
+        expired = select(t.c.key).where(t.c.expires_at <= _utcnow()).limit(batch)
+        return delete(t).where(t.c.key.in_(expired.scalar_subquery()))
 
     def _sql(self, conn: Any, text: str) -> str:
         """`text` (one of the statements above) with this table's name, quoted as `conn`'s

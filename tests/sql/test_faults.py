@@ -22,6 +22,7 @@ from tests.support.apps.sql_app import Gate, build, payments_table
 from tests.support.asgi import problem, request
 from tests.support.postgres import start_postgres
 from tests.support.servers import Server, free_port
+from tests.support.sql import create_tables
 
 
 async def test_connection_and_session_outside_a_run_say_why() -> None:
@@ -138,9 +139,7 @@ async def test_the_database_stopped_at_commit_and_started_again(redis_server: Se
     try:
         records = SqlRecords(postgres.url())
         payments = payments_table("payments")
-        await records.create_table()
-        async with records.engine.begin() as conn:
-            await conn.run_sync(payments.metadata.create_all)
+        await create_tables(records, payments)
         gate = Gate()
         app = build(store, records, payments, gate=gate)
         running = asyncio.ensure_future(pay(app, "stopped", "s", "gate"))

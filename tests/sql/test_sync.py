@@ -223,7 +223,7 @@ def test_the_connection_refuses_commit_and_the_session_commits_a_savepoint(
 
 
 def test_connection_outside_a_request_says_why() -> None:
-    with pytest.raises(NotInRunError, match="records=SqlRecords\\(engine\\) and a sync Engine"):
+    with pytest.raises(NotInRunError, match="records=SyncSqlRecords\\(engine\\)"):
         sql_sync.connection()
     with pytest.raises(NotInRunError, match="outside one"):
         sql_sync.session()

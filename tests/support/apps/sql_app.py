@@ -45,6 +45,7 @@ from goblin_idem import IdempotencyMiddleware, PostgresStore, RedisStore, Store
 from goblin_idem._recording import RecordRow
 from goblin_idem.sql import SqlRecords, connection, session
 from goblin_idem.sql._context import RunTransaction
+from tests.support import sql as tables
 
 BIG = 64 * 1024
 
@@ -84,9 +85,7 @@ def create_tables(url: str, records_table: str, payments: str) -> None:
 
     async def create() -> None:
         records = SqlRecords(url, table=records_table)
-        await records.create_table()
-        async with records.engine.begin() as conn:
-            await conn.run_sync(payments_table(payments).metadata.create_all)
+        await tables.create_tables(records, payments_table(payments))
         await records.aclose()
 
     asyncio.run(create())
