@@ -1,5 +1,6 @@
-"""`RecordsTable`: what the async `SqlRecords` (`_records`) and the sync one (`_sync_records`)
-share, in a module below both, so that neither imports the other to get it."""
+"""`RecordsTable`: the records' table and every statement on it, which the async
+`SqlRecords` (`_records`) and `SyncSqlRecords` (`_sync_records`) share, in a module below
+both, so that neither imports the other to get it."""
 
 from __future__ import annotations
 
@@ -64,18 +65,20 @@ def _utcnow() -> datetime.datetime:
 
 
 class RecordsTable:
-    """What the async `SqlRecords` and the sync one (`_sync_records`) share: the table, the
-    statements a run executes, the URL that logs show, and what a check says of a table
-    that is missing or of another shape. One definition, so both write the same rows."""
+    """What `SqlRecords` and `SyncSqlRecords` share: the table, the statements on it (a
+    run's lookup and insert, forget, purge), the URL that logs show, and what a check says
+    of a table that is missing or of another shape. One definition, so both write the same
+    rows."""
 
     def __init__(self, url: str, table: str) -> None:
         try:
             parsed = make_url(url)
         except ArgumentError as exc:
-            raise ValueError(f"SqlRecords: not a database URL: {exc}") from None
+            raise ValueError(f"{type(self).__name__}: not a database URL: {exc}") from None
         if parsed.get_backend_name() not in DIALECTS:
             raise ValueError(
-                f"SqlRecords supports PostgreSQL and SQLite, not {parsed.get_backend_name()}"
+                f"{type(self).__name__} supports PostgreSQL and SQLite, not "
+                f"{parsed.get_backend_name()}"
             )
         if not isinstance(table, str) or not table:
             raise TypeError("table must be a non-empty str")
