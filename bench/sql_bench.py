@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from goblin_idem._recording import RecordRow
 from goblin_idem.sql import SqlRecords
 from tests.support.postgres import start_postgres
 from tests.support.proxy import Proxy
@@ -43,7 +44,8 @@ async def measure(url: str, runs: int, handler_wrote: bool) -> list[float]:
             conn = await tx.connection()
             await conn.execute(text("SELECT 1"))
         start = time.perf_counter()
-        await tx.commit(b"k:" + secrets.token_bytes(8), "h", bytes(16), b"GI" * 100, 60_000)
+        row = RecordRow(b"k:" + secrets.token_bytes(8), "h", bytes(16), b"GI" * 100, 60_000)
+        await tx.commit(row)
         times.append(time.perf_counter() - start)
     await engine.dispose()
     return times[1:]

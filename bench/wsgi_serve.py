@@ -107,11 +107,11 @@ def flasksql_app() -> Any:
         if VARIANT != "flasksql-bare":
             from goblin_idem import RedisStore
             from goblin_idem.flask import Idempotency
-            from goblin_idem.sql import SqlRecords
+            from goblin_idem.sql import SyncSqlRecords
 
             records = None
             if VARIANT == "flasksql-records":
-                records = SqlRecords(db.engine)
+                records = SyncSqlRecords(db.engine)
                 records.create_table()
             Idempotency(app, store=RedisStore.from_url(REDIS_URL), records=records)
     return app

@@ -227,7 +227,7 @@ def _records(args: argparse.Namespace) -> SqlRecords:
     `sql` extra, TypeError or ValueError for a URL it refuses."""
     try:
         from .sql import SqlRecords
-        from .sql._records import DEFAULT_TABLE
+        from .sql._table import DEFAULT_TABLE
     except ImportError as exc:
         raise ImportError(f"{exc}: install goblin-idem[sql]") from None
     return SqlRecords(args.database_url, table=args.table or DEFAULT_TABLE)

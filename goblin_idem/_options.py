@@ -154,14 +154,16 @@ def store(value: object) -> Store:
 
 
 def records(value: object) -> Records | None:
-    """Where records are committed (``goblin_idem.sql.SqlRecords``), or None."""
+    """Where records are committed (``goblin_idem.sql.SqlRecords``), or None: TypeError,
+    saying what to pass, for records whose transaction is in the request's thread
+    (``SyncSqlRecords``, Django's)."""
     if value is None:
         return None
     if callable(getattr(value, "work", None)) and not callable(getattr(value, "transaction", None)):
         raise TypeError(
             f"records: {value!r} keeps its transaction in the request's thread (sync "
             "SQLAlchemy, Django's ORM): it serves the WSGI, Flask and Django (under WSGI) "
-            "middlewares; here, pass goblin_idem.sql.SqlRecords with an AsyncEngine"
+            "middlewares; here, pass goblin_idem.sql.SqlRecords(engine) with an AsyncEngine"
         )
     if all(callable(getattr(value, m, None)) for m in ("transaction", "lookup", "check")):
         return value  # type: ignore[return-value]

@@ -12,6 +12,7 @@ import asyncio
 import contextvars
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ._closing import free_claim
@@ -22,7 +23,19 @@ from .store import CLAIMED, ClaimReply, Store
 
 logger = logging.getLogger("goblin_idem.claim")
 
-__all__ = ["Committed", "Lookup", "Records", "RunTransaction", "kept", "let_go"]
+__all__ = ["Committed", "Lookup", "RecordRow", "Records", "RunTransaction", "kept", "let_go"]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRow:
+    """What a run commits as its record: one value for the fields every records backend
+    writes, passed whole from the run to the row."""
+
+    key: bytes  # the result key's name as the store has it: the row's primary key
+    key_hash: str  # the key's hash, as logs show it
+    fp: bytes  # the request's fingerprint
+    data: bytes  # the record's bytes, as the store gets them (sealed when encryption is on)
+    ttl_ms: int  # how long the row is replayed, from its commit
 
 
 class Committed(Exception):
@@ -44,8 +57,8 @@ class RunTransaction(Protocol):
 
     def leave(self, token: contextvars.Token[object]) -> None: ...
 
-    async def commit(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> None:
-        """Insert the record and commit, atomically with the work's writes. Raises
+    async def commit(self, row: RecordRow) -> None:
+        """Insert `row` and commit, atomically with the work's writes. Raises
         `Committed` if the key's unexpired row exists (nothing of this run is kept), or
         the database's error (nothing of this run is kept either)."""
         ...

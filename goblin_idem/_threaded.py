@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from ._exchange import Exchange, Raised
-from ._recording import Committed
+from ._recording import Committed, RecordRow
 from .exceptions import DatabaseUnavailableError
 
 __all__ = [
@@ -67,10 +67,8 @@ class ThreadWork(Protocol):
 
     def leave(self, token: object) -> None: ...
 
-    def commit(
-        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> bytes | None:
-        """Insert the record and commit, with the work's writes: None once committed; the
+    def commit(self, row: RecordRow) -> bytes | None:
+        """Insert `row` and commit, with the work's writes: None once committed; the
         record another run committed first if the key's unexpired row exists (this run's
         writes rolled back). Raises the database's error if nothing committed."""
         ...
@@ -173,8 +171,8 @@ class ThreadedTransaction:
     def leave(self, token: contextvars.Token[Any]) -> None:
         _pending.reset(token)
 
-    async def commit(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> None:
-        other = await _in_thread(self.exchange, self._commit, key, key_hash, fp, data, ttl_ms)
+    async def commit(self, row: RecordRow) -> None:
+        other = await _in_thread(self.exchange, self._commit, row)
         if other is not None:
             raise Committed(other)
 
@@ -213,10 +211,8 @@ class ThreadedTransaction:
             self.exchange.at_end(work.rollback)
         return work
 
-    def _commit(
-        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> bytes | None:
-        return self.begin().commit(key, key_hash, fp, data, ttl_ms)
+    def _commit(self, row: RecordRow) -> bytes | None:
+        return self.begin().commit(row)
 
 
 def pending() -> ThreadedTransaction | None:

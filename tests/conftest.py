@@ -9,9 +9,8 @@ import pytest
 
 from goblin_idem.native import build_module
 from goblin_idem.store import Store
-from tests.sql.conftest import postgres  # noqa: F401
 from tests.support.backends import BACKENDS, Backend, open_backend
-from tests.support.postgres import Postgres
+from tests.support.postgres import Postgres, start_postgres
 from tests.support.servers import Server, start_server
 
 
@@ -59,7 +58,18 @@ def valkey_native_server(native_module: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
-def store_database(postgres: Postgres) -> str:  # noqa: F811
+def postgres() -> Iterator[Postgres]:
+    """A PostgreSQL server per test worker; tests keep apart by databases or tables of their
+    own (one that stops or breaks its server starts one of its own)."""
+    server = start_postgres()
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def store_database(postgres: Postgres) -> str:
     """The database of the PostgresStore backends (each empties its table first)."""
     return postgres.new_database()
 

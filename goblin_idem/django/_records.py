@@ -61,6 +61,7 @@ from django.db.backends.signals import connection_created  # type: ignore[import
 from django.utils import timezone  # type: ignore[import-untyped]
 
 from .._log import describe
+from .._recording import RecordRow
 from .._unavailable import sqlite_unavailable, sqlstate_unavailable
 from ..exceptions import DatabaseUnavailableError, SqlRecordsError
 
@@ -314,9 +315,7 @@ class Unrecorded:
     def leave(self, token: object) -> None:
         pass
 
-    def commit(
-        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> bytes | None:
+    def commit(self, row: RecordRow) -> bytes | None:
         raise RuntimeError("a request without a claimed key has no record to commit")
 
     def commit_work(self) -> None:
@@ -390,10 +389,8 @@ class DjangoWork:
     def leave(self, token: object) -> None:
         _current.reset(token)  # type: ignore[arg-type]
 
-    def commit(
-        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> bytes | None:
-        """The record inserted in the run's transaction, then the atomic block left: the
+    def commit(self, row: RecordRow) -> bytes | None:
+        """`row` inserted in the run's transaction, then the atomic block left: the
         view's writes and the row commit together, and the app's on_commit callbacks run
         after. The record another run committed first if the key's unexpired row exists
         (this run rolled back); DatabaseUnavailableError, or the database's error, if
@@ -416,11 +413,11 @@ class DjangoWork:
                 )
             now = timezone.now()
             adapt = conn.ops.adapt_datetimefield_value
-            expires = now + datetime.timedelta(milliseconds=ttl_ms)
+            expires = now + datetime.timedelta(milliseconds=row.ttl_ms)
             with conn.cursor() as cursor:
                 cursor.execute(
                     self.records.sql().upsert,
-                    [key, key_hash, fp, data, adapt(now), adapt(expires)],
+                    [row.key, row.key_hash, row.fp, row.data, adapt(now), adapt(expires)],
                 )
                 inserted = cursor.fetchone() is not None
         except Exception as exc:
@@ -431,9 +428,9 @@ class DjangoWork:
             raise failure from exc
         if not inserted:
             self.rollback()
-            found = self.records.lookup(key)
+            found = self.records.lookup(row.key)
             if found is None:  # expired between the two: nothing to replay
-                raise RuntimeError(f"the record of key {key_hash} expired meanwhile")
+                raise RuntimeError(f"the record of key {row.key_hash} expired meanwhile")
             return found[0]
         self._leave_atomic(None)
         return None

@@ -1,6 +1,6 @@
 """Flask-SQLAlchemy's ``db.session`` in the run's transaction, on keyed routes.
 
-With sync SQL records (``SqlRecords(db.engine)``, or ``SqlRecords(url, sync=True)``), a run
+With sync SQL records (``SyncSqlRecords(db.engine)``, or ``SyncSqlRecords(url)``), a run
 under a won claim has one transaction on the records' engine
 (`goblin_idem.sql.sync.SyncRun`). The session ``db.session`` makes for the request (its
 scoped session, one per app context) is made, in such a run, bound to the run's connection
@@ -68,7 +68,7 @@ class JoinOnFirstRequest:
 
 def same_database(found: object, engine: Engine) -> bool:
     """`found` (a session's bind) writes to the database of `engine`: it is `engine`, or an
-    Engine on its database (``SqlRecords(url, sync=True)`` beside ``db.engine``). Never for
+    Engine on its database (``SyncSqlRecords(url)`` beside ``db.engine``). Never for
     SQLite in memory, which is one database per connection."""
     if found is engine:
         return True

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import _problems as problems
 from .._keys import KeyNames
 from .._log import describe
-from .._recording import Committed, Records, RunTransaction
+from .._recording import Committed, RecordRow, Records, RunTransaction
 from ..exceptions import DatabaseUnavailableError
 from ._responses import Answers
 
@@ -89,7 +89,7 @@ class Recorded:
         if self._commit is None:
             self.data = data
             self._commit = asyncio.ensure_future(
-                self.tx.commit(self.names.result, self.names.hash, self.fp, data, ttl_ms)
+                self.tx.commit(RecordRow(self.names.result, self.names.hash, self.fp, data, ttl_ms))
             )
         try:
             await asyncio.shield(self._commit)

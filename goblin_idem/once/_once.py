@@ -44,7 +44,7 @@ from .._keys import KeyNames, key_names
 from .._lease import Lease, Watchdog
 from .._log import describe
 from .._loop import in_loop_thread
-from .._recording import Committed, Records, RunTransaction
+from .._recording import Committed, RecordRow, Records, RunTransaction
 from ..exceptions import InFlightError, KeyReusedError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Published, Store
@@ -388,7 +388,7 @@ async def _committed(
     of another run, if its row came first: this run's writes were rolled back). A commit
     that fails raises, and nothing of this run happened."""
     try:
-        await tx.commit(names.result, names.hash, fp, data, ttl_ms)
+        await tx.commit(RecordRow(names.result, names.hash, fp, data, ttl_ms))
     except Committed as exc:
         return exc.data
     return data

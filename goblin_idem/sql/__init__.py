@@ -6,9 +6,10 @@ record, before anything of the response reaches the client; the store stays the 
 and replay cache, the database the truth. Needs the ``sql`` extra (SQLAlchemy 2, async)
 and the app's own driver (asyncpg, psycopg or aiosqlite).
 
-A WSGI or Flask app passes ``SqlRecords(engine)`` with a sync Engine (Flask-SQLAlchemy's
-``db.engine``, whose ``db.session`` then joins keyed runs) and writes through
-`goblin_idem.sql.sync`'s ``connection()`` and ``session()``.
+A WSGI or Flask app passes ``SyncSqlRecords(engine)`` instead, with a sync Engine
+(Flask-SQLAlchemy's ``db.engine``, whose ``db.session`` then joins keyed runs), and writes
+through `goblin_idem.sql.sync`'s ``connection()`` and ``session()``. Each class refuses the
+other's kind of engine, saying which to pass.
 """
 
 import importlib
@@ -25,5 +26,13 @@ except ImportError as exc:  # what to install, not SQLAlchemy's own hint
 from ._context import connection, session
 from ._records import SqlRecords
 from ._sqlite import configure_sqlite, sqlite_engine
+from ._sync_records import SyncSqlRecords
 
-__all__ = ["SqlRecords", "configure_sqlite", "connection", "session", "sqlite_engine"]
+__all__ = [
+    "SqlRecords",
+    "SyncSqlRecords",
+    "configure_sqlite",
+    "connection",
+    "session",
+    "sqlite_engine",
+]

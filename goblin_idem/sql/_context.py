@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, A
 from sqlalchemy.orm import Session
 
 from .._log import describe
-from .._recording import Committed, kept, let_go
+from .._recording import Committed, RecordRow, kept, let_go
 from ..exceptions import CommitRefusedError, DatabaseUnavailableError, NotInRunError
 from ._failures import connecting, unavailable_as
 
@@ -187,7 +187,7 @@ class RunTransaction:
         self.sessions.append(s)
         return s
 
-    async def commit(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> None:
+    async def commit(self, row: RecordRow) -> None:
         """The work's writes and the record's row, committed together (one transaction): the
         row's primary key makes a second run's commit fail, and its writes vanish with it.
         A run that wrote nothing commits the row alone, one statement in autocommit (as
@@ -197,11 +197,9 @@ class RunTransaction:
                 looked = self.looked
                 if self.conn is None and not self.ended and not self.records.begun(looked):
                     self.ended = True  # connection() refuses from here on
-                    committed = await self.records.insert_alone(
-                        key, key_hash, fp, data, ttl_ms, looked
-                    )
+                    committed = await self.records.insert_alone(row, looked)
                 else:
-                    committed = await self._commit_with_writes(key, key_hash, fp, data, ttl_ms)
+                    committed = await self._commit_with_writes(row)
             except Exception as exc:
                 failure = self._unavailable(exc, "at the run's commit")
                 if failure is None:
@@ -209,19 +207,17 @@ class RunTransaction:
                 raise failure from exc
             if not committed:
                 await self.rollback()
-                found = await self.records.lookup(key)
+                found = await self.records.lookup(row.key)
                 if found is None:  # expired between the two: nothing to replay
-                    raise RuntimeError(f"the record of key {key_hash} expired meanwhile")
+                    raise RuntimeError(f"the record of key {row.key_hash} expired meanwhile")
                 raise Committed(found[0])
         finally:
             await self.rollback()  # after a commit: only gives the connection back
 
-    async def _commit_with_writes(
-        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> bool:
+    async def _commit_with_writes(self, row: RecordRow) -> bool:
         conn = await self._flushed()
         assert self.tx is not None
-        return await self.records.commit(conn, self.tx, key, key_hash, fp, data, ttl_ms)
+        return await self.records.commit(conn, self.tx, row)
 
     async def commit_work(self) -> None:
         """Commit the work's writes without a record: a request without a claimed key (or

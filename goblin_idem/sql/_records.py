@@ -11,15 +11,9 @@ PostgreSQL and SQLite (their ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``).
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any
 
-from sqlalchemy import (
-    delete,
-    select,
-)
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -28,43 +22,23 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-from .._recording import kept
+from .._recording import RecordRow, kept
 from ._context import RunTransaction
-from ._failures import connecting, unavailable, unavailable_as
+from ._drivers import drop_if_broken, in_one, pipelined
+from ._failures import connecting, unavailable_as
 from ._sqlite import sqlite_engine
-from ._table import DEFAULT_TABLE, PURGE_BATCH, RecordsTable, _shape, _utcnow
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
-
-    from ._sync_records import SyncSqlRecords
-
-__all__ = ["DEFAULT_TABLE", "RecordsTable", "SqlRecords"]
-
-# The lookup and the upsert as asyncpg takes them (the statements `SqlRecords` builds, in
-# PostgreSQL's words): a row only if the key had none, or an expired one.
-LOOKUP_SQL = "SELECT record, expires_at FROM {table} WHERE key = $1 AND expires_at > $2"
-LOOKUP_SQL_PSYCOPG = LOOKUP_SQL.replace("$1", "%s").replace("$2", "%s")
-# asyncpg's commit in one round trip (`SqlRecords._in_one`): placeholders filled with hex
-# digits and ISO timestamps only; {{table}} is the quoted table name, filled first.
-IN_ONE_SQL = (
-    "DELETE FROM {table} WHERE key = decode('{{key}}', 'hex') "
-    "AND expires_at <= '{{now}}'::timestamptz; "
-    "INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, expires_at) "
-    "VALUES (decode('{{key}}', 'hex'), '{{key_hash}}', decode('{{fp}}', 'hex'), "
-    "decode('{{record}}', 'hex'), '{{now}}'::timestamptz, '{{expires}}'::timestamptz); "
-    "COMMIT"
-)
-IN_ONE_MAX = 256 * 1024  # a larger record goes as a parameter (its hex text is twice its size)
-UPSERT_SQL = (
-    "INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, expires_at) "
-    "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (key) DO UPDATE SET "
-    "key_hash = EXCLUDED.key_hash, fingerprint = EXCLUDED.fingerprint, "
-    "record = EXCLUDED.record, created_at = EXCLUDED.created_at, "
-    "expires_at = EXCLUDED.expires_at WHERE {table}.expires_at <= EXCLUDED.created_at "
-    "RETURNING key"
+from ._table import (
+    DEFAULT_TABLE,
+    LOOKUP_SQL,
+    LOOKUP_SQL_PSYCOPG,
+    PURGE_BATCH,
+    UPSERT_SQL,
+    RecordsTable,
+    _shape,
+    _utcnow,
 )
 
+__all__ = ["SqlRecords"]
 
 # The drivers whose lookup runs on the connection kept for the run (`lookup_for_run`).
 KEPT_DRIVERS = ("asyncpg", "psycopg")
@@ -74,47 +48,26 @@ class SqlRecords(RecordsTable):
     """Records in the app's database, for ``IdempotencyMiddleware(records=...)`` and
     ``once(..., records=...)``. `engine` is an AsyncEngine (its pool's size and timeouts
     apply) or a URL, whose engine is made on first use (so that a driver that is not
-    installed fails the middleware's startup check, with what to install).
+    installed fails the middleware's startup check, with what to install). A sync app
+    (WSGI, Flask) passes `goblin_idem.sql.SyncSqlRecords` instead: the same table and rows,
+    on a sync ``Engine``."""
 
-    For a sync app (WSGI, Flask), `engine` is a sync ``Engine``, or a URL with
-    ``sync=True``: a URL alone always makes an AsyncEngine, since a driver such as psycopg
-    serves both and the URL cannot say which the app writes through. Either way the records
-    returned are `goblin_idem.sql._sync_records.SyncSqlRecords` (the same table and rows),
-    which keep their transaction in the request's thread."""
-
-    @overload
-    def __new__(  # type: ignore[misc]
-        cls, engine: Engine, *, table: str = ..., sync: bool = ...
-    ) -> SyncSqlRecords: ...
-    @overload
-    def __new__(  # type: ignore[misc]
-        cls, engine: str, *, table: str = ..., sync: Literal[True]
-    ) -> SyncSqlRecords: ...
-    @overload
-    def __new__(
-        cls, engine: AsyncEngine | str, *, table: str = ..., sync: Literal[False] = ...
-    ) -> Self: ...
-    def __new__(cls, engine: object, *, table: str = DEFAULT_TABLE, sync: bool = False) -> Any:
-        if cls is SqlRecords and (sync or isinstance(engine, Engine)):
-            from ._sync_records import SyncSqlRecords
-
-            return SyncSqlRecords(engine, table=table)  # type: ignore[arg-type]
-        return super().__new__(cls)
-
-    def __init__(
-        self, engine: AsyncEngine | str, *, table: str = DEFAULT_TABLE, sync: bool = False
-    ) -> None:
+    def __init__(self, engine: AsyncEngine | str, *, table: str = DEFAULT_TABLE) -> None:
         if isinstance(engine, str):
             self._engine: AsyncEngine | None = None
             self._url = engine
         elif isinstance(engine, AsyncEngine):
             self._engine = engine
             self._url = engine.url.render_as_string(hide_password=True)
+        elif isinstance(engine, Engine):
+            raise TypeError(
+                "SqlRecords takes an AsyncEngine; for a sync Engine (a WSGI or Flask app's, "
+                "Flask-SQLAlchemy's db.engine) pass SyncSqlRecords(engine), from goblin_idem.sql"
+            )
         else:
             raise TypeError(
-                "SqlRecords needs an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine), "
-                "a sync Engine (sqlalchemy.create_engine, for a WSGI or Flask app) or a "
-                f"database URL, not {type(engine).__name__}"
+                "SqlRecords needs an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine) "
+                f"or a database URL, not {type(engine).__name__}"
             )
         super().__init__(self._url, table)
 
@@ -194,7 +147,7 @@ class SqlRecords(RecordsTable):
         """The key's unexpired record, looked up on `conn` in one round trip. `begin`: on
         psycopg, the run's transaction begins with the lookup (`begun`), in the same round
         trip (its pipeline), so that the run's first write does not wait for a BEGIN. The
-        connection is invalidated if it was lost (`_drop_if_broken`)."""
+        connection is invalidated if it was lost (`drop_if_broken`)."""
         now = _utcnow()
         try:
             driver = conn.dialect.driver
@@ -216,7 +169,7 @@ class SqlRecords(RecordsTable):
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
                 row = (await conn.execute(self._lookup, {"wanted": key, "now": now})).first()
         except Exception as exc:
-            await _drop_if_broken(conn, exc)
+            await drop_if_broken(conn, exc)
             raise
         return self._found(row, now)
 
@@ -226,173 +179,56 @@ class SqlRecords(RecordsTable):
         transaction already (psycopg's)."""
         return conn is not None and conn.dialect.driver == "psycopg"
 
-    async def insert(
-        self, conn: AsyncConnection, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> bool:
-        """Insert the record in `conn`'s transaction, over an expired row only; False if the
+    async def insert(self, conn: AsyncConnection, row: RecordRow) -> bool:
+        """Insert `row` in `conn`'s transaction, over an expired row only; False if the
         key's unexpired row exists (committed by another run: this run must not commit)."""
-        values = self._row(key, key_hash, fp, data, ttl_ms)
         # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
-        result = await conn.execute(self._upsert(conn.dialect.name), values)
+        result = await conn.execute(self._upsert(conn.dialect.name), self._row(row))
         return result.first() is not None
 
-    async def insert_alone(
-        self,
-        key: bytes,
-        key_hash: str,
-        fp: bytes,
-        data: bytes,
-        ttl_ms: int,
-        conn: AsyncConnection | None = None,
-    ) -> bool:
+    async def insert_alone(self, row: RecordRow, conn: AsyncConnection | None = None) -> bool:
         """The record of a run that wrote nothing: one statement in autocommit, on `conn`
         (the run's lookup's, in no transaction; its owner gives it back) or a pooled one."""
         if conn is not None:  # asyncpg's (in `KEPT_DRIVERS`, not `begun`): its own call
             raw: Any = (await conn.get_raw_connection()).driver_connection
-            values = self._row(key, key_hash, fp, data, ttl_ms)
             upsert = self._sql(conn, UPSERT_SQL)
-            return await raw.fetchval(upsert, *values.values()) is not None
+            return await raw.fetchval(upsert, *self._row(row).values()) is not None
         async with self.engine.connect() as conn:
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            return await self.insert(conn, key, key_hash, fp, data, ttl_ms)
+            return await self.insert(conn, row)
 
-    async def commit(
-        self,
-        conn: AsyncConnection,
-        tx: AsyncTransaction,
-        key: bytes,
-        key_hash: str,
-        fp: bytes,
-        data: bytes,
-        ttl_ms: int,
-    ) -> bool:
-        """Insert the record in the run's transaction and commit it, with the work's writes;
+    async def commit(self, conn: AsyncConnection, tx: AsyncTransaction, row: RecordRow) -> bool:
+        """Insert `row` in the run's transaction and commit it, with the work's writes;
         False (nothing committed) if the key's unexpired row exists. On psycopg, the insert
-        and the COMMIT go in one round trip (`_pipelined`), on asyncpg too (`_in_one`);
-        elsewhere one each. A connection lost on the way is invalidated (`_drop_if_broken`),
+        and the COMMIT go in one round trip (`pipelined`), on asyncpg too (`in_one`);
+        elsewhere one each. A connection lost on the way is invalidated (`drop_if_broken`),
         which the run's transaction answers as the database unavailable, whatever the
         driver's own error said."""
         try:
-            return await self._commit(conn, tx, key, key_hash, fp, data, ttl_ms)
+            return await self._commit(conn, tx, row)
         except Exception as exc:
-            await _drop_if_broken(conn, exc)
+            await drop_if_broken(conn, exc)
             raise
 
-    async def _commit(
-        self,
-        conn: AsyncConnection,
-        tx: AsyncTransaction,
-        key: bytes,
-        key_hash: str,
-        fp: bytes,
-        data: bytes,
-        ttl_ms: int,
-    ) -> bool:
+    async def _commit(self, conn: AsyncConnection, tx: AsyncTransaction, row: RecordRow) -> bool:
         if conn.dialect.driver == "psycopg":
-            return await self._pipelined(conn, tx, key, key_hash, fp, data, ttl_ms)
+            return await pipelined(self, conn, tx, row)
         if conn.dialect.driver == "asyncpg":
             # The driver's own call on the run's connection, inside the transaction the
             # work's writes began (SQLAlchemy's layer cost more CPU than the round trip).
             adapter: Any = (await conn.get_raw_connection()).dbapi_connection
-            raw: Any = adapter.driver_connection
-            committed = await self._in_one(conn, adapter, key, key_hash, fp, data, ttl_ms)
+            committed = await in_one(self, conn, adapter, row)
             if committed is not None:
                 if committed:
                     await tx.commit()  # SQLAlchemy's side: nothing left to send
                 return committed
-            now = _utcnow()
-            expires = now + datetime.timedelta(milliseconds=ttl_ms)
             upsert = self._sql(conn, UPSERT_SQL)
-            if await raw.fetchval(upsert, key, key_hash, fp, data, now, expires) is None:
+            raw: Any = adapter.driver_connection
+            if await raw.fetchval(upsert, *self._row(row).values()) is None:
                 return False
-        elif not await self.insert(conn, key, key_hash, fp, data, ttl_ms):
+        elif not await self.insert(conn, row):
             return False
         await tx.commit()
-        return True
-
-    async def _in_one(
-        self,
-        conn: AsyncConnection,
-        adapter: Any,
-        key: bytes,
-        key_hash: str,
-        fp: bytes,
-        data: bytes,
-        ttl_ms: int,
-    ) -> bool | None:
-        """asyncpg's commit in one round trip: the key's expired row deleted, the row
-        inserted and COMMIT, sent as one text (asyncpg has no pipeline, and its
-        transaction's COMMIT is a query of its own). The insert raises on an unexpired row
-        (the primary key), which aborts the rest, the COMMIT included: False, nothing of
-        the run committed. The values go in the text as literals made of hex digits and
-        ISO timestamps only, never text from outside. None, having sent
-        nothing, unless the transaction is the one SQLAlchemy's asyncpg adapter began (its
-        asyncpg Transaction the connection's top one, which are then ended without a
-        second COMMIT; SQLAlchemy 2.1's adapter, whose state is those two), or the record
-        is too large to send as hex."""
-        raw = adapter.driver_connection
-        xact = getattr(adapter, "_transaction", None)
-        if xact is None or getattr(raw, "_top_xact", None) is not xact or len(data) > IN_ONE_MAX:
-            return None
-        if hasattr(adapter, "_started"):
-            return None  # SQLAlchemy 2.0's adapter, whose own flag would outlive the commit
-        if not key_hash.isascii() or not key_hash.isalnum():
-            return None  # never the case (a hex digest), but a literal must hold no quote
-        now = _utcnow()
-        expires = now + datetime.timedelta(milliseconds=ttl_ms)
-        table = conn.dialect.identifier_preparer.format_table(self.table)
-        text = IN_ONE_SQL.format(table=table.replace("{", "{{").replace("}", "}}")).format(
-            key=key.hex(),
-            key_hash=key_hash,
-            fp=fp.hex(),
-            record=data.hex(),
-            now=now.isoformat(),
-            expires=expires.isoformat(),
-        )
-        try:
-            await raw.execute(text)
-        except Exception as exc:
-            if getattr(exc, "sqlstate", None) == "23505" and (
-                getattr(exc, "table_name", None) == self.table.name
-            ):
-                return False  # the key's row: another run committed it first
-            raise
-        # The server committed: asyncpg's and the adapter's transaction end here too.
-        raw._top_xact = None
-        adapter._transaction = None
-        return True
-
-    def _sql(self, conn: AsyncConnection, text: str) -> str:
-        """`text` with this table's name, quoted as the dialect quotes it."""
-        return text.format(table=conn.dialect.identifier_preparer.format_table(self.table))
-
-    async def _pipelined(
-        self,
-        conn: AsyncConnection,
-        tx: AsyncTransaction,
-        key: bytes,
-        key_hash: str,
-        fp: bytes,
-        data: bytes,
-        ttl_ms: int,
-    ) -> bool:
-        """psycopg's pipeline mode: the expired row's delete, the insert and the COMMIT sent
-        together and answered together (one round trip, as the COMMIT alone would cost).
-        The insert raises on an unexpired row (the primary key), which aborts what follows
-        it in the pipeline, the COMMIT included: nothing of the run commits."""
-        from psycopg.errors import UniqueViolation
-
-        raw: Any = (await conn.get_raw_connection()).driver_connection  # psycopg's own
-        statements = self._pipeline(conn.dialect, key, key_hash, fp, data, ttl_ms)
-        try:
-            async with raw.pipeline(), raw.cursor() as cursor:
-                for sql, params in statements:
-                    await cursor.execute(sql, params)
-        except UniqueViolation as exc:
-            if not self._taken(exc):
-                raise
-            return False
-        await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
         return True
 
     async def check(self) -> str:
@@ -401,8 +237,7 @@ class SqlRecords(RecordsTable):
         engine = self._engine_made(
             lambda: self.engine,
             "an async driver in the URL, as in postgresql+asyncpg://, postgresql+psycopg:// or "
-            "sqlite+aiosqlite:// (for a WSGI or Flask app: SqlRecords(url, sync=True), or a "
-            "sync Engine)",
+            "sqlite+aiosqlite:// (a WSGI or Flask app passes SyncSqlRecords(url) instead)",
         )
         try:
             async with engine.connect() as conn:
@@ -421,22 +256,15 @@ class SqlRecords(RecordsTable):
     async def forget(self, key: bytes) -> bool:
         """Delete `key`'s record, expired or not: the next run of the key is a new one
         (`goblin_idem.forget`, which also clears the store). True if there was a row."""
-        t = self.table
         async with self.engine.begin() as conn:
-            deleted = (await conn.execute(delete(t).where(t.c.key == key))).rowcount
-        return bool(deleted)
+            return bool((await conn.execute(self._forget(key))).rowcount)
 
     async def purge_expired(self, batch: int = PURGE_BATCH) -> int:
         """Delete the expired rows, `batch` per transaction; how many were deleted."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
-        t = self.table
         total = 0
         while True:
-            now = _utcnow()
-            keys = select(t.c.key).where(t.c.expires_at <= now).limit(batch).scalar_subquery()
             async with self.engine.begin() as conn:
-                deleted = (await conn.execute(delete(t).where(t.c.key.in_(keys)))).rowcount
+                deleted = (await conn.execute(self._purge(batch))).rowcount
             total += deleted
             if deleted < batch:
                 return total
@@ -445,23 +273,3 @@ class SqlRecords(RecordsTable):
         """Dispose of the engine's pool (the engine stays usable: it reconnects)."""
         if self._engine is not None:
             await self._engine.dispose()
-
-
-async def _drop_if_broken(conn: AsyncConnection, exc: Exception) -> None:
-    """Invalidate `conn` if it was lost (`exc` says the database is unavailable, or the
-    driver's connection is closed), since after a driver's own call (asyncpg's, psycopg's
-    pipeline), which SQLAlchemy did not make, SQLAlchemy would give it back to the pool and
-    every later call would meet the same closed connection."""
-    if conn.invalidated:
-        return
-    lost = unavailable(exc)
-    if not lost:
-        try:
-            raw: Any = (await conn.get_raw_connection()).driver_connection
-        except Exception:
-            return
-        is_closed = getattr(raw, "is_closed", None)  # asyncpg's
-        lost = bool(is_closed()) if callable(is_closed) else bool(getattr(raw, "closed", False))
-    if lost:
-        with contextlib.suppress(Exception):
-            await conn.invalidate(exc)

@@ -1,6 +1,6 @@
-"""`SqlRecords` for a sync app (WSGI, Flask): the same table and rows, a sync ``Engine``.
+"""`SyncSqlRecords`: `SqlRecords` for a sync app (WSGI, Flask), the same table and rows on a
+sync ``Engine``.
 
-``SqlRecords(engine)`` with a sync Engine (or ``SqlRecords(url, sync=True)``) makes these.
 They implement `goblin_idem._threaded.ThreadRecords`: every step runs in the request's
 thread, where the app's writes are, so the app's writes through `goblin_idem.sql.sync`
 (and Flask-SQLAlchemy's ``db.session`` on a keyed route) and the record's row are one
@@ -16,10 +16,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import create_engine, delete, select
+from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection, Engine, RootTransaction
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .._log import describe
+from .._recording import RecordRow
 from ..exceptions import DatabaseUnavailableError, SqlRecordsError
 from ._failures import connecting, unavailable_as
 from ._table import DEFAULT_TABLE, PURGE_BATCH, RecordsTable, _shape, _utcnow
@@ -47,7 +49,9 @@ if hasattr(os, "register_at_fork"):
 
 class SyncSqlRecords(RecordsTable):
     """Records for the WSGI and Flask middlewares (``records=``), written through a sync
-    Engine (its pool's size and timeouts apply). Made by ``SqlRecords(engine)``."""
+    Engine (its pool's size and timeouts apply), or a URL, whose Engine is made on first
+    use (a URL of a driver that serves both, such as psycopg, makes a sync one here). An
+    ASGI app and `once` pass `SqlRecords` with an AsyncEngine instead."""
 
     def __init__(self, engine: Engine | str, *, table: str = DEFAULT_TABLE) -> None:
         if isinstance(engine, str):
@@ -57,10 +61,15 @@ class SyncSqlRecords(RecordsTable):
             self._engine = engine
             _engines.add(engine)
             self._url = engine.url.render_as_string(hide_password=True)
+        elif isinstance(engine, AsyncEngine):
+            raise TypeError(
+                "SyncSqlRecords takes a sync Engine; for an AsyncEngine (an ASGI app's, or "
+                "once's) pass SqlRecords(engine), from goblin_idem.sql"
+            )
         else:
             raise TypeError(
-                "SqlRecords(..., sync=True) needs a sync Engine (sqlalchemy.create_engine) or "
-                f"a database URL, not {type(engine).__name__}"
+                "SyncSqlRecords needs a sync Engine (sqlalchemy.create_engine) or a database "
+                f"URL, not {type(engine).__name__}"
             )
         super().__init__(self._url, table)
 
@@ -79,7 +88,7 @@ class SyncSqlRecords(RecordsTable):
         return self._engine
 
     def __repr__(self) -> str:
-        return f"SqlRecords({self.where!r}, table={self.table.name!r}, sync=True)"
+        return f"SyncSqlRecords({self.where!r}, table={self.table.name!r})"
 
     # -- what the sync adapters use (goblin_idem._threaded.ThreadRecords) --
 
@@ -103,38 +112,26 @@ class SyncSqlRecords(RecordsTable):
             raise failure from exc
         return self._found(row, now)
 
-    def insert(
-        self, conn: Connection, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> bool:
-        """Insert the record in `conn`'s transaction, over an expired row only; False if the
+    def insert(self, conn: Connection, row: RecordRow) -> bool:
+        """Insert `row` in `conn`'s transaction, over an expired row only; False if the
         key's unexpired row exists (committed by another run: this run must not commit)."""
-        values = self._row(key, key_hash, fp, data, ttl_ms)
         # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
-        return conn.execute(self._upsert(conn.dialect.name), values).first() is not None
+        return conn.execute(self._upsert(conn.dialect.name), self._row(row)).first() is not None
 
-    def commit(
-        self,
-        conn: Connection,
-        tx: RootTransaction,
-        key: bytes,
-        key_hash: str,
-        fp: bytes,
-        data: bytes,
-        ttl_ms: int,
-    ) -> bool:
-        """Insert the record in the run's transaction and commit it, with the work's writes;
+    def commit(self, conn: Connection, tx: RootTransaction, row: RecordRow) -> bool:
+        """Insert `row` in the run's transaction and commit it, with the work's writes;
         False (nothing committed) if the key's unexpired row exists. On psycopg the insert
         and the COMMIT go in one round trip (its pipeline, as the async records do);
         elsewhere one each."""
         if conn.dialect.driver != "psycopg":
-            if not self.insert(conn, key, key_hash, fp, data, ttl_ms):
+            if not self.insert(conn, row):
                 return False
             tx.commit()
             return True
         from psycopg.errors import UniqueViolation
 
         raw: Any = conn.connection.driver_connection  # psycopg's own
-        statements = self._pipeline(conn.dialect, key, key_hash, fp, data, ttl_ms)
+        statements = self._pipeline(conn.dialect, row)
         try:
             with raw.pipeline(), raw.cursor() as cursor:
                 for sql, params in statements:
@@ -156,13 +153,13 @@ class SyncSqlRecords(RecordsTable):
         tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
         return True
 
-    def insert_alone(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> bool:
+    def insert_alone(self, row: RecordRow) -> bool:
         """The record of a run that wrote nothing: one statement in autocommit."""
         with connecting("for the run's record"):
             conn = self.engine.connect()
         with conn:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-            return self.insert(conn, key, key_hash, fp, data, ttl_ms)
+            return self.insert(conn, row)
 
     def check(self) -> str:
         """Raise SqlRecordsError saying what to change unless the database answers and
@@ -197,22 +194,17 @@ class SyncSqlRecords(RecordsTable):
     def forget(self, key: bytes) -> bool:
         """Delete `key`'s record, expired or not: the next run of the key is a new one
         (`goblin_idem.forget`, which also clears the store). True if there was a row."""
-        t = self.table
         with self.engine.begin() as conn:
-            return bool(conn.execute(delete(t).where(t.c.key == key)).rowcount)
+            return bool(conn.execute(self._forget(key)).rowcount)
 
     def purge_expired(self, batch: int = PURGE_BATCH) -> int:
         """Delete the expired rows, `batch` per transaction; how many were deleted."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
-        t = self.table
         total = 0
         while True:
-            keys = select(t.c.key).where(t.c.expires_at <= _utcnow()).limit(batch)
             with self.engine.begin() as conn:
-                deleted = conn.execute(delete(t).where(t.c.key.in_(keys.scalar_subquery())))
-            total += deleted.rowcount
-            if deleted.rowcount < batch:
+                deleted = conn.execute(self._purge(batch)).rowcount
+            total += deleted
+            if deleted < batch:
                 return total
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
-"""`RecordsTable`: what the async `SqlRecords` (`_records`) and the sync one (`_sync_records`)
-share, in a module below both, so that neither imports the other to get it."""
+"""`RecordsTable`: the records' table and every statement on it, which the async
+`SqlRecords` (`_records`) and `SyncSqlRecords` (`_sync_records`) share, in a module below
+both, so that neither imports the other to get it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from sqlalchemy import (
     String,
     Table,
     bindparam,
+    delete,
     inspect,
     select,
 )
@@ -22,6 +24,7 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, InvalidRequestError
 
 from .._log import describe
+from .._recording import RecordRow
 from ..exceptions import SqlRecordsError
 
 __all__ = ["DEFAULT_TABLE", "PURGE_BATCH", "RecordsTable"]
@@ -29,6 +32,30 @@ __all__ = ["DEFAULT_TABLE", "PURGE_BATCH", "RecordsTable"]
 DEFAULT_TABLE = "goblin_idem_records"
 DIALECTS = ("postgresql", "sqlite")
 PURGE_BATCH = 1000  # rows deleted per transaction: short locks on a busy table
+
+# The lookup and the upsert as asyncpg takes them (the statements `RecordsTable` builds, in
+# PostgreSQL's words): a row only if the key had none, or an expired one.
+LOOKUP_SQL = "SELECT record, expires_at FROM {table} WHERE key = $1 AND expires_at > $2"
+LOOKUP_SQL_PSYCOPG = LOOKUP_SQL.replace("$1", "%s").replace("$2", "%s")
+# asyncpg's commit in one round trip (`_drivers.in_one`): placeholders filled with hex
+# digits and ISO timestamps only; {{table}} is the quoted table name, filled first.
+IN_ONE_SQL = (
+    "DELETE FROM {table} WHERE key = decode('{{key}}', 'hex') "
+    "AND expires_at <= '{{now}}'::timestamptz; "
+    "INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, expires_at) "
+    "VALUES (decode('{{key}}', 'hex'), '{{key_hash}}', decode('{{fp}}', 'hex'), "
+    "decode('{{record}}', 'hex'), '{{now}}'::timestamptz, '{{expires}}'::timestamptz); "
+    "COMMIT"
+)
+IN_ONE_MAX = 256 * 1024  # a larger record goes as a parameter (its hex text is twice its size)
+UPSERT_SQL = (
+    "INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, expires_at) "
+    "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (key) DO UPDATE SET "
+    "key_hash = EXCLUDED.key_hash, fingerprint = EXCLUDED.fingerprint, "
+    "record = EXCLUDED.record, created_at = EXCLUDED.created_at, "
+    "expires_at = EXCLUDED.expires_at WHERE {table}.expires_at <= EXCLUDED.created_at "
+    "RETURNING key"
+)
 
 E = TypeVar("E")  # an engine, sync or async
 
@@ -38,18 +65,20 @@ def _utcnow() -> datetime.datetime:
 
 
 class RecordsTable:
-    """What the async `SqlRecords` and the sync one (`_sync_records`) share: the table, the
-    statements a run executes, the URL that logs show, and what a check says of a table
-    that is missing or of another shape. One definition, so both write the same rows."""
+    """What `SqlRecords` and `SyncSqlRecords` share: the table, the statements on it (a
+    run's lookup and insert, forget, purge), the URL that logs show, and what a check says
+    of a table that is missing or of another shape. One definition, so both write the same
+    rows."""
 
     def __init__(self, url: str, table: str) -> None:
         try:
             parsed = make_url(url)
         except ArgumentError as exc:
-            raise ValueError(f"SqlRecords: not a database URL: {exc}") from None
+            raise ValueError(f"{type(self).__name__}: not a database URL: {exc}") from None
         if parsed.get_backend_name() not in DIALECTS:
             raise ValueError(
-                f"SqlRecords supports PostgreSQL and SQLite, not {parsed.get_backend_name()}"
+                f"{type(self).__name__} supports PostgreSQL and SQLite, not "
+                f"{parsed.get_backend_name()}"
             )
         if not isinstance(table, str) or not table:
             raise TypeError("table must be a non-empty str")
@@ -95,35 +124,51 @@ class RecordsTable:
         self._upserts[dialect] = statement
         return statement
 
+    def _forget(self, key: bytes) -> Any:
+        """The DELETE of `key`'s row, expired or not."""
+        return delete(self.table).where(self.table.c.key == key)
+
+    def _purge(self, batch: object) -> Any:
+        """The DELETE of up to `batch` expired rows (one short transaction each); ValueError
+        unless `batch` is a whole number >= 1."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
+        t = self.table
+        expired = select(t.c.key).where(t.c.expires_at <= _utcnow()).limit(batch)
+        return delete(t).where(t.c.key.in_(expired.scalar_subquery()))
+
+    def _sql(self, conn: Any, text: str) -> str:
+        """`text` (one of the statements above) with this table's name, quoted as `conn`'s
+        dialect quotes it."""
+        return text.format(table=conn.dialect.identifier_preparer.format_table(self.table))
+
     @staticmethod
-    def _row(key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> dict[str, Any]:
-        """The record's row, committed now, expiring in `ttl_ms`."""
+    def _row(row: RecordRow) -> dict[str, Any]:
+        """The record's row, committed now, expiring in its `ttl_ms`."""
         now = _utcnow()
         return {
-            "key": key,
-            "key_hash": key_hash,
-            "fingerprint": fp,
-            "record": data,
+            "key": row.key,
+            "key_hash": row.key_hash,
+            "fingerprint": row.fp,
+            "record": row.data,
             "created_at": now,
-            "expires_at": now + datetime.timedelta(milliseconds=ttl_ms),
+            "expires_at": now + datetime.timedelta(milliseconds=row.ttl_ms),
         }
 
-    def _pipeline(
-        self, dialect: Any, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> list[tuple[str, tuple[Any, ...] | None]]:
+    def _pipeline(self, dialect: Any, row: RecordRow) -> list[tuple[str, tuple[Any, ...] | None]]:
         """What psycopg's pipeline sends to commit the record with the run's writes: the
         key's expired row deleted, the row inserted (the primary key refuses an unexpired
         one, which aborts what follows), and a COMMIT statement, not the driver's commit(),
         which would sync the pipeline (a second round trip)."""
         table = dialect.identifier_preparer.format_table(self.table)
         now = _utcnow()
-        expires = now + datetime.timedelta(milliseconds=ttl_ms)
+        expires = now + datetime.timedelta(milliseconds=row.ttl_ms)
         return [
-            (f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (key, now)),
+            (f"DELETE FROM {table} WHERE key = %s AND expires_at <= %s", (row.key, now)),
             (
                 f"INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, "
                 "expires_at) VALUES (%s, %s, %s, %s, %s, %s)",
-                (key, key_hash, fp, data, now, expires),
+                (row.key, row.key_hash, row.fp, row.data, now, expires),
             ),
             ("COMMIT", None),
         ]

@@ -1,6 +1,6 @@
 """The request's transaction for sync code (WSGI, Flask): ``connection()`` and ``session()``.
 
-With ``records=SqlRecords(engine)`` (a sync Engine) on the WSGI or Flask middleware, every
+With ``records=SyncSqlRecords(engine)`` (a sync Engine) on the WSGI or Flask middleware, every
 request has one transaction in its own thread (`SyncRun`): under a won claim the run's,
 committed with its record before any of the response reaches the server; without a
 claimed key (none sent, a route not covered) the request's own, committed when the app has
@@ -35,6 +35,7 @@ from sqlalchemy.engine import Connection, NestedTransaction, RootTransaction
 from sqlalchemy.orm import Session
 
 from .._log import describe
+from .._recording import RecordRow
 from ..exceptions import CommitRefusedError, DatabaseUnavailableError, NotInRunError
 from ._context import _current
 from ._failures import connecting, unavailable_as
@@ -111,9 +112,7 @@ class SyncRun:
     def leave(self, token: object) -> None:
         _current.reset(token)  # type: ignore[arg-type]
 
-    def commit(
-        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> bytes | None:
+    def commit(self, row: RecordRow) -> bytes | None:
         """The work's writes and the record's row, committed together (one transaction):
         the row's primary key makes a second run's commit fail, and its writes vanish with
         it. A run that wrote nothing commits the row alone, one statement in autocommit."""
@@ -121,10 +120,10 @@ class SyncRun:
             try:
                 if self.conn is None and not self.ended:
                     self.ended = True  # connection() refuses from here on
-                    committed = self.records.insert_alone(key, key_hash, fp, data, ttl_ms)
+                    committed = self.records.insert_alone(row)
                 else:
                     conn, tx = self._flushed()
-                    committed = self.records.commit(conn, tx, key, key_hash, fp, data, ttl_ms)
+                    committed = self.records.commit(conn, tx, row)
             except Exception as exc:
                 failure = self.unavailable(exc, "at the run's commit")
                 if failure is None:
@@ -133,9 +132,9 @@ class SyncRun:
             if committed:
                 return None
             self.rollback()
-            found = self.records.lookup(key)
+            found = self.records.lookup(row.key)
             if found is None:  # expired between the two: nothing to replay
-                raise RuntimeError(f"the record of key {key_hash} expired meanwhile")
+                raise RuntimeError(f"the record of key {row.key_hash} expired meanwhile")
             return found[0]
         finally:
             self.rollback()  # after a commit: only gives the connection back
@@ -274,7 +273,7 @@ def _running() -> SyncRun:
         )
     raise NotInRunError(
         "connection() and session() belong to a request handled by the WSGI or Flask "
-        "middleware with records=SqlRecords(engine) and a sync Engine (any request: with a "
+        "middleware with records=SyncSqlRecords(engine) (any request: with a "
         "key they are the run's transaction, without one a transaction committed before the "
         "response); this code runs outside one"
     )

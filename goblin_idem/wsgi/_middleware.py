@@ -138,9 +138,9 @@ def sync_records(records: object) -> object:
         raise TypeError(
             f"records: {records!r} writes through an AsyncEngine, which a sync app cannot "
             "write through (goblin_idem.sql.connection() is async), so the record would "
-            "commit without the app's writes: pass SqlRecords(engine) with a sync Engine "
-            "(sqlalchemy.create_engine; with Flask-SQLAlchemy, SqlRecords(db.engine)) or "
-            "SqlRecords(url, sync=True), and write through goblin_idem.sql.sync"
+            "commit without the app's writes: pass SyncSqlRecords(engine) with a sync Engine "
+            "(sqlalchemy.create_engine; with Flask-SQLAlchemy, SyncSqlRecords(db.engine)) or "
+            "SyncSqlRecords(url), and write through goblin_idem.sql.sync"
         )
     return records
 

@@ -11,4 +11,4 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.support.apps.django_site.
 django.setup()
 
 # PostgreSQL for the records' tests, one server and database per test worker, as tests/sql's.
-from tests.sql.conftest import pg_database, postgres  # noqa: E402, F401
+from tests.sql.conftest import pg_database  # noqa: E402, F401

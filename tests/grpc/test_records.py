@@ -15,7 +15,7 @@ from goblin_idem import MemoryStore
 from goblin_idem.grpc import AsyncIdempotencyInterceptor, IdempotencyInterceptor
 from goblin_idem.sql import SqlRecords, connection
 from tests.grpc.conftest import CHARGE, pb2, pb2_grpc, raw, serving
-from tests.sql.conftest import Setup, pg_database, postgres  # noqa: F401
+from tests.sql.conftest import Setup, pg_database  # noqa: F401
 from tests.sql.conftest import setup as setup
 
 

@@ -17,12 +17,12 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from goblin_idem import RedisStore, _recording
-from goblin_idem.sql import SqlRecords
-from goblin_idem.sql._sync_records import SyncSqlRecords
+from goblin_idem.sql import SqlRecords, SyncSqlRecords
 from tests.support.apps.sql_app import payments_table
 from tests.support.backends import server_for
-from tests.support.postgres import Postgres, start_postgres
+from tests.support.postgres import Postgres
 from tests.support.servers import Server
+from tests.support.sql import create_tables, create_tables_sync
 
 # (database and driver, store): each database with one store.
 PAIRS = [
@@ -40,17 +40,14 @@ on_postgres = pytest.mark.parametrize(
 
 
 @pytest.fixture(scope="session")
-def postgres() -> Iterator[Postgres]:
-    server = start_postgres()
-    try:
-        yield server
-    finally:
-        server.remove()
-
-
-@pytest.fixture(scope="session")
 def pg_database(postgres: Postgres) -> str:
     """One database per worker; tests keep apart by their tables' names."""
+    return postgres.new_database()
+
+
+@pytest.fixture
+def database(postgres: Postgres) -> str:
+    """A database of the test's own, for an app whose tables have fixed names."""
     return postgres.new_database()
 
 
@@ -97,9 +94,7 @@ async def setup(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     suffix = secrets.token_hex(4)
     records = SqlRecords(engine, table=f"records_{suffix}")
     payments = payments_table(f"payments_{suffix}")
-    await records.create_table()
-    async with engine.begin() as conn:
-        await conn.run_sync(payments.metadata.create_all)
+    await create_tables(records, payments)
     server = server_for(request, store_name)
     store = RedisStore.from_url(server.url, mode=store_name.split("-")[1])  # type: ignore[arg-type]
     await store.client.flushall()  # type: ignore[union-attr]
@@ -177,10 +172,9 @@ def sync_setup(
         url = postgres.url(request.getfixturevalue("pg_database"), "psycopg")
     engine = create_engine(url)
     suffix = secrets.token_hex(4)
-    records = SqlRecords(engine, table=f"records_{suffix}")
+    records = SyncSqlRecords(engine, table=f"records_{suffix}")
     payments = payments_table(f"payments_{suffix}")
-    records.create_table()
-    payments.metadata.create_all(engine)
+    create_tables_sync(records, payments)
     with redis_server.sync_client() as client:
         client.flushall()
     yield SyncSetup(request.param, url, engine, records, payments, redis_server, postgres)

@@ -20,10 +20,9 @@ from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware
 from goblin_idem._loop import loop_thread
-from goblin_idem.sql import SqlRecords, connection
+from goblin_idem.sql import SqlRecords, SyncSqlRecords, connection
 from goblin_idem.sql import sync as sql_sync
 from goblin_idem.sql._failures import unavailable
-from goblin_idem.sql._sync_records import SyncSqlRecords
 from goblin_idem.wsgi import IdempotencyMiddleware as WSGIIdempotencyMiddleware
 from tests.sql.conftest import Setup, SyncSetup, on_postgres, on_sync_postgres
 from tests.support.asgi import Reply, problem, request
@@ -130,7 +129,7 @@ def sync_cut(sync_setup: SyncSetup) -> Iterator[tuple[SyncSqlRecords, Proxy]]:
     proxy = Proxy(port).start()
     engine = create_engine(sync_setup.url.replace(f":{port}/", f":{proxy.port}/"))
     try:
-        yield SqlRecords(engine, table=sync_setup.records.table.name), proxy
+        yield SyncSqlRecords(engine, table=sync_setup.records.table.name), proxy
     finally:
         engine.dispose()
         proxy.stop()

@@ -9,7 +9,6 @@ import http.client
 import json
 import secrets
 import time
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import func, select
@@ -19,6 +18,7 @@ from tests.support.apps.sql_app import payments_table
 from tests.support.postgres import Postgres
 from tests.support.procs import start_uvicorn, stop
 from tests.support.servers import Server, free_port
+from tests.support.sql import create_tables
 
 APP = "tests.support.apps.sql_app:app"
 
@@ -41,20 +41,13 @@ def post(
         conn.close()
 
 
-@pytest.fixture
-def database(postgres: Postgres) -> Iterator[str]:
-    yield postgres.new_database()
-
-
 async def test_killed_after_commit_replays_once_after_the_lease(
     postgres: Postgres, database: str, redis_server: Server
 ) -> None:
     url = postgres.url(database)
     records = SqlRecords(url)
     payments = payments_table("payments")
-    await records.create_table()
-    async with records.engine.begin() as conn:
-        await conn.run_sync(payments.metadata.create_all)
+    await create_tables(records, payments)
     env = {
         "DATABASE_URL": url,
         "REDIS_URL": redis_server.url,

@@ -30,12 +30,13 @@ from sqlalchemy import create_engine, select
 from goblin_idem import RedisStore
 from goblin_idem._keys import key_names
 from goblin_idem._loop import loop_thread
-from goblin_idem.sql import SqlRecords
+from goblin_idem.sql import SyncSqlRecords
 from tests.support.apps.downstream_app import effects_table
 from tests.support.apps.downstream_worker import NAME, make_pay
 from tests.support.postgres import Postgres
 from tests.support.procs import spawn, start_uvicorn, stop
 from tests.support.servers import Server, free_port
+from tests.support.sql import create_tables_sync
 
 APP = "tests.support.apps.downstream_app:app"
 WORKER = "tests.support.apps.downstream_worker"
@@ -90,10 +91,9 @@ class Services:
 def new_service(postgres: Postgres, role: str, redis_url: str, **env: str) -> Service:
     database = postgres.new_database()
     url = postgres.url(database, "psycopg")
-    engine = create_engine(url)
-    effects_table("effects").metadata.create_all(engine)
-    SqlRecords(postgres.url(database), table="records").table.metadata.create_all(engine)
-    engine.dispose()
+    records = SyncSqlRecords(url, table="records")
+    create_tables_sync(records, effects_table("effects"))
+    records.close()
     env = {
         "ROLE": role,
         "REDIS_URL": redis_url,

@@ -12,6 +12,7 @@ from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem._keys import key_names
+from goblin_idem._recording import RecordRow
 from goblin_idem.exceptions import CommitRefusedError, NotInRunError
 from goblin_idem.sql import SqlRecords, connection, session
 from goblin_idem.sql._context import RunTransaction
@@ -21,6 +22,7 @@ from tests.support.apps.sql_app import Gate, build, payments_table
 from tests.support.asgi import problem, request
 from tests.support.postgres import start_postgres
 from tests.support.servers import Server, free_port
+from tests.support.sql import create_tables
 
 
 async def test_connection_and_session_outside_a_run_say_why() -> None:
@@ -137,9 +139,7 @@ async def test_the_database_stopped_at_commit_and_started_again(redis_server: Se
     try:
         records = SqlRecords(postgres.url())
         payments = payments_table("payments")
-        await records.create_table()
-        async with records.engine.begin() as conn:
-            await conn.run_sync(payments.metadata.create_all)
+        await create_tables(records, payments)
         gate = Gate()
         app = build(store, records, payments, gate=gate)
         running = asyncio.ensure_future(pay(app, "stopped", "s", "gate"))
@@ -198,7 +198,7 @@ async def test_connection_after_the_run_ended_is_refused(setup: Setup) -> None:
     try:
         conn = await connection()
         await conn.execute(insert(setup.payments).values(ref="late", amount=1))
-        await tx.commit(b"idem:{late}:r", "late", bytes(16), b"GI", 60_000)
+        await tx.commit(RecordRow(b"idem:{late}:r", "late", bytes(16), b"GI", 60_000))
         with pytest.raises(NotInRunError, match="has ended"):
             await connection()
         with pytest.raises(NotInRunError, match="has ended"):

@@ -13,7 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, NotInRunError, once
 from goblin_idem._cli import main
-from goblin_idem._recording import Committed
+from goblin_idem._recording import Committed, RecordRow
 from goblin_idem.sql import SqlRecords, connection
 from tests.sql.conftest import Setup
 from tests.support.asgi import Handler, request
@@ -179,11 +179,11 @@ async def test_a_savepoint_left_open_commits_with_the_run(setup: Setup) -> None:
 async def test_a_run_that_wrote_nothing_commits_its_record_alone(setup: Setup) -> None:
     """One statement in autocommit: the row still stops a second run of the key."""
     first = setup.records.transaction()
-    await first.commit(b"idem:{alone}:r", "alone", bytes(16), b"GI first", 60_000)
+    await first.commit(RecordRow(b"idem:{alone}:r", "alone", bytes(16), b"GI first", 60_000))
     assert await setup.records.lookup(b"idem:{alone}:r") is not None
     second = setup.records.transaction()
     with pytest.raises(Committed) as refused:
-        await second.commit(b"idem:{alone}:r", "alone", bytes(16), b"GI second", 60_000)
+        await second.commit(RecordRow(b"idem:{alone}:r", "alone", bytes(16), b"GI second", 60_000))
     assert refused.value.data == b"GI first"
     with pytest.raises(NotInRunError, match="has ended"):
         await first.connection()

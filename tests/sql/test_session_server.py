@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import http.client
 import secrets
-from collections.abc import Iterator
 
-import pytest
 from redis import Redis
 from sqlalchemy import func, select
 
@@ -17,6 +15,7 @@ from tests.support.apps.sql_app import payments_table
 from tests.support.postgres import Postgres
 from tests.support.procs import output_of, start_uvicorn
 from tests.support.servers import Server, free_port
+from tests.support.sql import create_tables
 
 APP = "tests.support.apps.sql_app:app"
 
@@ -31,20 +30,13 @@ def post(port: int, path: str, key: str | None = None) -> tuple[int, dict[str, s
         conn.close()
 
 
-@pytest.fixture
-def database(postgres: Postgres) -> Iterator[str]:
-    yield postgres.new_database()
-
-
 async def test_the_session_dependency_under_uvicorn(
     postgres: Postgres, database: str, redis_server: Server
 ) -> None:
     url = postgres.url(database)
     records = SqlRecords(url)
     payments = payments_table("payments")
-    await records.create_table()
-    async with records.engine.begin() as conn:
-        await conn.run_sync(payments.metadata.create_all)
+    await create_tables(records, payments)
 
     async def count(ref: str) -> int:
         query = select(func.count()).select_from(payments).where(payments.c.ref == ref)

@@ -17,7 +17,7 @@ from starlette.middleware import Middleware
 from starlette.types import Message
 
 from goblin_idem import IdempotencyMiddleware, MemoryStore, SqlRecordsError
-from goblin_idem.sql import SqlRecords
+from goblin_idem.sql import SqlRecords, SyncSqlRecords
 from goblin_idem.wsgi import IdempotencyMiddleware as WSGIIdempotencyMiddleware
 from tests.sql.conftest import Setup
 from tests.support.postgres import Postgres
@@ -180,7 +180,7 @@ def test_the_wsgi_adapter_checks_the_records_when_it_is_built(tmp_path: Path) ->
         return [b"done"]
 
     engine = create_engine(f"sqlite:///{tmp_path / 'app.db'}")
-    records = SqlRecords(engine, table="never_created")
+    records = SyncSqlRecords(engine, table="never_created")
     try:
         with pytest.raises(SqlRecordsError, match="'never_created' does not exist"):
             WSGIIdempotencyMiddleware(app, store=MemoryStore(), records=records)
@@ -202,24 +202,37 @@ def test_the_wsgi_adapter_refuses_async_records_saying_what_to_pass(tmp_path: Pa
         WSGIIdempotencyMiddleware(app, store=MemoryStore(), records=records)
     said = str(refused.value)
     assert "writes through an AsyncEngine, which a sync app cannot write through" in said
-    assert "SqlRecords(db.engine)" in said and "SqlRecords(url, sync=True)" in said
+    assert "SyncSqlRecords(db.engine)" in said and "SyncSqlRecords(url)" in said
 
 
 async def test_the_asgi_middleware_refuses_sync_records_saying_what_to_pass(
     tmp_path: Path,
 ) -> None:
-    records = SqlRecords(create_engine(f"sqlite:///{tmp_path / 'app.db'}"))
+    records = SyncSqlRecords(create_engine(f"sqlite:///{tmp_path / 'app.db'}"))
     with pytest.raises(TypeError) as refused:
         IdempotencyMiddleware(Starlette(), store=MemoryStore(), records=records)
     said = str(refused.value)
     assert "keeps its transaction in the request's thread" in said
-    assert "SqlRecords with an AsyncEngine" in said
+    assert "SqlRecords(engine) with an AsyncEngine" in said
 
 
-def test_a_url_makes_async_records_unless_sync_is_asked(tmp_path: Path) -> None:
+def test_each_records_class_refuses_the_others_engine_saying_which_to_pass(
+    tmp_path: Path,
+) -> None:
+    """Async and sync records are two classes, picked by the engine the app has."""
+    sync_engine = create_engine(f"sqlite:///{tmp_path / 'app.db'}")
+    async_engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    with pytest.raises(TypeError, match=r"pass SyncSqlRecords\(engine\)"):
+        SqlRecords(sync_engine)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"pass SqlRecords\(engine\)"):
+        SyncSqlRecords(async_engine)  # type: ignore[arg-type]
+    sync_engine.dispose()
+
+
+def test_a_url_makes_the_records_of_the_class_it_is_given_to() -> None:
     """A driver such as psycopg serves both: the URL alone cannot say which the app uses."""
     url = "postgresql+psycopg://postgres@127.0.0.1:1/app"
-    assert isinstance(SqlRecords(url), SqlRecords)
-    made = SqlRecords(url, sync=True)
-    assert not isinstance(made, SqlRecords) and repr(made).endswith("sync=True)")
-    assert callable(getattr(made, "work", None))
+    made = SyncSqlRecords(url)
+    assert repr(made) == f"SyncSqlRecords({url!r}, table='goblin_idem_records')"
+    assert callable(getattr(made, "work", None)) and not hasattr(made, "transaction")
+    assert callable(getattr(SqlRecords(url), "transaction", None))

@@ -22,7 +22,7 @@ from goblin_idem import MemoryStore, RedisStore, SqlRecordsError, forget
 from goblin_idem._loop import loop_thread
 from goblin_idem.exceptions import CommitRefusedError, NotInRunError
 from goblin_idem.flask import Idempotency
-from goblin_idem.sql import SqlRecords
+from goblin_idem.sql import SyncSqlRecords
 from goblin_idem.sql import sync as sql_sync
 from goblin_idem.wsgi import IdempotencyMiddleware
 from tests.sql.conftest import SyncSetup, on_sync_postgres
@@ -223,7 +223,7 @@ def test_the_connection_refuses_commit_and_the_session_commits_a_savepoint(
 
 
 def test_connection_outside_a_request_says_why() -> None:
-    with pytest.raises(NotInRunError, match="records=SqlRecords\\(engine\\) and a sync Engine"):
+    with pytest.raises(NotInRunError, match="records=SyncSqlRecords\\(engine\\)"):
         sql_sync.connection()
     with pytest.raises(NotInRunError, match="outside one"):
         sql_sync.session()
@@ -246,7 +246,7 @@ def test_flask_sqlalchemy_with_records_on_another_engine_of_its_database_joins(
         db.session.commit()
         raise RuntimeError("failed after its commit")
 
-    records = SqlRecords(create_engine(sync_setup.url), table=sync_setup.records.table.name)
+    records = SyncSqlRecords(create_engine(sync_setup.url), table=sync_setup.records.table.name)
     Idempotency(app, store=store, records=records)
     assert call(app, "POST", "/payments", key="k-other").code == 500
     assert sync_setup.payment_count("other") == 0
@@ -276,7 +276,7 @@ def test_flask_sqlalchemy_binds_of_other_databases_keep_their_engines(
 
     with app.app_context():
         Idempotency(
-            app, store=store, records=SqlRecords(db.engine, table=sync_setup.records.table.name)
+            app, store=store, records=SyncSqlRecords(db.engine, table=sync_setup.records.table.name)
         )
     assert call(app, "POST", "/payments", key="k-binds").code == 201
     assert sync_setup.payment_count("main") == 1 and len(sync_setup.rows()) == 1
@@ -327,7 +327,7 @@ def test_the_warning_names_flask_s_url_rule_not_the_path(
         return {"shop": shop}, 201
 
     with app.app_context():
-        records = SqlRecords(db.engine, table=sync_setup.records.table.name)
+        records = SyncSqlRecords(db.engine, table=sync_setup.records.table.name)
         Idempotency(app, store=store, records=records)
     with caplog.at_level(logging.WARNING, logger="goblin_idem"):
         assert call(app, "POST", "/shops/1/orders", key="k-s1").code == 201
@@ -341,13 +341,13 @@ def test_flask_sqlalchemy_initialised_after_the_extension_joins_at_the_first_req
     sync_setup: SyncSetup, store: RedisStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An app factory that initialises Idempotency (records on an engine of their own,
-    SqlRecords(url, sync=True)) before db.init_app: db.session joins the run all the same,
+    SyncSqlRecords(url)) before db.init_app: db.session joins the run all the same,
     found at the first request. Before, its commit was its own (the failed run left its
     payment) and only a WARNING said so."""
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = sync_setup.url
     db = SQLAlchemy()
-    records = SqlRecords(sync_setup.url, sync=True, table=sync_setup.records.table.name)
+    records = SyncSqlRecords(sync_setup.url, table=sync_setup.records.table.name)
     Idempotency().init_app(app, store=store, records=records)
     db.init_app(app)
     payments = sync_setup.payments
@@ -372,7 +372,7 @@ def test_flask_sqlalchemy_initialised_after_the_extension_joins_at_the_first_req
 
 
 def test_sync_records_on_an_async_driver_are_refused_at_startup(tmp_path: Path) -> None:
-    records = SqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}", sync=True)
+    records = SyncSqlRecords(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
 
     def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
         raise AssertionError("never called")

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import redis
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from goblin_idem.sql import SqlRecords
 from tests.support.apps.webhook_app import deliveries_table
-from tests.support.postgres import Postgres, start_postgres
+from tests.support.postgres import Postgres
 from tests.support.procs import spawn, stop, uvicorn_args, wait_http
 from tests.support.servers import Server, free_port
+from tests.support.sql import create_tables
 
 APP = "tests.support.apps.webhook_app:app"
 CONFIGS = ("redis", "redis+postgresql")
@@ -41,21 +41,12 @@ class Receiver:
             client.close()
 
 
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[Postgres]:
-    server = start_postgres()
-    yield server
-    server.remove()
-
-
 async def _create_tables(url: str, records: str, deliveries: str) -> None:
-    engine = create_async_engine(url)
+    made = SqlRecords(url, table=records)
     try:
-        await SqlRecords(engine, table=records).create_table()
-        async with engine.begin() as conn:
-            await conn.run_sync(deliveries_table(deliveries).metadata.create_all)
+        await create_tables(made, deliveries_table(deliveries))
     finally:
-        await engine.dispose()
+        await made.aclose()
 
 
 @contextlib.contextmanager

@@ -42,8 +42,10 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, s
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 
 from goblin_idem import IdempotencyMiddleware, PostgresStore, RedisStore, Store
+from goblin_idem._recording import RecordRow
 from goblin_idem.sql import SqlRecords, connection, session
 from goblin_idem.sql._context import RunTransaction
+from tests.support import sql as tables
 
 BIG = 64 * 1024
 
@@ -83,9 +85,7 @@ def create_tables(url: str, records_table: str, payments: str) -> None:
 
     async def create() -> None:
         records = SqlRecords(url, table=records_table)
-        await records.create_table()
-        async with records.engine.begin() as conn:
-            await conn.run_sync(payments_table(payments).metadata.create_all)
+        await tables.create_tables(records, payments_table(payments))
         await records.aclose()
 
     asyncio.run(create())
@@ -234,8 +234,8 @@ def _kill_now() -> bool:
 class KillingTransaction(RunTransaction):
     """Commits, then ends the process at once (SIGKILL) when told to: nothing is published."""
 
-    async def commit(self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int) -> None:
-        await super().commit(key, key_hash, fp, data, ttl_ms)
+    async def commit(self, row: RecordRow) -> None:
+        await super().commit(row)
         if _kill_now():
             os.kill(os.getpid(), signal.SIGKILL)
 

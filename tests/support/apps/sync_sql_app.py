@@ -39,10 +39,10 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, registry
 
 from goblin_idem import RedisStore, Store
+from goblin_idem._recording import RecordRow
 from goblin_idem.flask import Idempotency
-from goblin_idem.sql import SqlRecords
+from goblin_idem.sql import SyncSqlRecords
 from goblin_idem.sql import sync as sql_sync
-from goblin_idem.sql._sync_records import SyncSqlRecords
 from goblin_idem.sql.sync import SyncRun
 from goblin_idem.wsgi import IdempotencyMiddleware
 from tests.support.apps.sql_app import _kill_now, payments_table
@@ -82,10 +82,8 @@ def gate(ref: str) -> None:
 
 
 class KillingRun(SyncRun):
-    def commit(
-        self, key: bytes, key_hash: str, fp: bytes, data: bytes, ttl_ms: int
-    ) -> bytes | None:
-        other = super().commit(key, key_hash, fp, data, ttl_ms)
+    def commit(self, row: RecordRow) -> bytes | None:
+        other = super().commit(row)
         if _kill_now():  # committed, and the store never hears of it
             os.kill(os.getpid(), signal.SIGKILL)
         return other
@@ -111,14 +109,14 @@ def build_flask(
 ) -> Flask:
     """Flask-SQLAlchemy as its users write it; `records_table` None: no records. With
     `extension_first`, in the order users write first: the extension, with records on an
-    engine of their own (``SqlRecords(url, sync=True)``), then ``db.init_app(app)``."""
+    engine of their own (``SyncSqlRecords(url)``), then ``db.init_app(app)``."""
     app = Flask(__name__)
     app.json.sort_keys = False  # type: ignore[attr-defined]  # "ref" first, as sql_app's
     app.config["SQLALCHEMY_DATABASE_URI"] = url
     db = SQLAlchemy()
     if extension_first:
         assert records_table is not None
-        first: SyncSqlRecords = SqlRecords(url, sync=True, table=records_table)
+        first = SyncSqlRecords(url, table=records_table)
         if _killing():
             first = KillingRecords(create_engine(url), table=records_table)
         Idempotency(app, store=store, records=first, **options)
@@ -157,7 +155,7 @@ def build_flask(
         if records_table is not None and _killing():
             records = KillingRecords(db.engine, table=records_table)
         elif records_table is not None:
-            records = SqlRecords(db.engine, table=records_table)  # what an app passes
+            records = SyncSqlRecords(db.engine, table=records_table)  # what an app passes
         Idempotency(app, store=store, records=records, **options)
     return app
 
