@@ -115,9 +115,7 @@ LAYERS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
                 "_outcome",
                 "_routes",
                 "_provider",
-                "_loop",
-                "_exchange",
-                "_threaded",
+                "_threads",
             )
         },
     ),

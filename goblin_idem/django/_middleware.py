@@ -29,10 +29,10 @@ from django.urls import Resolver404, get_resolver, resolve  # type: ignore[impor
 from starlette.types import Scope
 
 from .. import _routes
-from .._exchange import Exchange
-from .._loop import loop_thread
 from .._routes import RESOLVED_POLICY, RoutePolicy, policy_of
-from .._threaded import for_sync_apps
+from .._threads._exchange import Exchange
+from .._threads._loop import loop_thread
+from .._threads._records import for_sync_apps
 from ..exceptions import SqlRecordsError
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..wsgi._app import body_cut, body_reader, scope_of

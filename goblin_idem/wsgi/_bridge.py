@@ -37,8 +37,8 @@ from typing import Any
 from starlette.types import Message, Receive, Scope, Send
 
 from .._claim import ClaimHolder, current, for_sync_code
-from .._exchange import DONE, Exchange, Raised
-from .._threaded import ThreadedTransaction, pending
+from .._threads._exchange import DONE, Exchange, Raised
+from .._threads._records import ThreadedTransaction, pending
 
 __all__ = [
     "HANDOFF",

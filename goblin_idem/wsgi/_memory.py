@@ -29,7 +29,7 @@ import time
 from starlette.types import Message, Scope
 
 from .._keys import header_key, valid_key
-from .._loop import started_loop
+from .._threads._loop import started_loop
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._responses import replay_start
 from ..store import RedisStore

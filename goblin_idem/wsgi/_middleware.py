@@ -16,10 +16,10 @@ from typing import Any, TypeAlias
 from starlette.types import Scope
 
 from .. import _routes
-from .._exchange import Exchange
-from .._loop import loop_thread
 from .._routes import RESOLVED_POLICY, RoutePolicy
-from .._threaded import ThreadedRecords, for_sync_apps
+from .._threads._exchange import Exchange
+from .._threads._loop import loop_thread
+from .._threads._records import ThreadedRecords, for_sync_apps
 from ..middleware import Counters
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._lifespan import Lifespan

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import _problems as problems
 from .._log import describe
-from .._threaded import ThreadRecords, ThreadWork
+from .._threads._records import ThreadRecords, ThreadWork
 from ._app import WSGIApp
 
 __all__ = ["UnkeyedApp"]

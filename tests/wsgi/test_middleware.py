@@ -29,7 +29,7 @@ from goblin_idem import (
     IdempotencyMiddleware as ASGIMiddleware,
 )
 from goblin_idem._keys import key_names
-from goblin_idem._loop import loop_thread
+from goblin_idem._threads._loop import loop_thread
 from goblin_idem.wsgi import IdempotencyMiddleware
 from tests.store.test_replay_cache import commands_served
 from tests.support.asgi import request as asgi_request
