@@ -311,6 +311,13 @@ class Outer:
         self.first = item
         return True
 
+    def abandon(self) -> None:
+        """The request's thread gives up on the middleware (an error on its way out): the
+        middleware is cancelled, unless it has ended."""
+        exchange = self.handoff.exchange
+        if exchange.done is None:
+            exchange.abandon()
+
     @property
     def start(self) -> Message:
         assert self.first is not None
