@@ -30,7 +30,7 @@ from __future__ import annotations
 from . import _options as options
 from ._keys import KeyNames, failures_key, hop_key
 from ._recording import Records
-from ._threaded import outside_requests
+from ._threads._records import outside_requests
 from .exceptions import InFlightError
 from .inspection import names_given
 from .store import KeyT, Store

@@ -6,6 +6,12 @@ mark is found the way the router finds the endpoint, so a request meets the poli
 route that serves it, and the OpenAPI document (middleware/_openapi.py) says the same. A framework
 that routes by its own means (Flask's URL map, Django's resolver) resolves the endpoint
 itself and hands the middleware its mark in the scope (`RESOLVED_POLICY`, `policy_of`).
+
+Whether a request is taken at all is decided here, once, for every front door on HTTP (the
+ASGI middleware, the WSGI and Flask adapter, Django's middleware): `Routes.may_cover`
+before the request's scope is made, then `Routes.covering` with it. A sync adapter decides
+in the request's thread and hands its answer to the ASGI middleware in the scope
+(`COVERED`), which then takes it as decided.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from ._outcome import Outcome, OutcomeOption
 from ._provider import Provider
 
 __all__ = [
+    "COVERED",
     "RESOLVED_POLICY",
     "RoutePolicy",
     "Routes",
@@ -47,6 +54,10 @@ _POLICY_ATTR = "__goblin_idem__"
 #: framework serving the request resolved by its own router; the middleware then takes it
 #: instead of asking the ASGI app's routes.
 RESOLVED_POLICY = "goblin_idem.route_policy"
+
+#: The scope key of the `Settings` of a request a sync adapter has decided to take
+#: (`Routes.covering`, made in the request's thread): the middleware does not decide again.
+COVERED = "goblin_idem.settings"
 
 # How many endpoints @idempotent has marked in this process. While none has, no request
 # needs its route looked up, so a request without a key passes with a header scan only;
@@ -206,6 +217,23 @@ class Routes:
             options.patterns("required_paths", required_paths),
             webhook_paths(webhooks),
         )
+
+    def may_cover(self, keyed: bool, marked: bool) -> bool:
+        """Whether a request of a covered method can be taken at all, told before its scope
+        is made: it has a key, its endpoint's mark is to be looked up (`marked`), or the
+        options can require a key (a required route, a webhook path). False, the common
+        case, sends it to the app at once."""
+        return keyed or marked or self.may_require
+
+    def covering(self, scope: Scope, keyed: bool) -> Settings | None:
+        """The settings of a request the middleware takes: a webhook delivery, a request
+        with a key, or one without on a route that requires a key (answered 400); None for
+        a request that goes to the app as it is. A sync adapter's decision, made in the
+        request's thread, is taken as it stands (`COVERED`)."""
+        settings: Settings | None = scope.get(COVERED) or self.settings(scope)
+        if settings is None or keyed or settings.required or settings.webhook is not None:
+            return settings
+        return None
 
     def settings(self, scope: Scope) -> Settings | None:
         settings = self._for_path(scope["path"])

@@ -116,9 +116,7 @@ LAYERS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
                 "_outcome",
                 "_routes",
                 "_provider",
-                "_loop",
-                "_exchange",
-                "_threaded",
+                "_threads",
             )
         },
     ),

@@ -13,7 +13,8 @@ import threading
 import httpx
 import pytest
 
-from goblin_idem import CLAIMED, RedisStore, _loop
+from goblin_idem import CLAIMED, RedisStore
+from goblin_idem._threads import _loop
 from goblin_idem.store import Published
 from tests.support.procs import APPS, in_child, spawn, stop, wait_http
 from tests.support.servers import Server, free_port, start_cluster

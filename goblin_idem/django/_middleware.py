@@ -29,15 +29,13 @@ from django.urls import Resolver404, get_resolver, resolve  # type: ignore[impor
 from starlette.types import Scope
 
 from .. import _routes
-from .._exchange import Exchange
-from .._loop import loop_thread
 from .._routes import RESOLVED_POLICY, RoutePolicy, policy_of
-from .._threaded import for_sync_apps
+from .._threads._records import for_sync_apps
 from ..exceptions import SqlRecordsError
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..wsgi._app import body_cut, body_reader, scope_of
-from ..wsgi._bridge import HANDOFF, ClientGone, Handoff, Outer, thread_app
-from ..wsgi._memory import MemoryReplays
+from ..wsgi._bridge import HANDOFF, ClientGone, Outer, thread_app
+from ..wsgi._door import SyncDoor
 from ..wsgi._middleware import check_store
 from . import _settings
 from ._responses import (
@@ -75,10 +73,7 @@ class IdempotencyMiddleware:
             self.core = ASGIIdempotencyMiddleware(app, **options)
         except (TypeError, ValueError) as exc:
             raise _settings.refused(exc) from exc
-        self.methods = self.core.methods
-        self.max_body_bytes = self.core.max_body_bytes
-        self.key_name = "HTTP_" + self.core.header_name.upper().replace("-", "_")
-        self.memory = None if self.is_async else MemoryReplays.of(self.core)
+        self.door = SyncDoor(self.core, in_thread=not self.is_async)
         self._check(self.core)
         get_resolver().url_patterns  # noqa: B018  # see _covered
 
@@ -147,29 +142,24 @@ class IdempotencyMiddleware:
         been imported by then, so the URLconf (which imports them) is loaded when the
         middleware is made, not at the first request as Django would; one a middleware
         sets for the request (``request.urlconf``) is looked up in any case."""
-        if request.method not in self.methods:
-            return None
-        key = request.META.get(self.key_name)
-        marks = _routes.marked_endpoints or hasattr(request, "urlconf")
-        if key is None and not marks and not self.core.routes.may_require:
+        door = self.door
+        key = request.META.get(door.key_name)
+        marks = bool(_routes.marked_endpoints) or hasattr(request, "urlconf")
+        if not door.may_cover(request.method, key, marks):
             return None  # the common case: nothing to do, fast
         scope = _scope(request)
         scope[DJANGO_REQUEST] = request
         scope["route"] = _Route(request)
         if marks:
             scope[RESOLVED_POLICY] = _policy(request)
-        if key is None:
-            settings = self.core.routes.settings(scope)
-            if settings is None or not (settings.required or settings.webhook):
-                return None
-        return scope
+        return scope if door.covers(scope, key is not None) else None
 
     def _body(self, request: HttpRequest) -> bytes | None:
         """The body read up front (Django's own read) when it is within max_body_bytes;
         ClientGone if fewer bytes came than its Content-Length said (Django's read, as
         gunicorn's wsgi.input, ends where the client disconnected)."""
         length = request.META.get("CONTENT_LENGTH", "")
-        if not length.isdigit() or int(length) > self.max_body_bytes:
+        if not length.isdigit() or int(length) > self.door.max_body_bytes:
             return None
         try:
             body: bytes = request.body
@@ -186,17 +176,11 @@ class IdempotencyMiddleware:
             body = self._body(request)
         except ClientGone:
             return HttpResponse(status=400)  # nobody reads it: nothing run, nothing claimed
-        key = request.META.get(self.key_name)
-        if body is not None and key is not None and self.memory is not None:
-            replay = self.memory.answer(scope, key, body)
-            if replay is not None:  # from memory, as the bridged path would answer it
-                return response_of(*replay)
-        exchange = Exchange(loop_thread())
+        replay = self.door.replay(scope, request.META.get(self.door.key_name), body)
+        if replay is not None:  # from memory, as the bridged path would answer it
+            return response_of(*replay)
         responder = DjangoResponder(self.get_response, request)
-        handoff = Handoff(exchange, responder, body, None if body is not None else _reader(request))
-        scope[HANDOFF] = handoff
-        exchange.start(self.core(scope, handoff.receive, handoff.send))
-        outer = Outer(handoff)
+        outer = self.door.bridge(scope, responder, body, _reader(request) if body is None else None)
         handed = False
         try:
             if not outer.begin():
@@ -205,8 +189,7 @@ class IdempotencyMiddleware:
             handed = response is responder.response
             return response
         except BaseException:
-            if exchange.done is None:
-                exchange.abandon()
+            outer.abandon()
             raise
         finally:
             if not handed:

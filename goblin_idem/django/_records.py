@@ -1,6 +1,6 @@
 """``RECORDS: "django"``: the records in a Django database, committed with the view's ORM writes.
 
-A `ThreadRecords` backend (`goblin_idem._threaded`): every step runs in the request's
+A `ThreadRecords` backend (`goblin_idem._threads._records`): every step runs in the request's
 thread, on Django's connection of that thread for the records' alias
 (``RECORDS_DATABASE``, ``"default"`` unless set). A keyed run's work is
 ``transaction.atomic(using=alias)``, entered before the view runs; the view's own
@@ -186,7 +186,7 @@ class DjangoRecords:
                 "SQLite 3.35 or later is needed (a newer Python, or pysqlite3)"
             )
 
-    # -- ThreadRecords (goblin_idem._threaded) --
+    # -- ThreadRecords (goblin_idem._threads._records) --
 
     def work(self, where: Callable[[], str] | None) -> DjangoWork | Unrecorded:
         """A keyed run's atomic block; a request without a claimed key, Django's own."""

@@ -13,7 +13,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.routing import RequestRedirect
 
 from .._routes import RoutePolicy, policy_of
-from .._threaded import ThreadedRecords
+from .._threads._records import ThreadedRecords
 from ..middleware._middleware import OPTIONS
 from ..store import MemoryStore, RedisStore, Store
 from ..wsgi import IdempotencyMiddleware

@@ -192,7 +192,6 @@ class IdempotencyMiddleware:
             store_server_errors=store_server_errors,
         )
         self.routes.wrapped = app
-        self._may_require = self.routes.may_require  # read by every request without a key
         self.max_body_bytes = options.whole_number("max_body_bytes", max_body_bytes, minimum=1)
         retry_after = options.seconds("retry_after_seconds", retry_after_seconds, minimum=0)
         self.retry_after = str(math.ceil(retry_after)).encode()  # delta-seconds: whole
@@ -333,20 +332,18 @@ class IdempotencyMiddleware:
                 keys += 1
             elif name == b"content-length":
                 content_length = value
-        if key is None and not _routes.marked_endpoints and not self._may_require:
+        if not self.routes.may_cover(key is not None, _routes.marked_endpoints > 0):
             await self._unkeyed(scope, receive, send)  # the common case: nothing to do, fast
             return
-        settings = self.routes.settings(scope)
+        settings = self.routes.covering(scope, key is not None)
         if settings is None:
             await self._unkeyed(scope, receive, send)
         elif settings.webhook is not None:
             await self._delivery(scope, receive, send, settings, settings.webhook, content_length)
         elif key is not None:
             await self._with_key(scope, receive, send, settings, key, keys, content_length)
-        elif settings.required:
+        else:  # a route that requires a key
             await self.answers.missing_key(send, scope["method"], scope["path"])
-        else:
-            await self._unkeyed(scope, receive, send)
 
     async def _with_key(
         self,

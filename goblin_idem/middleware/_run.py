@@ -33,9 +33,9 @@ from .._events import Events, log_store_error
 from .._keys import KeyNames, hop_key
 from .._lease import Lease, Watchdog
 from .._log import describe
-from .._loop import in_loop_thread
 from .._outcome import is_outcome
 from .._routes import Settings
+from .._threads._loop import in_loop_thread
 from ..exceptions import DatabaseUnavailableError
 from ..records._compression import Compressor
 from ..records._format import Record, encode

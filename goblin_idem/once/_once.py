@@ -43,8 +43,8 @@ from .._closing import free_claim, publish_retried, run_to_end
 from .._keys import KeyNames, key_names
 from .._lease import Lease, Watchdog
 from .._log import describe
-from .._loop import in_loop_thread
 from .._recording import Committed, RecordRow, Records, RunTransaction
+from .._threads._loop import in_loop_thread
 from ..exceptions import InFlightError, KeyReusedError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Published, Store

@@ -22,8 +22,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
 from .._claim import ClaimHolder, current, for_sync_code
-from .._exchange import Exchange
-from .._loop import loop_thread
+from .._threads._exchange import Exchange
+from .._threads._loop import loop_thread
 
 __all__ = ["in_callers_thread"]
 

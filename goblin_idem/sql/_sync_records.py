@@ -1,7 +1,7 @@
 """`SyncSqlRecords`: `SqlRecords` for a sync app (WSGI, Flask), the same table and rows on a
 sync ``Engine``.
 
-They implement `goblin_idem._threaded.ThreadRecords`: every step runs in the request's
+They implement `goblin_idem._threads._records.ThreadRecords`: every step runs in the request's
 thread, where the app's writes are, so the app's writes through `goblin_idem.sql.sync`
 (and Flask-SQLAlchemy's ``db.session`` on a keyed route) and the record's row are one
 transaction on one connection (`goblin_idem.sql.sync.SyncRun`). The ASGI middleware and
@@ -90,7 +90,7 @@ class SyncSqlRecords(RecordsTable):
     def __repr__(self) -> str:
         return f"SyncSqlRecords({self.where!r}, table={self.table.name!r})"
 
-    # -- what the sync adapters use (goblin_idem._threaded.ThreadRecords) --
+    # -- what the sync adapters use (goblin_idem._threads._records.ThreadRecords) --
 
     def work(self, where: Callable[[], str] | None) -> SyncRun:
         return SyncRun(self, where)

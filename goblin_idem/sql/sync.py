@@ -85,7 +85,7 @@ class RunConnection(Connection):
 
 class SyncRun:
     """One request's transaction on `records`' engine, in the request's thread (a
-    `goblin_idem._threaded.ThreadWork`), begun on first use. `where` names the route of a
+    `goblin_idem._threads._records.ThreadWork`), begun on first use. `where` names the route of a
     run under a won claim, whose database is watched for commits outside the run; None for
     a request without a claimed key."""
 
@@ -101,7 +101,7 @@ class SyncRun:
         self.ended = False  # committed or rolled back: connection() refuses
         self.dropped = False  # its connection was given back invalidated (`lost`)
 
-    # -- the work (goblin_idem._threaded.ThreadWork) --
+    # -- the work (goblin_idem._threads._records.ThreadWork) --
 
     def begin(self) -> None:
         """Nothing yet: the connection is taken at the first ``connection()``."""

@@ -37,8 +37,8 @@ from typing import Any
 from starlette.types import Message, Receive, Scope, Send
 
 from .._claim import ClaimHolder, current, for_sync_code
-from .._exchange import DONE, Exchange, Raised
-from .._threaded import ThreadedTransaction, pending
+from .._threads._exchange import DONE, Exchange, Raised
+from .._threads._records import ThreadedTransaction, pending
 
 __all__ = [
     "HANDOFF",
@@ -69,7 +69,7 @@ class Responder:
     known once the first chunk is (a WSGI app may call start_response as late as that).
     Every method runs in the request's thread with the run's claim as `current`, and the
     records' transaction of the request (`tx`, if they keep it in this thread:
-    `goblin_idem._threaded`) begun before the app runs and current while it does."""
+    `goblin_idem._threads._records`) begun before the app runs and current while it does."""
 
     def __init__(self) -> None:
         self.tx: ThreadedTransaction | None = None  # set by thread_app, before start
@@ -310,6 +310,13 @@ class Outer:
             return False
         self.first = item
         return True
+
+    def abandon(self) -> None:
+        """The request's thread gives up on the middleware (an error on its way out): the
+        middleware is cancelled, unless it has ended."""
+        exchange = self.handoff.exchange
+        if exchange.done is None:
+            exchange.abandon()
 
     @property
     def start(self) -> Message:

@@ -29,7 +29,8 @@ import time
 from starlette.types import Message, Scope
 
 from .._keys import header_key, valid_key
-from .._loop import started_loop
+from .._routes import Settings
+from .._threads._loop import started_loop
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._responses import replay_start
 from ..store import RedisStore
@@ -56,16 +57,18 @@ class MemoryReplays:
             return None
         return cls(core, store) if core.claim_step.plain else None
 
-    def answer(self, scope: Scope, key: str, body: bytes) -> tuple[Message, bytes] | None:
+    def answer(
+        self, scope: Scope, settings: Settings, key: str, body: bytes
+    ) -> tuple[Message, bytes] | None:
         """The replay's start message and body, its event reported; None to take the
-        bridged path. `key` is the header's value as the environ holds it."""
+        bridged path. `settings` are the request's (`Routes.covering`), `key` the header's
+        value as the environ holds it."""
         core = self.core
         raw = key.encode("latin-1")
         checked = header_key(raw)
         if checked is None or not valid_key(checked, core.key_pattern):
             return None
-        settings = core.routes.settings(scope)
-        if settings is None or settings.webhook is not None:
+        if settings.webhook is not None:
             return None
         names, fp = core.identity.identify(scope, checked, body)
         data = self._kept(names.result)

@@ -16,17 +16,16 @@ from typing import Any, TypeAlias
 from starlette.types import Scope
 
 from .. import _routes
-from .._exchange import Exchange
-from .._loop import loop_thread
 from .._routes import RESOLVED_POLICY, RoutePolicy
-from .._threaded import ThreadedRecords, for_sync_apps
+from .._threads._loop import loop_thread
+from .._threads._records import ThreadedRecords, for_sync_apps
 from ..middleware import Counters
 from ..middleware import IdempotencyMiddleware as ASGIIdempotencyMiddleware
 from ..middleware._lifespan import Lifespan
 from ..store import Store
 from ._app import WSGIApp, WSGIResponder, body_reader, read_whole, scope_of
-from ._bridge import HANDOFF, ClientGone, Handoff, Outer, latin1, status_line, thread_app
-from ._memory import MemoryReplays
+from ._bridge import ClientGone, latin1, status_line, thread_app
+from ._door import SyncDoor
 from ._unkeyed import UnkeyedApp
 
 PolicyOf: TypeAlias = Callable[[dict[str, Any]], RoutePolicy | None]
@@ -58,11 +57,8 @@ class IdempotencyMiddleware:
             retry_after = self.core.retry_after.decode()
             self.plain = UnkeyedApp(app, self.core.records.backend, retry_after)
         self.store = self.core.store
-        self.methods = self.core.methods
-        self.max_body_bytes = self.core.max_body_bytes
-        self.key_name = "HTTP_" + self.core.header_name.upper().replace("-", "_")
+        self.door = SyncDoor(self.core)
         self.policy_of: PolicyOf | None = None  # a framework's route marks (Flask's)
-        self.memory = MemoryReplays.of(self.core)
         check_store(self.core)  # raises for an unusable store, as a lifespan's startup
 
     @property
@@ -73,45 +69,38 @@ class IdempotencyMiddleware:
     def __call__(
         self, environ: dict[str, Any], start_response: Callable[..., Any]
     ) -> Iterable[bytes]:
-        if environ.get("REQUEST_METHOD") not in self.methods:
-            return self.plain(environ, start_response)
-        key = environ.get(self.key_name)
+        door = self.door
+        key = environ.get(door.key_name)
         policy_of = self.policy_of if _routes.marked_endpoints else None
-        if key is None and policy_of is None and not self.core.routes.may_require:
+        if not door.may_cover(environ.get("REQUEST_METHOD"), key, policy_of is not None):
             return self.plain(environ, start_response)  # the common case: nothing to do, fast
         scope = scope_of(environ)
         if policy_of is not None:
             scope[RESOLVED_POLICY] = policy_of(environ)
-        if key is None:
-            settings = self.core.routes.settings(scope)
-            if settings is None or not (settings.required or settings.webhook):
-                return self.plain(environ, start_response)
-        return self._bridged(environ, start_response, scope, key is not None)
+        if not door.covers(scope, key is not None):
+            return self.plain(environ, start_response)
+        return self._bridged(environ, start_response, scope, key)
 
     def _bridged(
         self,
         environ: dict[str, Any],
         start_response: Callable[..., Any],
         scope: Scope,
-        keyed: bool,
+        key: str | None,
     ) -> Iterable[bytes]:
         """The ASGI middleware on the loop thread, the app run back in this thread."""
+        door = self.door
         try:
-            body = read_whole(environ, self.max_body_bytes) if keyed else None
+            body = read_whole(environ, door.max_body_bytes) if key is not None else None
         except ClientGone:
             return client_left(start_response)
-        if body is not None and self.memory is not None:
-            replay = self.memory.answer(scope, environ[self.key_name], body)
-            if replay is not None:  # from memory, as the bridged path would answer it
-                start, data = replay
-                start_response(status_line(start["status"]), latin1(start["headers"]))
-                return [data]
-        exchange = Exchange(loop_thread())
+        replay = door.replay(scope, key, body)
+        if replay is not None:  # from memory, as the bridged path would answer it
+            start, data = replay
+            start_response(status_line(start["status"]), latin1(start["headers"]))
+            return [data]
         responder = WSGIResponder(self.app, environ)
-        handoff = Handoff(exchange, responder, body, body_reader(environ) if body is None else None)
-        scope[HANDOFF] = handoff
-        exchange.start(self.core(scope, handoff.receive, handoff.send))
-        outer = Outer(handoff)
+        outer = door.bridge(scope, responder, body, body_reader(environ) if body is None else None)
         try:
             if not outer.begin():  # the client left before its body was read
                 return client_left(start_response)
@@ -123,8 +112,7 @@ class IdempotencyMiddleware:
             whole = outer.whole()
             return [whole] if whole is not None else outer.chunks()
         except BaseException:
-            if exchange.done is None:
-                exchange.abandon()
+            outer.abandon()
             responder.close()
             raise
 

@@ -1,5 +1,5 @@
 """The WSGI app for a request the middleware passes straight through, with records that keep
-their transaction in the request's thread (`goblin_idem._threaded`).
+their transaction in the request's thread (`goblin_idem._threads._records`).
 
 A request without a key on a route that does not require one never reaches the loop
 thread (the middleware's fast path); with such records it still gets a transaction of its
@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import _problems as problems
 from .._log import describe
-from .._threaded import ThreadRecords, ThreadWork
+from .._threads._records import ThreadRecords, ThreadWork
 from ._app import WSGIApp
 
 __all__ = ["UnkeyedApp"]

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from goblin_idem import RedisStore, once
-from goblin_idem._loop import loop_thread
+from goblin_idem._threads._loop import loop_thread
 from goblin_idem.client import AsyncIdempotentTransport, IdempotentTransport
 from tests.support.procs import start_uvicorn, stop
 from tests.support.servers import Server, free_port

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from goblin_idem import MemoryStore, RedisStore
 from goblin_idem._keys import key_names
-from goblin_idem._loop import loop_thread
+from goblin_idem._threads._loop import loop_thread
 from goblin_idem.django import IdempotencyMiddleware
 from goblin_idem.records._format import decode, encode
 from goblin_idem.sql import SqlRecords, connection

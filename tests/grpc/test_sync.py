@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from goblin_idem import RedisStore, Store
-from goblin_idem._loop import loop_thread
+from goblin_idem._threads._loop import loop_thread
 from goblin_idem.grpc import IdempotencyInterceptor
 from tests.grpc.conftest import CHARGE, pb2, pb2_grpc
 from tests.support.backends import sync_store  # noqa: F401

@@ -21,7 +21,7 @@ from goblin_idem import (
     current_claim,
     once,
 )
-from goblin_idem._loop import loop_thread
+from goblin_idem._threads._loop import loop_thread
 from tests.support.backends import (
     sync_store,  # noqa: F401
 )

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware
-from goblin_idem._loop import loop_thread
+from goblin_idem._threads._loop import loop_thread
 from goblin_idem.sql import SqlRecords, SyncSqlRecords, connection
 from goblin_idem.sql import sync as sql_sync
 from goblin_idem.sql._failures import unavailable

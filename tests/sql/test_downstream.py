@@ -29,7 +29,7 @@ from sqlalchemy import create_engine, select
 
 from goblin_idem import RedisStore
 from goblin_idem._keys import key_names
-from goblin_idem._loop import loop_thread
+from goblin_idem._threads._loop import loop_thread
 from goblin_idem.sql import SyncSqlRecords
 from tests.support.apps.downstream_app import effects_table
 from tests.support.apps.downstream_worker import NAME, make_pay

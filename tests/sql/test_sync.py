@@ -19,7 +19,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import create_engine, insert, text
 
 from goblin_idem import MemoryStore, RedisStore, SqlRecordsError, forget
-from goblin_idem._loop import loop_thread
+from goblin_idem._threads._loop import loop_thread
 from goblin_idem.exceptions import CommitRefusedError, NotInRunError
 from goblin_idem.flask import Idempotency
 from goblin_idem.sql import SyncSqlRecords

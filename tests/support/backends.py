@@ -215,7 +215,7 @@ SYNC_STORES = ["memory", "redis-script", "valkey-native", "postgres-psycopg"]
 @pytest.fixture(params=SYNC_STORES, name="store")
 def sync_store(request: pytest.FixtureRequest) -> Iterator[Store]:
     """A store for sync code: closed on the process's loop thread, where sync callers use it."""
-    from goblin_idem._loop import loop_thread
+    from goblin_idem._threads._loop import loop_thread
 
     if request.param == "memory":
         yield MemoryStore()

@@ -29,7 +29,7 @@ from goblin_idem import (
     IdempotencyMiddleware as ASGIMiddleware,
 )
 from goblin_idem._keys import key_names
-from goblin_idem._loop import loop_thread
+from goblin_idem._threads._loop import loop_thread
 from goblin_idem.wsgi import IdempotencyMiddleware
 from tests.store.test_replay_cache import commands_served
 from tests.support.asgi import request as asgi_request
@@ -584,13 +584,15 @@ def test_a_replay_kept_in_memory_is_answered_in_the_request_thread_as_the_store_
     store, plain = cached_store(redis_server), RedisStore.from_url(redis_server.url)
     seen, app = Seen(), App()
     mw = IdempotencyMiddleware(app, store=store, on_event=seen)
-    assert mw.memory is not None and IdempotencyMiddleware(app, store=plain).memory is None
+    assert (
+        mw.door.memory is not None and IdempotencyMiddleware(app, store=plain).door.memory is None
+    )
     first = call(mw, "POST", "/pay", b'{"n": 1}', key="k")
     # the first duplicate reads the store, whose answer is then kept in memory
     assert call(mw, "POST", "/pay", b'{"n": 1}', key="k").body == first.body
     result = key_names(b"idem", b"", b"k").result
     deadline = time.monotonic() + 5
-    while mw.memory._kept(result) is None:
+    while mw.door.memory._kept(result) is None:
         assert time.monotonic() < deadline, "the fill never arrived"
         time.sleep(0.001)
     before = commands_served(redis_server)
@@ -640,11 +642,11 @@ def test_what_memory_no_longer_holds_or_does_not_match_takes_the_bridged_path(
     assert call(mw, "POST", "/pay", b'{"n": 1}', key="k").json()["run"] == 1
     assert seen.events[-1] == ("replayed", threading.current_thread())
     names = key_names(b"idem", b"", b"k")
-    assert mw.memory is not None and mw.memory._kept(names.result) is not None
+    assert mw.door.memory is not None and mw.door.memory._kept(names.result) is not None
     with redis_server.sync_client() as client:
         client.delete(names.result, names.claim)
     deadline = time.monotonic() + 5
-    while mw.memory._kept(names.result) is not None:
+    while mw.door.memory._kept(names.result) is not None:
         assert time.monotonic() < deadline, "the invalidation never arrived"
         time.sleep(0.001)
     assert call(mw, "POST", "/pay", b'{"n": 1}', key="k").json()["run"] == 2

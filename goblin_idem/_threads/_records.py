@@ -30,9 +30,9 @@ import contextvars
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from .._recording import Committed, RecordRow
+from ..exceptions import DatabaseUnavailableError
 from ._exchange import Exchange, Raised
-from ._recording import Committed, RecordRow
-from .exceptions import DatabaseUnavailableError
 
 __all__ = [
     "ThreadRecords",
