@@ -43,6 +43,10 @@ from .store import Published, Store
 
 __all__ = ["Core", "Held", "silent"]
 
+# Taking a lapsed claim back is retried after these pauses: the publish before it has just
+# reached the store, and should it fail, the next duplicate's claim step takes it back.
+RETAKE_PAUSES = (0.05, 0.25)
+
 
 def silent(event: Event, key_hash: str) -> None:
     """The event function of a door that counts nothing (a plain `once`)."""
@@ -170,6 +174,30 @@ class Held:
         elif published != Published.STORED:
             await self.lapsed()
 
+    async def retake(self) -> bytes | None:
+        """After a publish that found the claim lapsed (the run outlived a lease the
+        watchdog could not renew, or a restart lost it): the result is stored, so take the
+        claim back for the result's TTL if it is free, so that duplicates are answered by
+        the claim alone (without it, the next duplicate's claim step finds the result,
+        replays it and takes the claim back). The token that holds the claim now: this
+        run's, another run's (a second run is under way and nothing can stop it), or None
+        (freed again each time). Retried (`RETAKE_PAUSES`): what lost the claim (a restart)
+        also breaks pooled connections; the last error raises."""
+        self.lease.lose()  # reported once (lease_lost), should this step be repeated
+        store, names, token = self.core.store, self.names, self.token
+        for delay in (*RETAKE_PAUSES, None):
+            try:
+                if await store.set(names.claim, token, px=self.ttl_ms, nx=True):
+                    return token
+                holder = await store.get(names.claim)  # an earlier try's, or another run's
+                if holder is not None:
+                    return holder
+            except Exception:
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+        return None
+
     # -- what a door says and does in its own terms --
 
     async def releasing(self) -> None:
@@ -187,4 +215,4 @@ class Held:
         """Another run's result was stored first (counted as superseded): the door's line."""
 
     async def lapsed(self) -> None:
-        """The claim had lapsed when the result was stored: the door's line, or more."""
+        """The claim had lapsed when the result was stored: the door's line, or `retake`."""
