@@ -1,27 +1,20 @@
 """One keyed run under the claim it won, whatever front door it came through.
 
 Every door (the ASGI middleware's `Run`, a `once` call, and so gRPC's calls and the broker
-consumers' deliveries) wins its claim with the claim step (`_claim_step`) and then holds a
-`Held` run, which owns what happens between the claim and the answer:
+consumers' deliveries) wins its claim with the claim step (`_claim_step`), then holds a
+`Held` run, which owns what happens between the claim and the answer: the lease and its
+watchdog (a lost one counted as lease_lost), the work's context (`current_claim()`, and
+with records ``connection()`` in the run's transaction), the records' commit (a row that
+another run committed first wins: `refused`), and one closing step run to its end whatever
+cancels the caller: the publish (retried while the claim holds; another run's result left
+standing; a lapsed claim said, or retaken) or the release (the records rolled back, the
+claim freed if it still holds this run's token). The events are counted by the door's
+event function.
 
-- the lease, renewed by the store's watchdog until the closing step (`Held.hold`); a lease
-  found lost is counted (lease_lost) by the door's event function;
-- the work's context (`Held.enter`, `Held.leave`): `current_claim()` answers the door's claim
-  holder, and with records ``connection()`` the run's transaction (`Held.begin`);
-- the records' commit, the record and the work's writes together (`Held.commit`; a row
-  committed first by another run wins: `Held.refused`, and its record is the answer);
-- the closing step, one of two, run to its end whatever cancels the caller (`Held.to_end`):
-  the publish (`Held.publish`: retried while the claim holds, another run's stored result
-  left standing, a lapsed claim said), or the release (`Held.release`: the records rolled
-  back, the lease stopped, the claim freed if it still holds this run's token).
-
-A door says the rest in its own terms, by overriding what the run asks of it: its log lines
-for a result not published (`Held.unpublished`), one stored first by another run
-(`Held.superseded`) and a claim that lapsed before its publish (`Held.lapsed`); what it
-stores instead of a result the store refused (`Held.instead`), and what it does while the
-claim is still held just before a release (`Held.releasing`). How the work's result becomes
-the stored bytes, and how "in flight", "key reused" and "store unavailable" are answered,
-stay with the door.
+A door says the rest in its own terms, by overriding the methods at the end of `Held`: its
+log lines, what it stores instead of a result the store refused, what it does just before a
+release. How the work's result becomes the stored bytes, and how "in flight", "key reused"
+and "store unavailable" are answered, stay with the door.
 """
 
 from __future__ import annotations
