@@ -112,6 +112,7 @@ LAYERS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         {
             "core": (
                 "_claim_step",
+                "_run",
                 "_events",
                 "_outcome",
                 "_routes",

@@ -22,17 +22,18 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Collection
-from typing import Any, cast
+from typing import Any
 
 import grpc
 
 from .. import _options as options
 from .._claim_step import ClaimStep
-from .._events import Counters, Event, Events, log_store_error
+from .._events import Counters, Events, log_store_error
 from .._keys import KeyNames
 from .._lease import Watchdog
 from .._log import describe
 from .._recording import Records
+from .._run import Core
 from ..exceptions import DatabaseUnavailableError, InFlightError, KeyReusedError, RecordError
 from ..once._once import POLL_SECONDS, _Once
 from ..records._sealing import Sealer
@@ -135,6 +136,8 @@ class Door:
             ),
         )
         self.watchdog = Watchdog.for_store(self.store)
+        # The runs' core: its events (released, lease_lost, ...) counted as HTTP's.
+        self.core = Core(self.store, self.watchdog, self.events, self.records)
         self.claim_step = ClaimStep(self.store, self.wait_seconds, POLL_SECONDS, self.records)
         self._runs: dict[str, _Once] = {}
         self.warned: set[str] = set()  # the stream-stream methods already warned about
@@ -147,7 +150,7 @@ class Door:
         run = self._runs.get(method)
         if run is None:
             run = self._runs[method] = _Once(
-                self.store,
+                self.core,
                 func,
                 _named_by_the_door,
                 method.encode(),
@@ -158,18 +161,11 @@ class Door:
                 self.claim_seconds,
                 self.sealer,
                 self.require_sealed,
-                self.watchdog,
-                self.records,
                 self.claim_step,
                 None,  # the fingerprint is the door's (`Identity.fingerprint`)
                 kept=self.kept,
-                report=self._report,
             )
         return run
-
-    def _report(self, event: str, key_hash: str) -> None:
-        """The core's events (released, lease_lost, ...), counted as HTTP's."""
-        self.events(cast(Event, event), key_hash)
 
     def kept(self, outcome: Outcome) -> bool:
         """The outcome rule: a finished call whose status says what it did."""

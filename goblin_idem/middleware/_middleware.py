@@ -45,6 +45,7 @@ from .._keys import (
 from .._lease import Watchdog
 from .._recording import Records
 from .._routes import RoutePolicy, Routes, Settings, idempotent
+from .._run import Core
 from ..exceptions import DatabaseUnavailableError, WebhookRefusedError
 from ..records._sealing import Sealer
 from ..store import CLAIMED, Store
@@ -228,10 +229,8 @@ class IdempotencyMiddleware:
         self.events = Events(self.counters, hook)
         self._app: Any = None  # the application whose scopes this middleware serves
         self.runs = RunConfig.from_options(
+            Core(self._store, self.watchdog, self.events, self.records),
             app,
-            self._store,
-            self.watchdog,
-            self.events,
             encryption_keys=encryption_keys,
             compression=compression,
             compress_above_bytes=compress_above_bytes,
@@ -432,7 +431,8 @@ class IdempotencyMiddleware:
             return
         if reply is CLAIMED:
             self.events("claimed", names.hash)
-            run = Run(self.runs, send, names, token, fp, settings)
+            runs = self.runs
+            run = Run(runs.core, names, token, settings.ttl_ms, runs, send, fp, settings)
             await run(scope, ReplayReceive(body, receive))
         elif reply is None:
             await self.answers.in_flight(send, names)

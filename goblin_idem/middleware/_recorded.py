@@ -31,7 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import _problems as problems
 from .._keys import KeyNames
 from .._log import describe
-from .._recording import Committed, RecordRow, Records, RunTransaction
+from .._recording import Records, RunTransaction
+from .._run import Held
 from ..exceptions import DatabaseUnavailableError
 from ._responses import Answers
 
@@ -49,9 +50,10 @@ class Recording:
     records: Records
     answers: Answers
 
-    def recorded(self, send: Send, names: KeyNames, fp: bytes, scope: Scope) -> Recorded:
-        where = functools.partial(route_of, scope)
-        return Recorded(self.records.transaction(where), send, self.answers, names, fp)
+    def recorded(self, run: Held, send: Send, fp: bytes, scope: Scope) -> Recorded:
+        """`run`'s response held, its transaction begun (named by the request's route)."""
+        run.begin(functools.partial(route_of, scope))
+        return Recorded(run, send, self.answers, run.names, fp)
 
 
 def route_of(scope: Scope) -> str:
@@ -68,7 +70,7 @@ class Recorded:
     `max_response_bytes` for one too large to hold), so a commit refused or failed is
     always answered before any of this run's response went out."""
 
-    tx: RunTransaction
+    run: Held  # its transaction, and the commit of the record with it
     send: Send  # the server's
     answers: Answers
     names: KeyNames
@@ -76,26 +78,20 @@ class Recorded:
     held: list[Message] = field(default_factory=list)
     state: str = HOLDING
     answered: bool = False  # FAILED or ELSEWHERE answered; the app's messages are dropped
-    data: bytes = b""  # the record committed (this run's, or another run's)
+    data: bytes = b""  # the record committed (this run's, or another run's: ELSEWHERE)
     sent: bool = False  # some of the app's response went out
     unavailable: DatabaseUnavailableError | None = None  # why FAILED, if the database was
-    _commit: asyncio.Future[None] | None = None
+    _commit: asyncio.Future[bytes] | None = None
 
-    async def commit(self, data: bytes, ttl_ms: int) -> bytes | None:
+    async def commit(self, data: bytes) -> bytes | None:
         """Insert the record and commit, once: a closing step repeated after a cancel, or
         the end of a response committed early, gets the first call's outcome. What to
         publish: the record committed (this run's, or the one another run committed first);
         None if the commit failed, so that nothing of this run happened."""
         if self._commit is None:
-            self.data = data
-            self._commit = asyncio.ensure_future(
-                self.tx.commit(RecordRow(self.names.result, self.names.hash, self.fp, data, ttl_ms))
-            )
+            self._commit = asyncio.ensure_future(self.run.commit(data, self.fp))
         try:
-            await asyncio.shield(self._commit)
-        except Committed as exc:
-            self.state, self.data = ELSEWHERE, exc.data
-            return self.data
+            self.data = await asyncio.shield(self._commit)
         except DatabaseUnavailableError as exc:
             self.state, self.unavailable = FAILED, exc  # answered (and logged) by pass_on
             return None
@@ -110,22 +106,17 @@ class Recorded:
                 )
             self.state = FAILED
             return None
-        if self.state == HOLDING:
+        if self.run.refused:
+            self.state = ELSEWHERE
+        elif self.state == HOLDING:
             self.state = PASSING
         return self.data
 
-    @property
-    def refused(self) -> bool:
-        """The commit was refused: another run had committed the key's row first, so this
-        run's writes rolled back and its client gets that run's record (`data`)."""
-        return self.state == ELSEWHERE
-
-    async def rollback(self) -> None:
-        """Undo the run's writes (nothing once committed); waits for a commit under way."""
+    async def settled(self) -> None:
+        """Once a commit under way has ended (before the run's writes are rolled back)."""
         if self._commit is not None and not self._commit.done():
             with contextlib.suppress(BaseException):
                 await asyncio.shield(self._commit)
-        await self.tx.rollback()
 
     async def pass_on(self, message: Message, finished: bool) -> None:
         """`message` from the app: held until the record commits, then sent; replaced by

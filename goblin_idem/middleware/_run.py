@@ -2,45 +2,53 @@
 
 The middleware decides; a `Run` does. Built from the middleware's `RunConfig` (plain
 values computed once) and the request's key names, token and fingerprint, with no
-reference back to the middleware, it holds the claim's lease while the app runs, passes
-the response through as it streams and keeps a copy, and closes with one store step:
-publish the response (the result and the claim's new TTL in one MULTI/EXEC) before the
-client gets the message that ends it, or release the key (CAD with the run's token) if
-the app failed, or its status is not the request's outcome (`_outcome`: a redirect, a
-throttle, an authentication refusal; a redirect is remembered first, `_hops`). What happens
-is reported through the config's one event function. With SQL records (`records=`), the
-response is held back until the run's transaction commits with its record, before the
-publish (`_recorded.Recorded`).
+reference back to the middleware, it is the core's run under a won claim (`_run.Held`:
+the lease, the claim's context, the publish or the release, the events) for an ASGI
+response: it passes the response through as it streams and keeps a copy, and closes with
+one store step: publish the response (the result and the claim's new TTL in one
+MULTI/EXEC) before the client gets the message that ends it, or release the key (CAD with
+the run's token) if the app failed, or its status is not the request's outcome
+(`_outcome`: a redirect, a throttle, an authentication refusal; a redirect is remembered
+first, `_hops`). With SQL records (`records=`), the response is held back until the run's
+transaction commits with its record, before the publish (`_recorded.Recorded`).
+
+A response ends, by the ASGI spec and its extensions, with the body message whose
+`more_body` is false, a `http.response.pathsend`, or a `http.response.zerocopysend` whose
+`more_body` is false; if its start said `trailers: True`, with the `http.response.trailers`
+message whose `more_trailers` is false instead. A file that pathsend or zerocopysend names
+is read here, up to what may still be stored, and sent on as a body message of the bytes
+read: what is stored is then what the client got, even if the file changes afterwards. A
+file too large to store goes to the server as it came, and the response is stored as not
+replayable; one that cannot be read goes as it came too, and the key is released, as for a
+response that failed. Other messages (`http.response.debug`, early hints) pass through and
+are not stored.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from redis.exceptions import ResponseError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import _options as options
-from .._claim import Claim, current
-from .._closing import ClosingStep, free_claim, publish_retried, run_to_end
-from .._events import Events, log_store_error
+from .._claim import Claim
+from .._closing import ClosingStep
+from .._events import log_store_error
 from .._keys import KeyNames, hop_key
-from .._lease import Lease, Watchdog
 from .._log import describe
 from .._outcome import is_outcome
 from .._routes import Settings
+from .._run import Core, Held
 from .._threads._loop import in_loop_thread
 from ..exceptions import DatabaseUnavailableError
 from ..records._compression import Compressor
 from ..records._format import Record, encode
 from ..records._sealing import Sealer
-from ..store import Published, Store
 from ..store._server_errors import VALUE_TOO_LARGE
 from . import _hops
 from ._recorded import HOLDING, Recorded, Recording
@@ -48,10 +56,6 @@ from ._recorded import HOLDING, Recorded, Recording
 __all__ = ["Run", "RunConfig"]
 
 logger = logging.getLogger("goblin_idem.middleware")
-
-# Taking a lapsed claim back is retried after these pauses: the publish before it has just
-# reached the store, and should it fail, the next duplicate's claim step takes it back.
-RETAKE_PAUSES = (0.05, 0.25)
 
 # Never stored or replayed: they describe one connection, not the response.
 HOP_BY_HOP = frozenset(
@@ -73,30 +77,25 @@ HOP_BY_HOP_BUT_TRAILER = HOP_BY_HOP - {b"trailer"}
 class RunConfig:
     """What every run of one middleware shares, computed once in its ``__init__``.
 
-    `background` holds the closing steps started again after a cancel (until they end);
-    `warned` the one-time warnings already logged: the only state runs share."""
+    `core` is what the runs of every door share (the store, its watchdog, the event
+    function, the records, the closing steps started again after a cancel); `warned` holds
+    the one-time warnings already logged: with `core.background`, the only state runs share."""
 
+    core: Core
     app: ASGIApp
-    store: Store
-    watchdog: Watchdog
-    report: Events
     sealer: Sealer | None
     compressor: Compressor | None
     compress_above: int
     max_response_bytes: int
     fingerprint_headers: frozenset[str]  # lowercase names the key covers (for Vary)
-    background: set[asyncio.Task[Any]]
     warned: set[str]
-    lease_lost: Callable[[Lease], None]  # told by a run's lease, once, when it is lost
     recording: Recording | None = None  # records=: the response commits before it is sent
 
     @classmethod
     def from_options(
         cls,
+        core: Core,
         app: ASGIApp,
-        store: Store,
-        watchdog: Watchdog,
-        report: Events,
         *,
         encryption_keys: Sequence[bytes] | Sealer | None,
         compression: str | None,
@@ -106,46 +105,38 @@ class RunConfig:
     ) -> RunConfig:
         """The middleware's options on what is stored, checked (a wrong one raises)."""
         return cls(
+            core,
             app,
-            store,
-            watchdog,
-            report,
             options.sealer(encryption_keys),
             options.compressor(compression),
             options.whole_number("compress_above_bytes", compress_above_bytes, minimum=0),
             options.whole_number("max_response_bytes", max_response_bytes, minimum=0),
             frozenset(h.decode("latin-1") for h in fingerprint_headers),
             set(),
-            set(),
-            functools.partial(_report_lost, report),
+        )
+
+    def encoded(self, record: Record, name: bytes) -> bytes:
+        """The record's bytes, sealed for the store key `name`."""
+        return encode(
+            record,
+            sealer=self.sealer,
+            name=name,
+            codec=self.compressor,
+            compress_above=self.compress_above,
         )
 
 
 @dataclass(eq=False, slots=True)
-class Run:
+class Run(Held):
     """The one run of the app under a won claim. Its `send` passes the response through as
     it streams, keeps a copy, and holds back the message that ends the response until the
     response is published (or the claim released), so a client that saw the whole response
-    can rely on its replay.
-
-    A response ends, by the ASGI spec and its extensions, with the body message whose
-    `more_body` is false, a `http.response.pathsend`, or a `http.response.zerocopysend`
-    whose `more_body` is false; if its start said `trailers: True`, with the
-    `http.response.trailers` message whose `more_trailers` is false instead. A file that
-    pathsend or zerocopysend names is read here, up to what may still be stored, and
-    sent on as a body message of the bytes read: what is stored is then what the client
-    got, even if the file changes afterwards. A file too large to store goes to the server
-    as it came, and the response is stored as not replayable; one that cannot be read goes
-    as it came too, and the key is released, as for a response that failed. Other messages
-    (`http.response.debug`, early hints) pass through and are not stored."""
+    can rely on its replay (how a response ends: the module docstring)."""
 
     config: RunConfig
     _send: Send
-    names: KeyNames
-    token: bytes
     fp: bytes
     settings: Settings
-    lease: Lease = field(init=False)
     status: int = 0
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     chunks: list[bytes] = field(default_factory=list)
@@ -159,18 +150,11 @@ class Run:
 
     async def __call__(self, scope: Scope, receive: Receive) -> None:
         """Run the app once, holding the claim's lease, and close with one store step."""
-        config, names = self.config, self.names
-        if config.recording is not None:
-            self.recorded = config.recording.recorded(self._send, names, self.fp, scope)
-            in_sql = self.recorded.tx.enter()  # connection() in the handler: this run's
-        self.lease = config.watchdog.hold(
-            names.claim,
-            self.token,
-            self.settings.lease_ms,
-            label=names.hash,
-            on_lost=config.lease_lost,
-        )
-        held = current.set(self)  # current_claim() in the handler: self.claim()
+        config = self.config
+        if config.recording is not None:  # connection() in the handler: this run's
+            self.recorded = config.recording.recorded(self, self._send, self.fp, scope)
+        self.hold(self.settings.lease_ms)
+        self.enter(self)  # current_claim() in the handler: self.claim()
         unavailable: DatabaseUnavailableError | None = None
         try:
             await config.app(scope, receive, self.send)
@@ -178,15 +162,13 @@ class Run:
             # The database unavailable to the work (at connection(), or its own writes:
             # SQLite busy past its timeout) is answered 503, once the key is released,
             # below; any other error of the app is the app's.
-            if self.recorded is None or self.recorded.sent:
+            if self.recorded is None or self.recorded.sent or self.tx is None:
                 raise
-            unavailable = self.recorded.tx.unavailable(exc)
+            unavailable = self.tx.unavailable(exc)
             if unavailable is None:
                 raise
         finally:
-            current.reset(held)
-            if self.recorded is not None:
-                self.recorded.tx.leave(in_sql)
+            self.leave()
             if not self.finished:
                 # Raised, cancelled, or returned without a complete response: the work
                 # may not have happened, so free the key for the client's retry.
@@ -199,7 +181,7 @@ class Run:
 
     def claim(self) -> Claim:
         """This run's claim, for current_claim() in the handler: built when asked."""
-        return Claim(self.config.store, self.lease, in_loop_thread)
+        return Claim(self.core.store, self.lease, in_loop_thread)
 
     # -- the response, as it streams --
 
@@ -223,7 +205,7 @@ class Run:
                     self.chunks.clear()
             if not message.get("more_body", False) and self.trailers is None and not self.finished:
                 self.finished = True  # inline, as the hot path: no coroutine for it
-                await run_to_end(self._closing_step(), self.config.background)
+                await self.to_end(self._closing_step())
         else:
             message = await self._other(message)
         if self.recorded is None:
@@ -241,15 +223,17 @@ class Run:
             and not self.finished
             and self.size > self.config.max_response_bytes
         ):
-            await run_to_end(self._commit_early, self.config.background)
+            await self.to_end(self._commit_early)
         # A response that is not the outcome (a 5xx, a redirect, a 429) commits nothing: it
         # passes, and the run's transaction is rolled back when the key is released.
         await recorded.pass_on(message, self.finished or not self.keep)
 
     async def _commit_early(self) -> None:
         assert self.recorded is not None
-        self.data = self._encoded(Record(self.status, [], b"", self.fp, replayable=False))
-        if await self.recorded.commit(self.data, self.settings.ttl_ms) is None:
+        self.data = self.config.encoded(
+            Record(self.status, [], b"", self.fp, replayable=False), self.names.result
+        )
+        if await self.recorded.commit(self.data) is None:
             self.keep = False  # nothing happened: the key is released at the end
 
     async def _other(self, message: Message) -> Message:
@@ -269,7 +253,7 @@ class Run:
 
     async def _file_as_body(self, message: Message) -> Message:
         """The body message of the bytes a pathsend or zerocopysend names, or the message
-        itself if they are not to be stored (see the class docstring)."""
+        itself if they are not to be stored (see the module docstring)."""
         room = self.config.max_response_bytes - self.size
         self.hop = False  # a redirect sent as a file is not remembered
         if not self.keep or room < 0:
@@ -301,24 +285,24 @@ class Run:
     async def _finish(self) -> None:
         if not self.finished:
             self.finished = True
-            await run_to_end(self._closing_step(), self.config.background)
+            await self.to_end(self._closing_step())
 
     def _closing_step(self) -> ClosingStep:
         """Publish the response, or release the key (see `_outcome`); counted here, once.
         Run to its end by `run_to_end`, even if the request is cancelled meanwhile."""
         config, names = self.config, self.names
         if not self.keep:
-            config.report("released", names.hash)
+            self.core.report("released", names.hash)
             if self.hop and self.size <= config.max_response_bytes:
                 body = b"".join(self.chunks)
                 headers = _replay_headers(self.status, self.headers, body, False)
                 record = Record(self.status, headers, body, self.fp)
-                self.data = self._encoded(record, hop_key(names))
+                self.data = config.encoded(record, hop_key(names))
             else:
                 self.hop = False
-            return self._release
+            return self.release
         if self.size > config.max_response_bytes:
-            config.report("too_large", names.hash)
+            self.core.report("too_large", names.hash)
             record = Record(self.status, [], b"", self.fp, replayable=False)
         else:
             body = b"".join(self.chunks)
@@ -328,125 +312,82 @@ class Run:
             record = Record(self.status, headers, body, self.fp, trailers=self.trailers)
         # Encoded now, kept as bytes (which the garbage collector never tracks): the record,
         # its header list and tuples are freed before the publish waits for the store.
-        self.data = self._encoded(record)
+        self.data = config.encoded(record, names.result)
         return self._publish
 
-    def _encoded(self, record: Record, name: bytes | None = None) -> bytes:
-        """The record's bytes, sealed for the store key `name` (default: the result's)."""
-        config = self.config
-        return encode(
-            record,
-            sealer=config.sealer,
-            name=self.names.result if name is None else name,
-            codec=config.compressor,
-            compress_above=config.compress_above,
-        )
-
-    async def _release(self) -> None:
+    async def rollback(self) -> None:
         if self.recorded is not None:
-            await self.recorded.rollback()  # the run's writes vanish with its claim
+            await self.recorded.settled()  # a commit under way ends first
+        await Held.rollback(self)  # the run's writes vanish with its claim
+
+    async def releasing(self) -> None:
         if self.hop:  # while the claim is held: before any run that follows the redirect
             await _hops.remember(
-                self.config.store, self.names, self.fp, self.data, self.settings.ttl_ms
+                self.core.store, self.names, self.fp, self.data, self.settings.ttl_ms
             )
-        await self.config.watchdog.release(self.lease)
-        await free_claim(self.config.store, self.names, self.token)
 
     async def _publish(self) -> None:
-        config, names = self.config, self.names
         if self.recorded is not None:
             # The run's writes and its record, committed together before the response goes
             # out; published is what committed (another run's record, if its row was first).
-            committed = await self.recorded.commit(self.data, self.settings.ttl_ms)
+            committed = await self.recorded.commit(self.data)
             if committed is None:  # the effects did not happen: 503, the key released
-                await self._release()
+                await self.release()
                 return
             self.data = committed
-            if self.recorded.refused:
-                _log_refused(names, self._records())
-        await config.watchdog.release(self.lease)
+            if self.refused:
+                _log_refused(self.names, self.core.records)
+        await self.publish(self.data)
+
+    async def instead(self, exc: Exception) -> bool:
+        if not _too_large(exc) or self.size > self.config.max_response_bytes:
+            return False
+        # More than the store takes (its max_value_bytes, at most what its server accepts):
+        # kept as a response over max_response_bytes is, status alone.
+        self.size = self.config.max_response_bytes + 1
+        step = self._closing_step()  # reports too_large, encodes the status alone
+        await step()
+        return True
+
+    def unpublished(self, exc: Exception) -> None:
+        log_store_error(
+            self.core.store,
+            logging.ERROR,
+            exc,
+            "could not publish the response for key %s; a retry after the lease "
+            "may run the work again",
+            self.names.hash,
+        )
+
+    def superseded(self) -> None:
+        if self.refused:
+            return  # the stored response is the one this run answered with (logged)
+        logger.warning(
+            "key %s: a response was already stored when this run published its own "
+            "(another run took the key after this run's claim lapsed or was lost): the "
+            "stored one stands and every duplicate gets it; this run's went to its own "
+            "client only",
+            self.names.hash,
+        )
+
+    async def lapsed(self) -> None:
         try:
-            published = await publish_retried(
-                config.store, names, self.data, self.settings.ttl_ms, self.lease
-            )
+            holder = await self.retake()
         except Exception as exc:
-            if _too_large(exc) and self.size <= config.max_response_bytes:
-                # More than the store takes (its max_value_bytes, at most what its server
-                # accepts): kept as a response over max_response_bytes is, status alone.
-                self.size = config.max_response_bytes + 1
-                step = self._closing_step()  # reports too_large, encodes the status alone
-                await step()
-                return
-            config.report("publish_errors", names.hash)
-            log_store_error(
-                config.store,
-                logging.ERROR,
-                exc,
-                "could not publish the response for key %s; a retry after the lease "
-                "may run the work again",
-                names.hash,
+            logger.error(
+                "key %s: the claim lapsed before the response was published and "
+                "could not be retaken (%s); the next duplicate's claim finds the "
+                "stored response, replays it and takes the claim back",
+                self.names.hash,
+                describe(exc),
             )
             return
-        refused = self.recorded is not None and self.recorded.refused
-        if published == Published.SUPERSEDED:
-            config.report("superseded", names.hash)
-            if refused:
-                return  # the stored response is the one this run answered with (logged)
-            logger.warning(
-                "key %s: a response was already stored when this run published its own "
-                "(another run took the key after this run's claim lapsed or was lost): the "
-                "stored one stands and every duplicate gets it; this run's went to its own "
-                "client only",
-                names.hash,
-            )
-        elif published != Published.STORED:
-            await self._retake(refused)
-
-    def _records(self) -> object:
-        recording = self.config.recording
-        return None if recording is None else recording.records
-
-    async def _retake(self, refused: bool) -> None:
-        """The claim lapsed before the result was published (the run outlived a lease the
-        watchdog could not renew, or a restart lost it). The result is stored; take the
-        claim back for the result's TTL if it is free, so that duplicates are answered by
-        CLAIM alone (without it, the next duplicate's claim step finds the result, replays
-        it and takes the claim back). If another run holds it, a second run is under way and
-        nothing can stop it. Retried (`RETAKE_PAUSES`): what lost the claim (a restart) also
-        breaks pooled connections; a holder is read back to say which of these happened."""
-        self.lease.lose()  # reported once (lease_lost), should this step be repeated
-        store, names, token = self.config.store, self.names, self.token
-        holder: bytes | None = None
-        for delay in (*RETAKE_PAUSES, None):
-            try:
-                if await store.set(names.claim, token, px=self.settings.ttl_ms, nx=True):
-                    holder = token
-                    break
-                holder = await store.get(names.claim)  # an earlier try's, or another run's
-                if holder is not None:
-                    break
-            except Exception as exc:
-                if delay is None:
-                    logger.error(
-                        "key %s: the claim lapsed before the response was published and "
-                        "could not be retaken (%s); the next duplicate's claim finds the "
-                        "stored response, replays it and takes the claim back",
-                        names.hash,
-                        describe(exc),
-                    )
-                    return
-                await asyncio.sleep(delay)
-        _log_retaken(names, token, holder, self._records(), refused)
+        _log_retaken(self.names, self.token, holder, self.core.records, self.refused)
 
 
 def _too_large(exc: Exception) -> bool:
     """The store refused the record for its size (nothing was sent, or stored)."""
     return isinstance(exc, ResponseError) and str(exc) == VALUE_TOO_LARGE
-
-
-def _report_lost(report: Events, lease: Lease) -> None:
-    """A run's lease was found lost (told once by the lease): counted as lease_lost."""
-    report("lease_lost", lease.label)
 
 
 def _joined(records: object) -> str:

@@ -27,7 +27,6 @@ stopped, so it checks `current_claim().ensure_owned()` before it commits.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import logging
@@ -37,17 +36,17 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from .. import _options as options
-from .._claim import Claim, current, new_token
+from .._claim import Claim, new_token
 from .._claim_step import ClaimStep
-from .._closing import free_claim, publish_retried, run_to_end
 from .._keys import KeyNames, key_names
-from .._lease import Lease, Watchdog
+from .._lease import Watchdog
 from .._log import describe
-from .._recording import Committed, RecordRow, Records, RunTransaction
+from .._recording import Records
+from .._run import Core, Held
 from .._threads._loop import in_loop_thread
 from ..exceptions import InFlightError, KeyReusedError
 from ..records._sealing import Sealer
-from ..store import CLAIMED, Published, Store
+from ..store import CLAIMED, Store
 from ._arguments import Fingerprint, fingerprint_option
 from ._codecs import Codec, codec_for, from_stored, stored_fingerprint, to_stored
 from ._sync import in_callers_thread
@@ -61,7 +60,6 @@ R = TypeVar("R")
 
 POLL_SECONDS = 0.05  # the middleware's default poll_interval_seconds
 RETRY_AFTER = 1.0  # the middleware's default Retry-After
-_background: set[asyncio.Task[Any]] = set()  # closing steps that outlive a cancelled call
 
 
 class Decorator(Protocol):
@@ -133,7 +131,7 @@ def once(
                 )
             return in_callers_thread(decorate, func)
         run = _Once(
-            the_store,
+            Core(the_store, Watchdog.for_store(the_store), records=the_records),
             func,
             key,
             (name or _name_of(func)).encode(),
@@ -144,8 +142,6 @@ def once(
             math.ceil(lease),
             sealer,
             sealed_only,
-            Watchdog.for_store(the_store),
-            the_records,
             ClaimStep(the_store, float(wait_seconds), POLL_SECONDS, the_records),
             None if fingerprinted is False else Fingerprint(func, fingerprinted),
         )
@@ -199,7 +195,7 @@ def _name_of(func: Callable[..., Any]) -> str:
 class _Once:
     """The decorated function's settings, and its one call."""
 
-    store: Store
+    core: Core  # the store, its watchdog, the records, the events (a front door's counters)
     func: Callable[..., Awaitable[Any]]
     key: Callable[..., str | bytes | int]
     name: bytes
@@ -210,16 +206,11 @@ class _Once:
     claim_seconds: int  # the claim's first lease, in GOBLIN.CLAIM's whole seconds
     sealer: Sealer | None
     require_sealed: bool  # a stored value in the clear raises RecordError
-    watchdog: Watchdog  # the store's, shared
-    records: Records | None  # the function's writes commit with its value (goblin_idem.sql)
     claim_step: ClaimStep  # with the wait and the database's word on a won claim
     fingerprint: Fingerprint | None  # of the arguments, stored with the value (None: off)
     # Front doors that keep some outcomes only (gRPC's statuses): a value `kept` refuses is
     # returned to its caller, nothing stored, the claim released and the records rolled back.
     kept: Callable[[Any], bool] | None = None
-    # Told (event, key hash) of released, lease_lost, publish_errors and superseded, as the
-    # middleware's `Events` counts them (a front door's counters).
-    report: Callable[[str, str], None] | None = None
 
     def _where(self) -> str:
         """The run's name in the WARNING about commits outside its transaction."""
@@ -283,20 +274,17 @@ class _Once:
         token: bytes,
         fp: bytes | None,
     ) -> Any:
-        lease = self.watchdog.hold(
-            names.claim, token, self.lease_ms, label=names.hash, on_lost=self._lost
-        )
-        tx = None if self.records is None else self.records.transaction(self._where)
+        run = _Called(self.core, names, token, self.ttl_ms, self.name.decode())
+        run.hold(self.lease_ms)
+        if self.core.records is not None:
+            run.begin(self._where)
         kept = True
         try:
-            held = current.set(Claim(self.store, lease, in_loop_thread))
-            in_sql = None if tx is None else tx.enter()
+            run.enter(Claim(self.core.store, run.lease, in_loop_thread))
             try:
                 value = await self.func(*args, **kwargs)
             finally:
-                current.reset(held)
-                if tx is not None and in_sql is not None:
-                    tx.leave(in_sql)
+                run.leave()
             kept = self.kept is None or self.kept(value)
             if not kept:
                 raise _NotKept
@@ -309,86 +297,57 @@ class _Once:
                     "dataclass or pydantic model named in the return annotation, or pass "
                     "codec="
                 ) from exc
-            if tx is not None:
-                data = await _committed(tx, names, fp or bytes(16), data, self.ttl_ms)
+            if run.tx is not None:
+                data = await run.commit(data, fp or bytes(16))
         except BaseException as exc:
-            if tx is not None:
-                await tx.rollback()  # nothing of the function's writes is kept
-            self._report("released", names.hash)
-            await run_to_end(functools.partial(self._release, lease, names, token), _background)
+            self.core.report("released", names.hash)  # nothing of the function's writes kept
+            await run.to_end(run.release)
             if not kept and isinstance(exc, _NotKept):
                 return value  # an outcome not kept: its caller's, and nobody else's
             raise
-        await run_to_end(functools.partial(self._publish, lease, names, data), _background)
+        await run.to_end(functools.partial(run.publish, data))
         # What every later call gets, so the first caller sees the same (a tuple as a list).
         return from_stored(self.codec, data, self.sealer, names.result)
 
-    def _lost(self, lease: Lease) -> None:
-        self._report("lease_lost", lease.label)
 
-    def _report(self, event: str, key_hash: str) -> None:
-        if self.report is not None:
-            self.report(event, key_hash)
+@dataclass(eq=False, slots=True)
+class _Called(Held):
+    """One call's run under its won claim, saying what `once` logs of its publish (the
+    function's `name` first). A value that never lands is done but not recorded: a call
+    after the lease runs it again. A value stored first by another run stands, and later
+    calls get it. Either way this caller gets its own value."""
 
-    async def _release(self, lease: Lease, names: KeyNames, token: bytes) -> None:
-        await self.watchdog.release(lease)
-        await free_claim(self.store, names, token)
+    name: str
 
-    async def _publish(self, lease: Lease, names: KeyNames, data: bytes) -> None:
-        """Store the value and give the claim the result's TTL, together (one MULTI/EXEC).
+    def unpublished(self, exc: Exception) -> None:
+        logger.error(
+            "%s: could not store the result of key %s (%s); a call after the "
+            "lease may run the work again",
+            self.name,
+            self.names.hash,
+            describe(exc),
+        )
 
-        Retried as the middleware's publish is (`publish_retried`). If it never lands, the
-        work is done but not recorded: the claim expires a lease later and a later call runs
-        it again, which is logged as an error here. A value stored first by another run
-        stands (this run lost its claim meanwhile), and later calls get that one. Either
-        way this caller gets its own value.
-        """
-        await self.watchdog.release(lease)
-        try:
-            published = await publish_retried(self.store, names, data, self.ttl_ms, lease)
-        except Exception as exc:
-            self._report("publish_errors", names.hash)
-            logger.error(
-                "%s: could not store the result of key %s (%s); a call after the "
-                "lease may run the work again",
-                self.name.decode(),
-                names.hash,
-                describe(exc),
-            )
-            return
-        if published == Published.SUPERSEDED:
-            self._report("superseded", names.hash)
-            logger.warning(
-                "%s: a value was already stored for key %s when this run stored its own "
-                "(another run took the key after this run's claim lapsed or was lost): the "
-                "stored one stands and later calls get it; this caller got its own",
-                self.name.decode(),
-                names.hash,
-            )
-        elif published != Published.STORED:
-            # The result is stored; the next call's claim step finds it, returns it
-            # and takes the claim back. Another run may have started meanwhile.
-            logger.warning(
-                "%s: the claim of key %s lapsed before its result was stored; another "
-                "run may have started in the meantime",
-                self.name.decode(),
-                names.hash,
-            )
+    def superseded(self) -> None:
+        logger.warning(
+            "%s: a value was already stored for key %s when this run stored its own "
+            "(another run took the key after this run's claim lapsed or was lost): the "
+            "stored one stands and later calls get it; this caller got its own",
+            self.name,
+            self.names.hash,
+        )
+
+    async def lapsed(self) -> None:
+        # The result is stored; the next call's claim step finds it, returns it and takes
+        # the claim back. Another run may have started meanwhile.
+        logger.warning(
+            "%s: the claim of key %s lapsed before its result was stored; another "
+            "run may have started in the meantime",
+            self.name,
+            self.names.hash,
+        )
 
 
 class _NotKept(Exception):
     """The function's value is not to be kept (`_Once.kept`): the run is undone as if it
     had raised, and the value returned."""
-
-
-async def _committed(
-    tx: RunTransaction, names: KeyNames, fp: bytes, data: bytes, ttl_ms: int
-) -> bytes:
-    """The function's writes and its value, committed together: the value to publish (that
-    of another run, if its row came first: this run's writes were rolled back). A commit
-    that fails raises, and nothing of this run happened."""
-    try:
-        await tx.commit(RecordRow(names.result, names.hash, fp, data, ttl_ms))
-    except Committed as exc:
-        return exc.data
-    return data
