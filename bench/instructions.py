@@ -18,7 +18,8 @@ fresh keys, at the same concurrency, with no app around them (for a replay: the 
 `claim_unless_done` of a completed key). As in http_bench.py,
 `PYTHONPATH=<other checkout>` measures another version of goblin-idem, and `--baseline DIR`
 measures another checkout (its own bench/serve.py and package) beside this one, as
-variants named `NAME@baseline` (`--variants goblin-native,goblin-native@baseline`). The
+variants named `NAME@baseline` (`--variants goblin-native,goblin-native@baseline`).
+`--scenario nokey` sends requests without a key (the app alone: no store call). The
 time columns are the same workloads run natively (no valgrind): the measured requests' time
 (after the warm-up) over their number, median of `--reps` runs of the larger count.
 
@@ -48,7 +49,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VARIANTS = ("bare", "goblin-memory", "goblin-script", "goblin-native")
-SCENARIOS = ("new", "replay")
+SCENARIOS = ("new", "replay", "nokey")
 REPLAY_KEYS = 64  # completed keys a replay run repeats, in turn
 BASELINE = "@baseline"  # a variant served by --baseline's checkout
 RESULT = b'{"status":201,"body":"{\\"id\\":1,\\"status\\":\\"created\\"}"}'
@@ -64,7 +65,7 @@ def make_app(variant: str, url: str) -> Any:
     return serve.fastapi_app(middleware, serve.middleware_for("bare", "", False)[1])
 
 
-async def one_request(app: Any, key: bytes) -> None:
+async def one_request(app: Any, key: bytes | None) -> None:
     from overhead import receive, scope  # wrk's request, as uvicorn hands it to the app
 
     status = []
@@ -104,11 +105,15 @@ async def workload(
     if part == "store":
         await one_request(app, f"{run}-first".encode())  # builds the middleware stack
         store = store_of(app)
+        import_used()
     calls = replay_calls if replay else first_run_calls
 
     async def batch(start: int, count: int) -> None:
+        keys: list[Any]
         if replay:
             keys = [f"{run}-r{i % REPLAY_KEYS}".encode() for i in range(start, start + count)]
+        elif scenario == "nokey":
+            keys = [None] * count
         else:
             keys = [f"{run}-{i}".encode() for i in range(start, start + count)]
         if part == "app":
@@ -128,25 +133,31 @@ async def workload(
     return time.perf_counter() - started
 
 
-async def first_run_calls(store: Any, key: bytes) -> None:
+# goblin_idem's names the store loops use, imported once in the child (from the tree it
+# measures), not per call: the store's column would count the imports
+USED: dict[str, Any] = {}
+
+
+def import_used() -> None:
     from goblin_idem.store import CLAIMED
 
     try:
         from goblin_idem._keys import key_names
     except ImportError:  # a baseline from before the package's layers (goblin_idem.keys)
         from goblin_idem.keys import key_names  # type: ignore[no-redef]
+    USED.update(CLAIMED=CLAIMED, key_names=key_names)
 
-    names = key_names(b"idem", b"", key)
+
+async def first_run_calls(store: Any, key: bytes) -> None:
+    names = USED["key_names"](b"idem", b"", key)
     token = b"t-" + key
-    if await store.claim_unless_done(names.claim, names.result, token, 30) is not CLAIMED:
+    if await store.claim_unless_done(names.claim, names.result, token, 30) is not USED["CLAIMED"]:
         raise SystemExit("a fresh key was not claimed")
     await store.publish(names.result, RESULT, 86_400_000, names.claim, token)
 
 
 async def replay_calls(store: Any, key: bytes) -> None:
-    from goblin_idem._keys import key_names
-
-    names = key_names(b"idem", b"", key)
+    names = USED["key_names"](b"idem", b"", key)
     reply = await store.claim_unless_done(names.claim, names.result, b"t-" + key, 30)
     if type(reply) is not bytes:
         raise SystemExit(f"a completed key answered {reply!r}")
@@ -264,7 +275,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="timed runs per figure (3)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument(
-        "--scenario", choices=SCENARIOS, default="new", help="new keys, or replays (new)"
+        "--scenario",
+        choices=SCENARIOS,
+        default="new",
+        help="new keys, replays, or requests without a key (new)",
     )
     p.add_argument(
         "--baseline",
@@ -297,7 +311,8 @@ def main() -> None:
             if v.endswith(BASELINE) and args.baseline is None:
                 raise SystemExit(f"{v} needs --baseline DIR (the checkout that serves it)")
             url = servers[v].url if v in servers else "-"
-            parts = ["app"] if v in ("bare", "answer-only") else ["app", "store"]
+            alone = v in ("bare", "answer-only") or args.scenario == "nokey"
+            parts = ["app"] if alone else ["app", "store"]
             figures: dict[str, float] = {}
             for part in parts:
                 figures.update(measure(v, part, url, args.concurrency, low, high, args.reps))
@@ -335,6 +350,8 @@ def print_table(
         calls, outer = "1 call", "outer layers (answer-only)"
         floor = figures.get("answer-only", {"app_ir": float("nan"), "app_gc_ir": 0.0})
         fastapi = floor["app_ir"] - floor["app_gc_ir"]
+    elif args.scenario == "nokey":
+        calls = "no call"
     print(
         f"| variant | instructions/req | / bare | {outer} | middleware's own work "
         f"| store: {calls} | collector | us/req | / bare | store us ({calls}) |"

@@ -103,7 +103,11 @@ def caexpire_ms(value: object) -> int:
 
 
 def publish_ttl(value: object) -> int:
-    """A publish's TTL: CAEXPIRE's rule, and positive (SET PX refuses anything else)."""
+    """A publish's TTL: CAEXPIRE's rule, and positive (SET PX refuses anything else). A
+    plain int up to a lease's bound in ms (`_LEASE_FITS`) is taken as it is, without
+    reading the clock."""
+    if type(value) is int and 0 < value <= _LEASE_FITS * 1000:
+        return value
     ttl = caexpire_ms(value)
     if ttl <= 0:
         raise ResponseError(invalid_expire("set"))

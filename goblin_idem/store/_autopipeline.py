@@ -32,17 +32,18 @@ import asyncio
 import collections
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, TypeAlias, cast
 
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._redis_compat import BaseParser, retries
 from ._replay_cache import ReplayCache
+from ._wire import _pack_in_python as _pack_in_python  # where it was, for its test
+from ._wire import pack
 
 try:
     import hiredis
@@ -88,51 +89,9 @@ _TRACKING: tuple[tuple[Any, ...], ...] = (
 )
 
 
-def pack(commands: Sequence[Sequence[Any]]) -> bytes:
-    """Commands in RESP, ready to write: arrays of bulk strings (bytes, str, int or float
-    arguments, a float written as redis-py writes it)."""
-    try:
-        if len(commands) == 1:
-            return _pack_command(tuple(commands[0]))
-        return b"".join([_pack_command(tuple(command)) for command in commands])
-    except TypeError as exc:  # a bool, None, or another type no server command takes
-        raise DataError(f"invalid argument: {exc}") from None
-
-
-def _pack_in_python(command: tuple[Any, ...]) -> bytes:
-    """One command in RESP (hiredis's pack_command does the same in C)."""
-    out = [b"*%d\r\n" % len(command)]
-    for arg in command:
-        if isinstance(arg, bytes | memoryview):
-            data = bytes(arg)
-        elif isinstance(arg, str):
-            data = arg.encode()
-        elif isinstance(arg, int | float) and not isinstance(arg, bool):
-            data = repr(arg).encode()
-        else:
-            raise TypeError(f"{type(arg).__name__} is not str, int, float or bytes")
-        out += (b"$%d\r\n" % len(data), data, b"\r\n")
-    return b"".join(out)
-
-
-_pack_command: Callable[[tuple[Any, ...]], bytes] = (
-    hiredis.pack_command if HIREDIS else _pack_in_python
-)
-
-
-class _Waiter:
-    """A caller's place in the reply queue. Its reply list is made when the first reply
-    comes: one object less kept alive while the caller waits, and every such object brings
-    the next garbage collection nearer."""
-
-    __slots__ = ("count", "deadline", "future", "replies", "sent")
-
-    def __init__(self, future: asyncio.Future[list[Any]], count: int, sent: float) -> None:
-        self.future = future
-        self.count = count
-        self.sent = sent
-        self.deadline = 0.0
-        self.replies: list[Any] | None = None
+#: A caller's place in the reply queue: its future, how many replies it awaits, and when
+#: it was sent (loop time). A tuple: made without a call, one object kept per caller.
+_Waiter: TypeAlias = tuple[asyncio.Future[list[Any]], int, float]
 
 
 class _Connection(asyncio.Protocol):
@@ -147,6 +106,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reader = hiredis.Reader(replyError=BaseParser.parse_error)
         self.waiting: collections.deque[_Waiter] = collections.deque()
+        # The replies of the head of `waiting`, so far (only its replies can be arriving)
+        self.replies: list[Any] = []
         self.pending: list[bytes] = []
         self.timer: asyncio.TimerHandle | None = None
         self.broken: Exception | None = None
@@ -166,28 +127,27 @@ class _Connection(asyncio.Protocol):
         self.fail(RedisConnectionError(f"Connection closed by server{reason}."))
 
     def data_received(self, data: bytes) -> None:
-        self.reader.feed(data)
+        reader = self.reader
+        reader.feed(data)
         now = self.heard = self.loop.time()
         waiting = self.waiting
+        replies = self.replies
         try:
-            while (reply := self.reader.gets()) is not False:
+            while (reply := reader.gets()) is not False:
                 if type(reply) is PushNotification:
                     self.pushed(reply)
                     continue
-                head = waiting[0]
-                replies = head.replies
-                if replies is None:
-                    replies = head.replies = [reply]
-                else:
-                    replies.append(reply)
-                if len(replies) == head.count:
+                future, count, sent = waiting[0]
+                replies.append(reply)
+                if len(replies) == count:
                     waiting.popleft()
                     if self.expired:
                         self.expired -= 1
                     else:
-                        self.reply_time += (now - head.sent - self.reply_time) / 16
-                        if not head.future.done():  # its caller may have been cancelled
-                            head.future.set_result(replies)
+                        self.reply_time += (now - sent - self.reply_time) / 16
+                        if not future.done():  # its caller may have been cancelled
+                            future.set_result(replies)
+                    replies = self.replies = []
             if self.retired and self.expired == len(waiting):
                 self.fail(RedisConnectionError("Connection retired after a stall."))
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
@@ -224,29 +184,27 @@ class _Connection(asyncio.Protocol):
 
     # -- sending --
 
-    def send(self, packed: bytes, count: int) -> asyncio.Future[list[Any]]:
-        """Queue `packed` (`count` commands) for this turn's write; the future gets their
-        replies, errors in place."""
+    def send(self, packed: bytes, count: int, now: float) -> asyncio.Future[list[Any]]:
+        """Queue `packed` (`count` commands) for this turn's write, sent at `now` (the loop's
+        time); the future gets their replies, errors in place."""
         if self.broken is not None:
             raise self.broken
         loop = self.loop
         future: asyncio.Future[list[Any]] = loop.create_future()
-        if not self.pending:
+        pending = self.pending
+        if not pending:
             loop.call_soon(self._flush)
-        self.pending.append(packed)
-        waiter = _Waiter(future, count, loop.time())
-        self.waiting.append(waiter)
-        if self.timeout is not None:
-            waiter.deadline = waiter.sent + self.timeout
-            if self.timer is None:
-                self.timer = loop.call_at(waiter.deadline, self._check_timeout)
+        pending.append(packed)
+        self.waiting.append((future, count, now))
+        if self.timer is None and self.timeout is not None:
+            self.timer = loop.call_at(now + self.timeout, self._check_timeout)
         return future
 
     def stalled(self, now: float | None = None) -> bool:
         """Has the oldest unanswered command waited suspiciously long (at `now`, by
         default the loop's time)?"""
         try:
-            sent = self.waiting[0].sent
+            sent = self.waiting[0][2]
         except IndexError:  # none, or answered meanwhile by the loop's thread
             return False
         waited = (self.loop.time() if now is None else now) - sent
@@ -272,14 +230,15 @@ class _Connection(asyncio.Protocol):
             return
         now = self.loop.time()
         waiting = self.waiting
+        timeout = self.timeout or 0.0
         while self.expired < len(waiting):
-            waiter = waiting[self.expired]
-            if waiter.deadline > now:
-                self.timer = self.loop.call_at(waiter.deadline, self._check_timeout)
+            future, _, sent = waiting[self.expired]
+            if sent + timeout > now:
+                self.timer = self.loop.call_at(sent + timeout, self._check_timeout)
                 return
             self.expired += 1
-            if not waiter.future.done():
-                waiter.future.set_exception(
+            if not future.done():
+                future.set_exception(
                     RedisTimeoutError("Timeout reading from the store (socket_timeout)")
                 )
         if self.retired:  # nobody waits for what is left on it
@@ -294,8 +253,9 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
         self.pending.clear()
+        self.replies = []
         while self.waiting:
-            future = self.waiting.popleft().future
+            future = self.waiting.popleft()[0]
             if not future.done():
                 future.set_exception(exc)
         if self.transport is not None:
@@ -401,18 +361,22 @@ class AutoPipeline:
     def _send(self, packed: bytes, count: int) -> Awaitable[list[Any]]:
         """The reply future itself on a usable connection: no coroutine per call."""
         conn = self._conn
-        if (
-            conn is None
-            or conn.broken is not None
-            or conn.loop is not asyncio.get_running_loop()
-            or (conn.waiting and conn.stalled())
-        ):
+        if conn is None or conn.broken is not None:
             return self._send_on_new(packed, count)
-        return conn.send(packed, count)
+        loop = conn.loop
+        if loop is not asyncio.get_running_loop():
+            return self._send_on_new(packed, count)
+        now = loop.time()
+        waiting = conn.waiting
+        if waiting:  # stalled? (`_Connection.stalled`, inline: the hot path's one test)
+            waited = now - waiting[0][2]
+            if waited > STALL_SECONDS and waited > STALL_FACTOR * conn.reply_time:
+                return self._send_on_new(packed, count)
+        return conn.send(packed, count, now)
 
     async def _send_on_new(self, packed: bytes, count: int) -> list[Any]:
         conn = await self._connection()
-        return await conn.send(packed, count)
+        return await conn.send(packed, count, conn.loop.time())
 
     async def _connection(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -449,7 +413,7 @@ class AutoPipeline:
         tracking = self.replay_cache_bytes > 0
         commands = [*handshake, *_TRACKING] if tracking else handshake
         if commands:
-            replies = await conn.send(pack(commands), len(commands))
+            replies = await conn.send(pack(commands), len(commands), loop.time())
             errors = [r for r in replies[: len(handshake)] if isinstance(r, Exception)]
             if errors:
                 conn.fail(errors[0])
@@ -530,7 +494,7 @@ class AutoPipeline:
             ("PTTL", claim),
             ("EXEC",),
         ]
-        future = conn.send(pack(commands), len(commands))
+        future = conn.send(pack(commands), len(commands), sent)
         future.add_done_callback(functools.partial(cache.filled, key, claim, sent))
 
     def discard(self, key: bytes) -> None:

@@ -35,7 +35,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -44,6 +44,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..exceptions import NotReplicatedError
 from . import _scripts as scripts
 from ._redis_compat import drop_pool, shut_down
+
+if TYPE_CHECKING:
+    from ._autopipeline import AutoPipeline
 
 __all__ = [
     "NOT_WAITED",
@@ -138,6 +141,10 @@ class Executor:
 
     #: The replay caches that serve this executor's duplicates, if any.
     replays: Replays | None = None
+    #: The connection every caller shares, on which `RedisStore`'s first-run steps send
+    #: themselves and await its reply future (`Pipelined`: one server, no WAIT); None: they
+    #: go through `send_durably`. What does not come back clean goes to `resent`.
+    shared: AutoPipeline | None = None
 
     def __init__(self, client: Any, wait: Wait | None) -> None:
         self.client = client
@@ -162,6 +169,15 @@ class Executor:
         """After NOSCRIPT: load the scripts where it came from, send once more."""
         await self._load_scripts(key, where)
         replies, _ = await self._send(key, commands)
+        return replies
+
+    async def resent(
+        self, key: bytes, commands: Sequence[Command], replies: list[Any]
+    ) -> list[Any]:
+        """The replies of `commands` sent on `shared`, as `send` would return them: sent
+        once more after NOSCRIPT."""
+        if no_script(replies):
+            return await self._again(key, commands, None)
         return replies
 
     async def send_durably(

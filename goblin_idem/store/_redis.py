@@ -14,7 +14,7 @@ import os
 import threading
 import weakref
 from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
@@ -37,12 +37,13 @@ from ._arguments import (
 from ._autopipeline import AutoPipeline
 from ._cluster import Clustered, ClusterPipelined
 from ._detection import Detection, Mode, node_name
-from ._executor import Acked, Command, Executor, Wait
+from ._executor import NOT_WAITED, Acked, Executor, Wait
 from ._protocol import CLAIMED, ClaimReply, KeyT, Published
 from ._redis_compat import copy_client, startup_nodes
 from ._replay_cache import DEFAULT_REPLAY_CACHE_BYTES
 from ._server_errors import normalize, renewal_reply, unwrap
 from ._single import Direct, Pipelined
+from ._wire import claim_step, publish_step
 
 __all__ = ["AnyRedis", "Mode", "RedisStore"]
 
@@ -52,6 +53,8 @@ HIREDIS = autopipeline.HIREDIS
 AnyRedis = redis.asyncio.Redis | RedisCluster
 _S = TypeVar("_S", bound="_StoreConnection")
 _CLAIM_KEPT = "the claim (it stays until its lease expires)"
+_CLAIMED_WIRE: Final = b"CLAIMED"  # CLAIM's reply to the run that won (`claim_reply`)
+_SET_REPLIES: Final = (bytes, type(None))  # SET NX's in an EXEC: OK, or nil (a result stood)
 
 
 class _StoreConnection:
@@ -461,16 +464,41 @@ class RedisStore(_StoreConnection):
     ) -> ClaimReply:
         """CLAIM, then PTTL of the result, in one round trip (pipelined, on one connection,
         in that order: a result published between the two is seen). See
-        `Store.claim_unless_done` for what the replies promise."""
-        ck, rk = as_bytes(claim_key), as_bytes(result_key)
-        tok = check_size(as_bytes(token, "token"), self.max_value_bytes)
+        `Store.claim_unless_done` for what the replies promise.
+
+        On a single server's shared connection (`Executor.shared`), the replies are read
+        here, as they came: a free key, a held one and a stored result return at once; an
+        error, NOSCRIPT or a result that outlived its claim take the general way."""
+        ck = claim_key if type(claim_key) is bytes else as_bytes(claim_key)
+        rk = result_key if type(result_key) is bytes else as_bytes(result_key)
+        tok = check_size(
+            token if type(token) is bytes else as_bytes(token, "token"), self.max_value_bytes
+        )
         lease = claim_seconds(seconds)
         executor = self._executor
         replays = executor.replays
         if replays is not None and (kept := replays.cached(rk)) is not None:
             return kept  # the bytes the store holds: see `_replay_cache`
-        claim = scripts.CLAIM.call(await self._ready(), (ck, rk), (tok, lease))
-        (reply, result_ttl), acked = await executor.send_durably(ck, [claim, ("PTTL", rk)])
+        detection = self._detection
+        if not detection.done:
+            await self._ready()
+        step = claim_step(detection.mode == "native", ck, rk, tok, lease)
+        shared = executor.shared
+        if shared is None:
+            replies, acked = await executor.send_durably(ck, step)
+        else:
+            replies, acked = await shared.execute(step), NOT_WAITED
+            reply, result_ttl = replies
+            if type(result_ttl) is int and (reply is None or type(reply) is bytes):
+                if reply != _CLAIMED_WIRE:  # in flight (None), or the stored result
+                    if reply is not None and replays is not None:
+                        replays.fill(rk, ck)  # later duplicates: from memory, once tracked
+                    return reply
+                if result_ttl == -2:  # won, and no result stored
+                    return CLAIMED
+            else:
+                replies = await executor.resent(ck, step, replies)
+        reply, result_ttl = replies
         if isinstance(reply, OutOfMemoryError):
             return await self._read_when_full(ck, rk, reply)
         claimed = claim_reply(unwrap(reply, self._acl_user))
@@ -555,16 +583,41 @@ class RedisStore(_StoreConnection):
         self, result_key: KeyT, value: bytes, ttl_ms: int, claim_key: KeyT, token: KeyT
     ) -> Published:
         """SET result PX ttl NX + CAEXPIRE claim, in one MULTI/EXEC (both keys share a slot):
-        a stored result is never written over. See `Store.publish` for the replies."""
-        rk, ck = as_bytes(result_key), as_bytes(claim_key)
-        v = check_size(as_bytes(value, "value"), self.max_value_bytes)
-        tok = as_bytes(token, "token")
+        a stored result is never written over. See `Store.publish` for the replies.
+
+        On a single server's shared connection, the EXEC's reply is read here when nothing
+        in the transaction failed (`claim_unless_done`)."""
+        rk = result_key if type(result_key) is bytes else as_bytes(result_key)
+        ck = claim_key if type(claim_key) is bytes else as_bytes(claim_key)
+        v = check_size(
+            value if type(value) is bytes else as_bytes(value, "value"), self.max_value_bytes
+        )
+        tok = token if type(token) is bytes else as_bytes(token, "token")
         ttl = publish_ttl(ttl_ms)
-        renew = scripts.CAEXPIRE.call(await self._ready(), (ck,), (tok, ttl))
+        detection = self._detection
+        if not detection.done:
+            await self._ready()
         executor = self._executor
-        self._forget((rk, ck))  # changed below: what this process kept of them is over
-        transaction: list[Command] = [("MULTI",), ("SET", rk, v, "PX", ttl, "NX"), renew, ("EXEC",)]
-        replies, acked = await executor.send_durably(ck, transaction)
+        if self.replay_cache_bytes:
+            self._forget((rk, ck))  # changed below: what this process kept of them is over
+        step = publish_step(detection.mode == "native", rk, v, ttl, ck, tok)
+        shared = executor.shared
+        if shared is None:
+            replies, acked = await executor.send_durably(ck, step)
+        else:
+            replies, acked = await shared.execute(step), NOT_WAITED
+            done = replies[-1]  # EXEC's: a list only if MULTI and both commands were queued
+            if (
+                type(done) is list
+                and len(done) == 2
+                and type(done[1]) is int
+                and type(done[0]) in _SET_REPLIES
+            ):
+                stored, renewed = done
+                if stored is not None:
+                    return WRITTEN[renewed]
+                return await self._stood(rk, v, ck, tok, renewed)
+            replies = await executor.resent(ck, step, replies)
         written, renewed = self._published(replies, acked)
         return WRITTEN[renewed] if written else await self._stood(rk, v, ck, tok, renewed)
 

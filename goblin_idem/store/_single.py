@@ -31,7 +31,7 @@ class Pipelined(Executor):
 
     def __init__(self, client: redis.asyncio.Redis, pipeline: AutoPipeline) -> None:
         super().__init__(client, None)
-        self.pipeline = pipeline
+        self.pipeline = self.shared = pipeline
         if pipeline.replay_cache_bytes:
             self.replays = pipeline
 

@@ -30,6 +30,7 @@ from goblin_idem.store._autopipeline import (
     _pack_in_python,
     pack,
 )
+from goblin_idem.store._wire import Packed, claim_step, publish_step
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_server
 
@@ -70,6 +71,21 @@ def test_pack_is_resp_and_refuses_what_redis_py_refuses() -> None:
             pack([("SET", "k", refused)])
         with pytest.raises(TypeError):
             _pack_in_python(("SET", "k", refused))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "script"])
+def test_a_first_runs_steps_are_sent_as_their_commands_pack(native: bool) -> None:
+    """The two steps' own bytes (`_wire`) are what packing their commands gives, for keys,
+    tokens and values of any length (past the table of lengths too)."""
+    for key, value in ((b"k", b""), (b"{k}" * 200, b"v" * 511), (b"k\r\n", b"v" * 70_000)):
+        for step in (
+            claim_step(native, key + b":c", key + b":r", b"tok", 30),
+            claim_step(native, b"c", b"r", b"t" * 600, 10**15),
+            publish_step(native, key + b":r", value, 86_400_000, key + b":c", b"tok"),
+        ):
+            assert type(step) is Packed
+            assert step.wire == b"".join(_pack_in_python(command) for command in step)
+            assert pack(step) is step.wire and pack(list(step)) == step.wire
 
 
 async def test_concurrent_calls_share_writes_and_get_their_own_replies(
