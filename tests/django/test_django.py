@@ -31,6 +31,7 @@ from goblin_idem.sql import SqlRecords, connection
 from goblin_idem.store._autopipeline import AutoPipeline
 from tests.store.test_replay_cache import commands_served
 from tests.support.servers import Server
+from tests.support.waits import until_sync
 from tests.support.wsgi import run_until_exit
 
 JSON = "application/json"
@@ -367,13 +368,14 @@ def test_a_replay_without_a_content_type_has_none(redis_server: Server) -> None:
 
 def until_kept(store: RedisStore, result: bytes) -> None:
     """Wait for the loop thread's replay cache to hold `result` (its fill's reply)."""
-    deadline = time.monotonic() + 5
-    while not any(
-        isinstance(e.replays, AutoPipeline) and e.replays.cached(result, time.monotonic())
-        for e in tuple(store._loops.values())
-    ):
-        assert time.monotonic() < deadline, "the fill never arrived"
-        time.sleep(0.001)
+    until_sync(
+        lambda: any(
+            isinstance(e.replays, AutoPipeline) and e.replays.cached(result, time.monotonic())
+            for e in tuple(store._loops.values())
+        ),
+        what="the fill arrived",
+        every=0.001,
+    )
 
 
 def test_a_replay_kept_in_memory_is_answered_in_the_request_thread(redis_server: Server) -> None:

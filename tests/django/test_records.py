@@ -28,6 +28,7 @@ from tests.support.postgres import Postgres, start_postgres
 from tests.support.procs import output_of
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, free_port
+from tests.support.waits import until_sync
 from tests.support.wsgi import Gunicorn, run_until_exit
 
 SETTINGS = "tests.support.apps.django_records.settings"
@@ -152,10 +153,7 @@ def flush(redis: Server) -> None:
 
 
 def wait_for(path: Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} never appeared"
-        time.sleep(0.01)
+    until_sync(path.exists, timeout, f"{path.name} appeared")
 
 
 def in_thread(fn: Callable[[], Reply]) -> Callable[[], Reply]:

@@ -32,6 +32,7 @@ from goblin_idem.store._autopipeline import (
 )
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_server
+from tests.support.waits import until
 
 
 @pytest.fixture
@@ -304,7 +305,11 @@ async def test_closing_the_store_while_it_connects_leaves_no_connection(server: 
     with pytest.raises(RedisConnectionError, match="closed by the client"):
         await claim
     async with server.client() as observer:
-        await asyncio.sleep(0.05)
+
+        async def alone() -> bool:
+            return len(await observer.client_list()) == 1
+
+        await until(alone, what="the claim's connection closed")
         assert len(await observer.client_list()) == 1  # the observer alone
 
 
@@ -313,11 +318,7 @@ async def shared_connection_alone(store: RedisStore, proxy: Proxy) -> None:
     the proxy carries the shared connection alone."""
     await store.detect()
     await store.client.connection_pool.disconnect()
-    for _ in range(200):
-        if proxy.open_connections() == 1:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{proxy.open_connections()} connections through the proxy")
+    await until(lambda: proxy.open_connections() == 1, what="one connection through the proxy")
 
 
 async def test_a_stalled_connection_fails_only_what_was_waiting_on_it(server: Server) -> None:
@@ -336,10 +337,8 @@ async def test_a_stalled_connection_fails_only_what_was_waiting_on_it(server: Se
             assert time.monotonic() - started < 0.5
             with pytest.raises(RedisTimeoutError):
                 await stuck  # what was already waiting on the stalled socket fails
-            for _ in range(100):  # the proxy notices the close once its stall ends
-                if proxy.open_connections() == 1:
-                    break
-                await asyncio.sleep(0.02)
+            # the proxy notices the close once its stall ends
+            await until(lambda: proxy.open_connections() == 1, what="the stuck one closed")
             assert proxy.open_connections() == 1  # the stuck one is closed, the new one kept
             assert pipeline_of(store).opened == 2
         finally:
