@@ -31,7 +31,7 @@ from goblin_idem.sql import SqlRecords, connection
 from goblin_idem.store._autopipeline import AutoPipeline
 from tests.store.test_replay_cache import commands_served
 from tests.support.servers import Server
-from tests.support.waits import until_sync
+from tests.support.waits import until, until_sync
 from tests.support.wsgi import run_until_exit
 
 JSON = "application/json"
@@ -214,11 +214,16 @@ async def test_the_async_path_frees_the_key_of_a_stream_closed_unread() -> None:
     headers = {"Idempotency-Key": k}
     first = await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
     first.close()
-    for _ in range(100):  # the middleware's task ends in the loop: let it
-        await asyncio.sleep(0.01)
-        again = await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
-        if again.status_code != 409:
-            break
+    replies = []
+
+    async def freed() -> bool:  # once the middleware's task ends in the loop
+        replies.append(
+            await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
+        )
+        return bool(replies[-1].status_code != 409)
+
+    await until(freed, what="the key freed")
+    again = replies[-1]
     assert again.status_code == 201 and "Idempotent-Replayed" not in again
 
 

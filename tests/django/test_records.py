@@ -11,7 +11,6 @@ import re
 import secrets
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,15 +288,17 @@ def test_a_worker_killed_after_its_commit_replays_once_after_the_lease(
     with pytest.raises((http.client.HTTPException, OSError)):
         post(port, key, "killed")
     assert site.count("killed") == 1 and site.records() == 1
-    deadline = time.monotonic() + 30
-    while True:  # until gunicorn's new worker answers and the dead run's lease has ended
+    replies = []
+
+    def answered() -> bool:
         try:
-            reply = post(port, key, "killed")
+            replies.append(post(port, key, "killed"))
         except OSError:
-            reply = Reply(0, {}, b"")
-        if reply.status not in (0, 409) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+            replies.append(Reply(0, {}, b""))
+        return replies[-1].status not in (0, 409)
+
+    until_sync(answered, 30, "gunicorn's new worker answered, the dead run's lease ended", 0.1)
+    reply = replies[-1]
     assert reply.status == 201 and reply.replayed
     assert json.loads(reply.body)["ref"] == "killed"
     assert site.count("killed") == 1

@@ -177,7 +177,10 @@ async def test_a_cancelled_caller_does_not_shift_the_replies_of_the_others(
     try:
         doomed = asyncio.ensure_future(store.claim("c-doomed", "r-doomed", "t", 30))
         survivor = asyncio.ensure_future(store.claim("c-other", "r-other", "t", 30))
-        await asyncio.sleep(0.05)  # both written, neither answered
+        conn = pipeline_of(store)._conn
+        assert conn is not None
+        written = lambda: len(conn.waiting) == 2 and not conn.pending  # noqa: E731
+        await until(written, what="both written, neither answered")
         doomed.cancel()
     finally:
         os.kill(server.pid, signal.SIGCONT)
@@ -194,7 +197,9 @@ async def test_a_connection_killed_by_the_server_fails_its_calls_and_reconnects(
     async with server.client() as observer:
         killed = await observer.client_kill_filter(_type="normal", skipme=True)
         assert killed >= 1
-    await asyncio.sleep(0.05)  # the loop sees the connection close
+    conn = pipeline_of(store)._conn
+    assert conn is not None
+    await until(lambda: conn.broken is not None, what="the loop saw the connection close")
     assert await store.claim("c", "r", "t2", 30) is None  # a new connection, same server
     assert await store.cad("c", "t") == 1
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from goblin_idem.store._autopipeline import AutoPipeline
 from goblin_idem.store._cluster import Clustered, ClusterPipelined
 from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
 from tests.support.servers import Cluster, Server, start_cluster
+from tests.support.waits import until_sync
 
 
 def fast(store: RedisStore) -> ClusterPipelined:
@@ -414,7 +414,8 @@ async def test_tryagain_on_the_first_send_of_the_shared_path_is_sent_again() -> 
         before = tryagain_errors(cluster)
 
         def move_then_end() -> None:
-            time.sleep(0.3)
+            refused = lambda: tryagain_errors(cluster) > before + 1  # noqa: E731
+            until_sync(refused, what="the claim refused (TRYAGAIN) more than once")
             with src.sync_client() as s:
                 s.execute_command("MIGRATE", dst.host, dst.port, c, 0, 5000)
             end_migration(cluster, dst, key_slot(c))
