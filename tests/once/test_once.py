@@ -525,10 +525,12 @@ async def test_a_stored_value_wins_over_a_lost_claim(backend: Backend) -> None:
     names = key_names(b"once", b"lost", b"e")
     assert await store.delete(names.claim) == 1
     assert await work("e") == 1 and runs == ["e"]
+    read_at = time.monotonic()
     result_ttl = await store.pttl(names.result)
     claim_ttl = await store.pttl(names.claim)
+    between_ms = (time.monotonic() - read_at) * 1000  # a loaded machine reads slowly
     assert 590_000 < result_ttl <= 600_000
-    assert result_ttl - 10 <= claim_ttl <= 600_000
+    assert result_ttl - 10 - between_ms <= claim_ttl <= 600_000
     assert await work("e") == 1 and runs == ["e"]
 
 

@@ -94,13 +94,14 @@ async def test_round_trips_per_request_as_with_redis(
 ) -> None:
     """New key 2 (claim, publish), replay 1, in flight 1, no key 0."""
     sent = Statements(pg, monkeypatch)
-    handler = Handler(delay=0.3)
+    handler = Handler(gate=asyncio.Event())
     mw = IdempotencyMiddleware(handler, store=pg)
     first = asyncio.create_task(request(mw, key="k"))
     await until(lambda: handler.runs, what="the handler started")
     sent.take()
     assert (await request(mw, key="k")).status == 409
     assert sent.take() == 1
+    handler.gate.set()  # type: ignore[union-attr]
     assert (await first).status == 201
     assert sent.take() == 1  # the publish (the claim was counted before)
     assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
@@ -310,12 +311,13 @@ async def test_pool_exhausted_is_unavailable_and_named(postgres: Postgres) -> No
 
 
 async def test_middleware_replay_reuse_and_in_flight(pg: PostgresStore) -> None:
-    handler = Handler(delay=0.2)
+    handler = Handler(gate=asyncio.Event())
     mw = IdempotencyMiddleware(handler, store=pg, retry_after_seconds=2)
     first = asyncio.create_task(request(mw, key="k", body=b"a"))
     await until(lambda: handler.runs, what="the handler started")
     racing = await request(mw, key="k", body=b"a")
     assert racing.status == 409 and racing.header("retry-after") == b"2"
+    handler.gate.set()  # type: ignore[union-attr]
     assert (await first).status == 201
     again = await request(mw, key="k", body=b"a")
     assert again.body == b"run 1" and again.header("idempotent-replayed") == b"true"
@@ -326,9 +328,12 @@ async def test_middleware_replay_reuse_and_in_flight(pg: PostgresStore) -> None:
 
 
 async def test_twenty_concurrent_duplicates_run_once(pg: PostgresStore) -> None:
-    handler = Handler(delay=0.2)
+    handler = Handler(gate=asyncio.Event())
     mw = IdempotencyMiddleware(handler, store=pg)
-    replies = await asyncio.gather(*(request(mw, key="storm", body=b"x") for _ in range(20)))
+    storm = asyncio.gather(*(request(mw, key="storm", body=b"x") for _ in range(20)))
+    await until(lambda: mw.counters.in_flight == 19, what="nineteen duplicates refused")
+    handler.gate.set()  # type: ignore[union-attr]
+    replies = await storm
     assert handler.runs == 1
     assert sorted(r.status for r in replies) == [201] + [409] * 19
     assert (await request(mw, key="storm", body=b"x")).body == b"run 1"

@@ -18,6 +18,11 @@ DEADLINE = 20.0
 """Seconds a wait may take before the test fails: far above any event's time on a loaded
 machine, so that reaching it means the event did not happen."""
 
+START_DEADLINE = 120.0
+"""Seconds a child process (gunicorn, uvicorn) may take to answer while it is alive: on a
+machine loaded by other suites a Django or FastAPI worker boots in tens of seconds. One
+that exits fails the wait at once, with its output."""
+
 
 def _describe(condition: Callable[[], object], what: str) -> str:
     """`what`, or the condition's source line when the caller named nothing."""
