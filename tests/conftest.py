@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +11,10 @@ from goblin_idem.native import build_module
 from goblin_idem.store import Store
 from tests.support.backends import BACKENDS, Backend, open_backend
 from tests.support.postgres import Postgres, start_postgres
-from tests.support.servers import Server, start_server
+from tests.support.servers import KINDS, Cluster, Server, running_cluster, start_server
+
+MODES = ("script", "native")
+KIND_MODES = [(kind, mode) for kind in KINDS for mode in MODES]
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +44,38 @@ def own_redis() -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def native_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_module(tmp_path_factory.mktemp("native"))
+
+
+@pytest.fixture(scope="session")
+def modules_for(request: pytest.FixtureRequest) -> Callable[[str], list[str]]:
+    """The `modules` of a server in a mode: the native module for "native" (built once, by
+    the first test that needs it), none for "script"."""
+
+    def modules(mode: str) -> list[str]:
+        return [str(request.getfixturevalue("native_module"))] if mode == "native" else []
+
+    return modules
+
+
+def _cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
+    kind, mode = request.param
+    modules = request.getfixturevalue("modules_for")(mode)
+    with running_cluster(kind, modules=modules) as cluster:
+        yield cluster, mode
+
+
+@pytest.fixture(scope="module", params=KIND_MODES, ids="-".join)
+def shared_cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
+    """A 3-primary cluster of each kind and mode, and the mode, for a module's tests that
+    move no slot and stop no node (narrowed with an indirect parametrize)."""
+    yield from _cluster(request)
+
+
+@pytest.fixture(params=KIND_MODES, ids="-".join)
+def own_cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
+    """A 3-primary cluster of each kind and mode, and the mode, of the test's own (it moves
+    slots or restarts nodes)."""
+    yield from _cluster(request)
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,9 @@ from goblin_idem import CLAIMED, InFlightError, MemoryStore, RedisStore, forget
 from goblin_idem._keys import KeyNames, failures_key, hop_key, key_names
 from goblin_idem.store import Published, Store
 from tests.store.test_replay_cache import BUDGET
-from tests.support.brokers import until
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_cluster
+from tests.support.waits import until
 
 TTL_MS = 86_400_000
 

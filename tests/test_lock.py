@@ -14,6 +14,7 @@ from goblin_idem import Lock, LockError, LockNotOwnedError, MemoryStore, RedisSt
 from tests.support.backends import Backend
 from tests.support.procs import APPS, spawn, stop
 from tests.support.servers import Server
+from tests.support.waits import until
 
 
 async def test_only_one_holder_at_a_time(store: Store) -> None:
@@ -33,8 +34,8 @@ async def test_renewal_keeps_a_long_holder(store: Store) -> None:
     lock = Lock(store, "long", lease_seconds=0.9)
     other = Lock(store, "long", lease_seconds=0.9)
     async with lock:
-        for _ in range(8):  # 2.4 s: over two and a half leases' worth
-            await asyncio.sleep(0.3)
+        for renewals in range(1, 9):  # 2.4 s: over two and a half leases' worth
+            await until(lambda n=renewals: lock.watchdog.renewals >= n, what=f"{renewals} renewals")
             assert not await other.acquire(blocking=False)
             assert await lock.owned()
         lock.check()
@@ -71,10 +72,7 @@ async def test_lost_lock_raises_lock_not_owned(store: Store) -> None:
     lock = Lock(store, "stolen", lease_seconds=0.3)
     await lock.acquire()
     await store.set("stolen", "thief", px=10_000)
-    for _ in range(50):  # the next renewal (due within 100 ms) finds the thief's token
-        if lock.lost:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: lock.lost, what="the next renewal found the thief's token")
     assert lock.lost and not lock.held
     with pytest.raises(LockNotOwnedError):
         lock.check()
@@ -128,16 +126,15 @@ def lock_holder(server: Server, name: str, lease_ms: int, hold_ms: int, log: str
     )
 
 
-async def wait_for(
-    client: redis.asyncio.Redis, key: str, n: int, timeout: float = 15
-) -> list[bytes]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        items: list[bytes] = await client.lrange(key, 0, -1)
-        if len(items) >= n:
-            return items
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{key} has {await client.lrange(key, 0, -1)}")
+async def logged(client: redis.asyncio.Redis, key: str, n: int) -> list[bytes]:
+    """The holders' log `key`, once they have written `n` lines to it."""
+
+    async def enough() -> bool:
+        return bool(await client.llen(key) >= n)
+
+    await until(enough, what=f"{n} lines in {key}")
+    items: list[bytes] = await client.lrange(key, 0, -1)
+    return items
 
 
 async def test_mutual_exclusion_across_processes(redis_server: Server) -> None:
@@ -147,7 +144,7 @@ async def test_mutual_exclusion_across_processes(redis_server: Server) -> None:
     # 300 ms lease let a holder starved of CPU for 200 ms on a loaded machine lose it.)
     procs = [lock_holder(redis_server, "shared", 1000, 1500, "log") for _ in range(3)]
     try:
-        log = await wait_for(client, "log", 6)
+        log = await logged(client, "log", 6)
         for i in range(0, 6, 2):  # enter/exit strictly paired: never two holders at once
             assert log[i].startswith(b"enter ") and log[i + 1] == b"exit " + log[i][6:]
         for p in procs:
@@ -164,7 +161,7 @@ async def test_killed_holder_frees_after_its_lease(redis_server: Server) -> None
     proc = lock_holder(redis_server, "crashy", 1000, 60_000, "log")
     store = RedisStore(client, mode="script")
     try:
-        await wait_for(client, "log", 1)
+        await logged(client, "log", 1)
         stop(proc, signal.SIGKILL)  # dies holding the lock
         killed_at = time.monotonic()
         lock = Lock(store, "crashy", lease_seconds=5, retry_interval=0.05)
@@ -244,7 +241,11 @@ async def test_a_cancelled_release_stops_the_renewals(own_redis: Server) -> None
         await cancel_release_on_a_paused_server(own_redis, lock, paused=0.3)
         assert await store.get("job") == lock.token  # not deleted
         renewals = lock.watchdog.renewals
-        await asyncio.sleep(1.0)  # more than a lease: renewals would have run by now
+
+        async def expired() -> bool:  # a lease later: renewals would have kept it
+            return await store.get("job") is None
+
+        await until(expired, what="the lock expired")
         assert lock.watchdog.renewals == renewals
         assert await store.get("job") is None  # expired
     finally:

@@ -17,6 +17,7 @@ from example_app.worker import StreamWorker, event_handler, run_in_process
 from example_app.worker_demo import run_stream_demo
 from goblin_idem import RedisStore
 from tests.support.servers import Server
+from tests.support.waits import until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,10 +47,10 @@ async def test_a_malformed_message_is_dead_lettered_and_acknowledged(redis_serve
     await client.xadd("s", {"event": json.dumps(good)})
     task = asyncio.create_task(worker.run())
     try:
-        for _ in range(200):
-            if worker.figures["acked"] == 1 and worker.figures["dead"] == 1:
-                break
-            await asyncio.sleep(0.02)
+        await until(
+            lambda: worker.figures["acked"] == 1 and worker.figures["dead"] == 1,
+            what="one event acked, one dead",
+        )
     finally:
         worker.stopping.set()
         await task

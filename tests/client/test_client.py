@@ -43,6 +43,7 @@ from goblin_idem.client import (
 from tests.support.procs import APPS, ROOT, start_example_app, start_uvicorn, stop
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, free_port, start_server
+from tests.support.waits import until
 
 PROBLEM = "urn:goblin-idem:problem:"
 FAST = RetryPolicy(base_delay=0.02, max_delay=0.2, budget=None)  # quick retries, no budget
@@ -565,14 +566,6 @@ def test_custom_header_and_methods(make: Any, scripted: Scripted) -> None:
 # -- async only: cancellation ----------------------------------------------------------------
 
 
-async def until_hit(scripted: Scripted) -> None:
-    for _ in range(250):
-        if scripted.hits():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the request did not reach the server")
-
-
 async def test_cancelled_calls_leave_no_connection_behind(scripted: Scripted) -> None:
     """A call cancelled while it waits or while its attempt is in flight gives its pooled
     connection back: the next call on a one-connection pool goes through."""
@@ -584,7 +577,7 @@ async def test_cancelled_calls_leave_no_connection_behind(scripted: Scripted) ->
         # cancelled during the wait after a 503 that asks for 30 s
         scripted.script({"status": 503, "headers": {"retry-after": "30"}})
         task = asyncio.ensure_future(c.post("/pay", json={}))
-        await until_hit(scripted)
+        await until(scripted.hits, what="the request reached the server")
         await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -592,7 +585,7 @@ async def test_cancelled_calls_leave_no_connection_behind(scripted: Scripted) ->
         # cancelled while the server is still working on the attempt
         scripted.script({"status": 200, "delay": 2}, {"status": 200, "body": "next"})
         task = asyncio.ensure_future(c.post("/pay", json={}))
-        await until_hit(scripted)
+        await until(scripted.hits, what="the request reached the server")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

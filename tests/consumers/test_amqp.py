@@ -18,9 +18,10 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 
 from goblin_idem import RedisStore
 from goblin_idem.consumers import amqp
-from tests.support.brokers import RabbitMQ, until
+from tests.support.brokers import RabbitMQ
 from tests.support.procs import spawn, stop
 from tests.support.servers import Server, free_port
+from tests.support.waits import until
 
 Process = Callable[[AbstractIncomingMessage], Coroutine[Any, Any, Any]]
 

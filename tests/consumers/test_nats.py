@@ -25,9 +25,10 @@ from goblin_idem import RedisStore
 from goblin_idem.consumers import jetstream
 from goblin_idem.consumers._nats import JetStreamHandler
 from goblin_idem.sql import SqlRecords, session
-from tests.support.brokers import Nats, until
+from tests.support.brokers import Nats
 from tests.support.procs import spawn, stop
 from tests.support.servers import Server, free_port
+from tests.support.waits import until
 
 
 @dataclass

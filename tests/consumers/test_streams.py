@@ -18,9 +18,9 @@ import redis.asyncio
 from goblin_idem import RedisStore
 from goblin_idem.consumers import StreamConsumer
 from goblin_idem.sql import SqlRecords
-from tests.support.brokers import until
 from tests.support.procs import spawn, stop
 from tests.support.servers import Server, free_port
+from tests.support.waits import until
 
 
 @dataclass

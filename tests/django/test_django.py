@@ -31,6 +31,7 @@ from goblin_idem.sql import SqlRecords, connection
 from goblin_idem.store._autopipeline import AutoPipeline
 from tests.store.test_replay_cache import commands_served
 from tests.support.servers import Server
+from tests.support.waits import until, until_sync
 from tests.support.wsgi import run_until_exit
 
 JSON = "application/json"
@@ -213,11 +214,16 @@ async def test_the_async_path_frees_the_key_of_a_stream_closed_unread() -> None:
     headers = {"Idempotency-Key": k}
     first = await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
     first.close()
-    for _ in range(100):  # the middleware's task ends in the loop: let it
-        await asyncio.sleep(0.01)
-        again = await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
-        if again.status_code != 409:
-            break
+    replies = []
+
+    async def freed() -> bool:  # once the middleware's task ends in the loop
+        replies.append(
+            await client.post("/stream?kb=4", data=b"{}", content_type=JSON, headers=headers)
+        )
+        return bool(replies[-1].status_code != 409)
+
+    await until(freed, what="the key freed")
+    again = replies[-1]
     assert again.status_code == 201 and "Idempotent-Replayed" not in again
 
 
@@ -367,13 +373,14 @@ def test_a_replay_without_a_content_type_has_none(redis_server: Server) -> None:
 
 def until_kept(store: RedisStore, result: bytes) -> None:
     """Wait for the loop thread's replay cache to hold `result` (its fill's reply)."""
-    deadline = time.monotonic() + 5
-    while not any(
-        isinstance(e.replays, AutoPipeline) and e.replays.cached(result, time.monotonic())
-        for e in tuple(store._loops.values())
-    ):
-        assert time.monotonic() < deadline, "the fill never arrived"
-        time.sleep(0.001)
+    until_sync(
+        lambda: any(
+            isinstance(e.replays, AutoPipeline) and e.replays.cached(result, time.monotonic())
+            for e in tuple(store._loops.values())
+        ),
+        what="the fill arrived",
+        every=0.001,
+    )
 
 
 def test_a_replay_kept_in_memory_is_answered_in_the_request_thread(redis_server: Server) -> None:

@@ -11,7 +11,6 @@ import re
 import secrets
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from tests.support.postgres import Postgres, start_postgres
 from tests.support.procs import output_of
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, free_port
+from tests.support.waits import until_sync
 from tests.support.wsgi import Gunicorn, run_until_exit
 
 SETTINGS = "tests.support.apps.django_records.settings"
@@ -152,10 +152,7 @@ def flush(redis: Server) -> None:
 
 
 def wait_for(path: Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} never appeared"
-        time.sleep(0.01)
+    until_sync(path.exists, timeout, f"{path.name} appeared")
 
 
 def in_thread(fn: Callable[[], Reply]) -> Callable[[], Reply]:
@@ -291,15 +288,17 @@ def test_a_worker_killed_after_its_commit_replays_once_after_the_lease(
     with pytest.raises((http.client.HTTPException, OSError)):
         post(port, key, "killed")
     assert site.count("killed") == 1 and site.records() == 1
-    deadline = time.monotonic() + 30
-    while True:  # until gunicorn's new worker answers and the dead run's lease has ended
+    replies = []
+
+    def answered() -> bool:
         try:
-            reply = post(port, key, "killed")
+            replies.append(post(port, key, "killed"))
         except OSError:
-            reply = Reply(0, {}, b"")
-        if reply.status not in (0, 409) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+            replies.append(Reply(0, {}, b""))
+        return replies[-1].status not in (0, 409)
+
+    until_sync(answered, 30, "gunicorn's new worker answered, the dead run's lease ended", 0.1)
+    reply = replies[-1]
     assert reply.status == 201 and reply.replayed
     assert json.loads(reply.body)["ref"] == "killed"
     assert site.count("killed") == 1

@@ -12,7 +12,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -36,6 +35,7 @@ from tests.support.procs import (
     wait_http,
 )
 from tests.support.servers import Server, free_port, start_server
+from tests.support.waits import until, until_sync
 
 # -- the app under uvicorn, with its default logging --------------------------------------
 
@@ -181,10 +181,12 @@ def test_with_lifespan_off_every_request_fails_with_the_message() -> None:
     port = free_port()
     proc = serve_misconfigured(port, "fastapi", "lease", "--lifespan", "off")
     try:
-        deadline = time.monotonic() + 20
-        while http_status(port, "/health") is None and time.monotonic() < deadline:
+
+        def answering() -> bool:
             assert proc.poll() is None
-            time.sleep(0.05)
+            return http_status(port, "/health") is not None
+
+        until_sync(answering, what="the server answered")
         assert [http_status(port, "/health"), http_status(port, "/docs")] == [500, 500]
     finally:
         err = output_of(proc)
@@ -259,17 +261,6 @@ def client_names(server: Server) -> list[str]:
         return [c.get("name", "") for c in r.client_list()]
 
 
-async def gone(server: Server, name: str) -> bool:
-    """Whether the server lists no connection named `name` within 10 s (it sees a closed
-    socket only when its event loop gets to it)."""
-    deadline = time.monotonic() + 10
-    while name in client_names(server):
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
-
-
 async def test_shutdown_closes_the_store_after_the_apps_own_shutdown(
     redis_server: Server,
 ) -> None:
@@ -299,7 +290,8 @@ async def test_shutdown_closes_the_store_after_the_apps_own_shutdown(
         assert name in client_names(redis_server)
         assert IdempotencyMiddleware.of(app).counters.claimed == 1
     assert order == ["app startup, mode script", "app shutdown"]
-    assert await gone(redis_server, name)
+    # the server sees a closed socket only when its event loop gets to it
+    await until(lambda: name not in client_names(redis_server), 10, f"{name} disconnected")
 
 
 async def test_close_store_false_leaves_it_open(redis_server: Server) -> None:

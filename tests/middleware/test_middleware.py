@@ -24,8 +24,8 @@ from goblin_idem._keys import key_names
 from goblin_idem.records._format import decode
 from tests.support.asgi import Handler, problem, request
 from tests.support.backends import Backend, stored_items
-from tests.support.brokers import until
 from tests.support.servers import Server, free_port
+from tests.support.waits import until
 
 # A key that no log line or stored byte could contain by chance.
 RAW_KEY = "order-7f3a9c-raw-key"
@@ -67,13 +67,14 @@ async def test_same_key_other_request_is_422(store: Store) -> None:
 
 
 async def test_duplicate_in_flight_gets_409_with_retry_after(store: Store) -> None:
-    handler = Handler(delay=0.3)
+    handler = Handler(gate=asyncio.Event())
     mw = IdempotencyMiddleware(handler, store=store, retry_after_seconds=2)
     first = asyncio.create_task(request(mw, key="k"))
-    await asyncio.sleep(0.1)
+    await until(lambda: handler.runs == 1, what="the first run started")
     racing = await request(mw, key="k")
     assert racing.status == 409 and racing.header("retry-after") == b"2"
     assert problem(racing)["type"] == "urn:goblin-idem:problem:in-flight"
+    handler.gate.set()  # type: ignore[union-attr]
     assert (await first).status == 201
     assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
     assert handler.runs == 1
@@ -83,7 +84,7 @@ async def test_wait_seconds_turns_an_in_flight_duplicate_into_a_replay(store: St
     handler = Handler(delay=0.3)
     mw = IdempotencyMiddleware(handler, store=store, wait_seconds=2, poll_interval_seconds=0.02)
     first = asyncio.create_task(request(mw, key="k"))
-    await asyncio.sleep(0.05)
+    await until(lambda: handler.runs == 1, what="the first run started")
     waited = await request(mw, key="k")
     assert waited.status == 201 and waited.header("idempotent-replayed") == b"true"
     assert waited.body == (await first).body
@@ -354,7 +355,11 @@ async def test_route_decorator_in_fastapi() -> None:
     assert runs["exempt"] == 2
     await request(app, path="/short", key="s")
     assert await store.pttl(key_names(b"idem", b"", b"s").result) <= 1000
-    await asyncio.sleep(1.1)
+
+    async def expired() -> bool:
+        return await store.pttl(key_names(b"idem", b"", b"s").result) == -2
+
+    await until(expired, what="the route's 1 s result expired")
     await request(app, path="/short", key="s")
     assert runs["short"] == 2  # the route's 1 s TTL, not the default day
 
@@ -673,7 +678,7 @@ async def test_app_that_aborts_on_disconnect_releases_the_claim() -> None:
     mw = IdempotencyMiddleware(app, store=store)
     gone = asyncio.Event()
     task = asyncio.create_task(request(mw, key="k", disconnect=gone))
-    await asyncio.sleep(0.05)
+    await until(lambda: runs, what="the app started")
     gone.set()
     await task
     assert mw.counters.released == 1
@@ -685,11 +690,15 @@ async def test_cancelled_request_releases_the_claim(store: Store) -> None:
     handler = Handler(delay=5)
     mw = IdempotencyMiddleware(handler, store=store)
     task = asyncio.create_task(request(mw, key="k"))
-    await asyncio.sleep(0.1)
+    await until(lambda: handler.runs == 1, what="the run started")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.05)  # the shielded release finishes
+
+    async def released() -> bool:
+        return await store.get(key_names(b"idem", b"", b"k").claim) is None
+
+    await until(released, what="the shielded release finished")
     assert await store.get(key_names(b"idem", b"", b"k").claim) is None
     handler.delay = 0
     assert (await request(mw, key="k")).body == b"run 2"
@@ -718,12 +727,13 @@ async def test_client_that_left_after_a_complete_response_still_gets_its_replay(
 
 
 async def test_watchdog_keeps_a_long_run_claimed(store: Store) -> None:
-    handler = Handler(delay=2.5)
+    handler = Handler(gate=asyncio.Event())
     mw = IdempotencyMiddleware(handler, store=store, lease_seconds=1)
     first = asyncio.create_task(request(mw, key="k"))
-    for _ in range(4):  # well past the 1 s lease
-        await asyncio.sleep(0.5)
+    for renewals in (2, 4, 6, 8):  # well past the 1 s lease: a renewal every third of it
+        await until(lambda n=renewals: mw.watchdog.renewals >= n, what=f"{renewals} renewals")
         assert (await request(mw, key="k")).status == 409
+    handler.gate.set()  # type: ignore[union-attr]
     assert (await first).status == 201
     assert handler.runs == 1
     assert mw.watchdog.renewals >= 3
@@ -737,15 +747,17 @@ async def test_lost_lease_is_logged_and_counted_under_the_key_hash(
     stored value contains the raw key, on any store."""
     store = backend.store
     events: list[tuple[str, str]] = []
-    handler = Handler(delay=1.0)
+    handler = Handler(gate=asyncio.Event())
     mw = IdempotencyMiddleware(
         handler, store=store, lease_seconds=1, on_event=lambda e, h: events.append((e, h))
     )
     names = key_names(b"idem", b"", RAW_KEY.encode())
     with caplog.at_level(logging.DEBUG):
         task = asyncio.create_task(request(mw, key=RAW_KEY))
-        await asyncio.sleep(0.1)
+        await until(lambda: handler.runs == 1, what="the run started")
         await store.set(names.claim, "intruder", px=60_000)  # someone else now holds the key
+        await until(lambda: mw.counters.lease_lost, what="the next renewal found the intruder")
+        handler.gate.set()  # type: ignore[union-attr]
         assert (await task).status == 201  # the run goes on
     assert mw.counters.lease_lost == 1
     assert ("lease_lost", names.hash) in events
@@ -1114,7 +1126,8 @@ async def test_a_lapsed_claim_that_another_run_took_stays_with_that_run(store: S
     a = await run_a
     assert (a.status, a.body) == (201, b"run A")
     assert await store.get(names.claim) == token_b, "A's publish took the claim from B"
-    await asyncio.sleep(0.5)  # more than a renewal period of B's 1 s lease
+    renewed = mw.watchdog.renewals
+    await until(lambda: mw.watchdog.renewals >= renewed + 2, what="B's lease renewed since")
     assert await store.get(names.claim) == token_b
     assert 0 < await store.pttl(names.claim) <= 1000  # B's lease, renewed by B
 

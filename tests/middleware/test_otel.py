@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from goblin_idem import IdempotencyMiddleware, RedisStore
 from goblin_idem._keys import key_names
 from tests.support.servers import Server
+from tests.support.waits import until
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +115,12 @@ async def test_outcomes_durations_leases_and_span_attributes(
     assert (await c.post("/pay", json={"amount": 1}, headers=key("a"))).status_code == 200
     assert (await c.post("/pay", json={"amount": 2}, headers=key("a"))).status_code == 422
     slow = asyncio.ensure_future(c.post("/pay", json={"slow": True}, headers=key("b")))
-    for _ in range(500):  # until the slow run holds its lease
+
+    def leased() -> bool:
         held = points(reader, "goblin_idem.leases")
-        if held and next(iter(held.values())).value == 1:
-            break
-        await asyncio.sleep(0.01)
-    else:
-        raise AssertionError("the slow run's lease was never observed")
+        return bool(held) and next(iter(held.values())).value == 1
+
+    await until(leased, what="the slow run holds its lease")
     assert (await c.post("/pay", json={"slow": True}, headers=key("b"))).status_code == 409
     release.set()
     assert (await slow).status_code == 200

@@ -26,6 +26,7 @@ from tests.support.backends import (
     sync_store,  # noqa: F401
 )
 from tests.support.servers import Server
+from tests.support.waits import until_sync
 from tests.wsgi.test_middleware import fresh_store, in_child
 
 
@@ -52,13 +53,22 @@ def in_threads(n: int, fn: Any) -> list[Any]:
 def test_concurrent_calls_in_threads_run_once(store: Store) -> None:
     runs: list[str] = []
 
+    refused: list[InFlightError] = []
+
     @once(store, key=lambda event: event["id"])
     def charge(event: dict[str, Any]) -> dict[str, Any]:
         runs.append(threading.current_thread().name)
-        time.sleep(0.3)
+        until_sync(lambda: len(refused) == 7, what="the seven other callers refused")
         return {"charged": event["amount"]}
 
-    outcomes = in_threads(8, lambda: charge({"id": "e1", "amount": 5}))
+    def call() -> dict[str, Any]:
+        try:
+            return charge({"id": "e1", "amount": 5})
+        except InFlightError as refusal:
+            refused.append(refusal)
+            raise
+
+    outcomes = in_threads(8, call)
     values = [o for o in outcomes if not isinstance(o, Exception)]
     busy = [o for o in outcomes if isinstance(o, InFlightError)]
     assert values == [{"charged": 5}] and len(busy) == 7

@@ -17,6 +17,7 @@ from redis.crc import key_slot
 
 from goblin_idem import RedisStore
 from tests.support.servers import Cluster, Server, start_cluster
+from tests.support.waits import until_sync
 
 
 @dataclass
@@ -76,8 +77,8 @@ def shards(cluster: Cluster, alive: Sequence[Server] | None = None) -> list[Shar
 
 def wait_settled(cluster: Cluster, timeout: float = 30.0) -> None:
     """Every live node sees the same primaries and replicas, and every replica's link is up."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def settled() -> bool:
         live = [s for s in cluster.servers if s.running()]
         try:
             views = [_node_ids(s) for s in live]
@@ -91,14 +92,11 @@ def wait_settled(cluster: Cluster, timeout: float = 30.0) -> None:
                 for s in live
                 if _info(s, "replication").get("role") == "slave"
             )
-            states = all(_cluster_ok(s) for s in live)
-            if agree and links and states:
-                return
-        except Exception:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("cluster did not settle")
-        time.sleep(0.1)
+            return agree and links and all(_cluster_ok(s) for s in live)
+        except Exception:  # a node busy with the change: ask again
+            return False
+
+    until_sync(settled, timeout, "the cluster settled", every=0.1)
 
 
 def _own_key(primary: Server) -> bytes:
@@ -152,21 +150,19 @@ def failover(replica: Server, option: str = "", timeout: float = 15.0) -> float:
         c.execute_command("CLUSTER", "FAILOVER", *([option] if option else []))
     while _info(replica, "replication").get("role") != "master":
         if time.monotonic() - start > timeout:
-            raise RuntimeError("the replica was not promoted")
+            raise RuntimeError("the replica was not promoted")  # a caller may try harder
         time.sleep(0.02)
     return time.monotonic() - start
 
 
 def wait_replica_via(replica: Server, port: int, timeout: float = 20.0) -> None:
     """Until `replica` replicates from `port` (a proxy in front of its primary), link up."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def linked() -> bool:
         info = _info(replica, "replication")
-        if info.get("master_port") == port and info.get("master_link_status") == "up":
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"replica did not reconnect through port {port}: {info}")
-        time.sleep(0.05)
+        return info.get("master_port") == port and info.get("master_link_status") == "up"
+
+    until_sync(linked, timeout, f"the replica reconnected through port {port}")
 
 
 def primary_of(store: RedisStore, key: bytes) -> int:

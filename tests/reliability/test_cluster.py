@@ -47,6 +47,7 @@ from tests.support.backends import assert_published_together_or_not_at_all
 from tests.support.inproc import CountingApp, Tally, send_once, until_done
 from tests.support.proxy import Proxy, resp_args
 from tests.support.servers import Cluster, Server, start_cluster, start_server
+from tests.support.waits import until_sync
 
 KEYS = pick(120, 1200)
 DUPLICATES = 3
@@ -609,16 +610,14 @@ def _require_full_coverage(servers: list[Server], required: bool) -> None:
 
 
 def _wait_cluster_state(servers: list[Server], state: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
+    def reached() -> bool:
         for server in servers:
             with server.sync_client() as r:
-                states.append(r.cluster("INFO")["cluster_state"])
-        if all(s == state for s in states):
-            return
-        assert time.monotonic() < deadline, f"cluster_state is {states}, not {state}"
-        time.sleep(0.1)
+                if r.cluster("INFO")["cluster_state"] != state:
+                    return False
+        return True
+
+    until_sync(reached, timeout, f"cluster_state {state} on every node", every=0.1)
 
 
 RESHARD_SLOTS = pick(4, 16)  # slots moved, each holding RESHARD_FILL keys of other data

@@ -16,6 +16,7 @@ import json
 import random
 import time
 import tracemalloc
+from collections.abc import Callable
 from typing import Literal
 
 import pytest
@@ -63,10 +64,11 @@ async def complete(mw: IdempotencyMiddleware, keys: list[str]) -> None:
 @pytest.mark.parametrize(
     "server", ["redis-script", "redis-native", "valkey-script", "valkey-native"]
 )
-async def test_redis_bytes_per_completed_key(request: pytest.FixtureRequest, server: str) -> None:
+async def test_redis_bytes_per_completed_key(
+    modules_for: Callable[[str], list[str]], server: str
+) -> None:
     kind, mode = server.split("-")
-    modules = [str(request.getfixturevalue("native_module"))] if mode == "native" else []
-    srv = start_server(kind, modules=modules)
+    srv = start_server(kind, modules=modules_for(mode))
     try:
         await _bytes_per_completed_key(srv, kind, mode)  # type: ignore[arg-type]
     finally:

@@ -33,6 +33,7 @@ from goblin_idem.store._autopipeline import (
 from goblin_idem.store._wire import Packed, claim_step, publish_step
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_server
+from tests.support.waits import until
 
 
 @pytest.fixture
@@ -192,7 +193,10 @@ async def test_a_cancelled_caller_does_not_shift_the_replies_of_the_others(
     try:
         doomed = asyncio.ensure_future(store.claim("c-doomed", "r-doomed", "t", 30))
         survivor = asyncio.ensure_future(store.claim("c-other", "r-other", "t", 30))
-        await asyncio.sleep(0.05)  # both written, neither answered
+        conn = pipeline_of(store)._conn
+        assert conn is not None
+        written = lambda: len(conn.waiting) == 2 and not conn.pending  # noqa: E731
+        await until(written, what="both written, neither answered")
         doomed.cancel()
     finally:
         os.kill(server.pid, signal.SIGCONT)
@@ -209,7 +213,9 @@ async def test_a_connection_killed_by_the_server_fails_its_calls_and_reconnects(
     async with server.client() as observer:
         killed = await observer.client_kill_filter(_type="normal", skipme=True)
         assert killed >= 1
-    await asyncio.sleep(0.05)  # the loop sees the connection close
+    conn = pipeline_of(store)._conn
+    assert conn is not None
+    await until(lambda: conn.broken is not None, what="the loop saw the connection close")
     assert await store.claim("c", "r", "t2", 30) is None  # a new connection, same server
     assert await store.cad("c", "t") == 1
 
@@ -320,7 +326,11 @@ async def test_closing_the_store_while_it_connects_leaves_no_connection(server: 
     with pytest.raises(RedisConnectionError, match="closed by the client"):
         await claim
     async with server.client() as observer:
-        await asyncio.sleep(0.05)
+
+        async def alone() -> bool:
+            return len(await observer.client_list()) == 1
+
+        await until(alone, what="the claim's connection closed")
         assert len(await observer.client_list()) == 1  # the observer alone
 
 
@@ -329,11 +339,7 @@ async def shared_connection_alone(store: RedisStore, proxy: Proxy) -> None:
     the proxy carries the shared connection alone."""
     await store.detect()
     await store.client.connection_pool.disconnect()
-    for _ in range(200):
-        if proxy.open_connections() == 1:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{proxy.open_connections()} connections through the proxy")
+    await until(lambda: proxy.open_connections() == 1, what="one connection through the proxy")
 
 
 async def test_a_stalled_connection_fails_only_what_was_waiting_on_it(server: Server) -> None:
@@ -352,10 +358,8 @@ async def test_a_stalled_connection_fails_only_what_was_waiting_on_it(server: Se
             assert time.monotonic() - started < 0.5
             with pytest.raises(RedisTimeoutError):
                 await stuck  # what was already waiting on the stalled socket fails
-            for _ in range(100):  # the proxy notices the close once its stall ends
-                if proxy.open_connections() == 1:
-                    break
-                await asyncio.sleep(0.02)
+            # the proxy notices the close once its stall ends
+            await until(lambda: proxy.open_connections() == 1, what="the stuck one closed")
             assert proxy.open_connections() == 1  # the stuck one is closed, the new one kept
             assert pipeline_of(store).opened == 2
         finally:

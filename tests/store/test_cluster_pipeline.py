@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -26,22 +25,8 @@ from goblin_idem.store import _autopipeline as autopipeline
 from goblin_idem.store._autopipeline import AutoPipeline
 from goblin_idem.store._cluster import Clustered, ClusterPipelined
 from tests.reliability.cluster import failover, primary_of, settled_cluster, shards, wait_settled
-from tests.support.servers import KINDS, Cluster, Server, start_cluster
-
-MODES = ("script", "native")
-
-
-@pytest.fixture(params=[(k, m) for k in KINDS for m in MODES], ids=lambda p: "-".join(p))
-def cluster_mode(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
-    """A 3-primary cluster of the test's own (the tests move its slots), with the module
-    loaded for native mode."""
-    kind, mode = request.param
-    modules = [str(request.getfixturevalue("native_module"))] if mode == "native" else []
-    cluster = start_cluster(kind, masters=3, modules=modules)
-    try:
-        yield cluster, mode
-    finally:
-        cluster.stop()
+from tests.support.servers import Cluster, Server, start_cluster
+from tests.support.waits import until_sync
 
 
 def fast(store: RedisStore) -> ClusterPipelined:
@@ -135,9 +120,9 @@ def count_writes(executor: ClusterPipelined) -> dict[tuple[str, int], int]:
 
 
 async def test_every_call_goes_over_one_connection_per_primary(
-    cluster_mode: tuple[Cluster, str], monkeypatch: pytest.MonkeyPatch
+    own_cluster: tuple[Cluster, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cluster, mode = cluster_mode
+    cluster, mode = own_cluster
     # A connection whose reply waits past the stall threshold is replaced, as it should be;
     # on a loaded machine 60 calls at once can wait that long, and this test counts
     # connections: stalls are another test's subject (test_autopipeline.py).
@@ -177,8 +162,8 @@ async def test_every_call_goes_over_one_connection_per_primary(
     assert executor.pipelines == {}
 
 
-async def test_moved_after_a_slot_moved_is_followed(cluster_mode: tuple[Cluster, str]) -> None:
-    cluster, mode = cluster_mode
+async def test_moved_after_a_slot_moved_is_followed(own_cluster: tuple[Cluster, str]) -> None:
+    cluster, mode = own_cluster
     store = RedisStore.from_url(cluster.servers[0].url, cluster=True, mode=mode)  # type: ignore[arg-type]
     try:
         await store.detect()
@@ -213,8 +198,8 @@ async def test_moved_after_a_slot_moved_is_followed(cluster_mode: tuple[Cluster,
         await store.aclose()
 
 
-async def test_ask_during_a_migration_is_followed(cluster_mode: tuple[Cluster, str]) -> None:
-    cluster, mode = cluster_mode
+async def test_ask_during_a_migration_is_followed(own_cluster: tuple[Cluster, str]) -> None:
+    cluster, mode = own_cluster
     store = RedisStore.from_url(cluster.servers[0].url, cluster=True, mode=mode)  # type: ignore[arg-type]
     try:
         await store.detect()
@@ -266,13 +251,13 @@ def tryagain_errors(cluster: Cluster) -> int:
 
 @pytest.mark.parametrize("path", ["shared", "redis-py"])
 async def test_tryagain_while_a_slot_migrates_is_sent_again_until_it_ends(
-    cluster_mode: tuple[Cluster, str], path: str
+    own_cluster: tuple[Cluster, str], path: str
 ) -> None:
     """While a slot migrates, a command of two keys that are not both on the node answering
     is refused with TRYAGAIN: a publish whose claim has moved and whose result does not
     exist yet, and a new key's claim (its keys on neither node). Both are sent again until
     the migration ends, then land on the new owner, on both cluster paths."""
-    cluster, mode = cluster_mode
+    cluster, mode = own_cluster
     store = RedisStore.from_url(
         cluster.servers[0].url,
         cluster=True,
@@ -314,9 +299,9 @@ async def ended_after(seconds: float, cluster: Cluster, dst: Server, slot: int) 
 
 
 async def test_renewals_go_as_one_write_per_primary_in_the_callers_order(
-    cluster_mode: tuple[Cluster, str],
+    own_cluster: tuple[Cluster, str],
 ) -> None:
-    cluster, mode = cluster_mode
+    cluster, mode = own_cluster
     store = RedisStore.from_url(cluster.servers[0].url, cluster=True, mode=mode)  # type: ignore[arg-type]
     try:
         await store.detect()
@@ -429,7 +414,8 @@ async def test_tryagain_on_the_first_send_of_the_shared_path_is_sent_again() -> 
         before = tryagain_errors(cluster)
 
         def move_then_end() -> None:
-            time.sleep(0.3)
+            refused = lambda: tryagain_errors(cluster) > before + 1  # noqa: E731
+            until_sync(refused, what="the claim refused (TRYAGAIN) more than once")
             with src.sync_client() as s:
                 s.execute_command("MIGRATE", dst.host, dst.port, c, 0, 5000)
             end_migration(cluster, dst, key_slot(c))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
@@ -27,34 +27,9 @@ from tests.store.test_cluster_pipeline import (
     ended_after,
     server_at,
 )
-from tests.store.test_replay_cache import BUDGET, claim_key, commands_served, completed, until
-from tests.support.servers import KINDS, Cluster, running, start_cluster
-
-MODES = ("script", "native")
-PAIRS = [(k, m) for k in KINDS for m in MODES]
-
-
-def _cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
-    """A 3-primary cluster of the parametrized kind and mode, stopped afterwards."""
-    kind, mode = request.param
-    modules = [str(request.getfixturevalue("native_module"))] if mode == "native" else []
-    cluster = start_cluster(kind, masters=3, modules=modules)
-    try:
-        yield cluster, mode
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture(scope="module", params=PAIRS, ids=lambda p: "-".join(p))
-def shared(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
-    """A 3-primary cluster for the tests that move no slot and stop no node."""
-    yield from _cluster(request)
-
-
-@pytest.fixture(params=PAIRS, ids=lambda p: "-".join(p))
-def own(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, str]]:
-    """A 3-primary cluster of the test's own (it moves slots or restarts nodes)."""
-    yield from _cluster(request)
+from tests.store.test_replay_cache import BUDGET, claim_key, commands_served, completed
+from tests.support.servers import KINDS, Cluster, running
+from tests.support.waits import until
 
 
 def store_on(cluster: Cluster, mode: str) -> RedisStore:
@@ -67,9 +42,9 @@ def store_on(cluster: Cluster, mode: str) -> RedisStore:
 
 
 @pytest.fixture
-async def cached_store(shared: tuple[Cluster, str]) -> AsyncIterator[RedisStore]:
-    store = store_on(*shared)
-    assert await store.detect() == shared[1]
+async def cached_store(shared_cluster: tuple[Cluster, str]) -> AsyncIterator[RedisStore]:
+    store = store_on(*shared_cluster)
+    assert await store.detect() == shared_cluster[1]
     yield store
     await store.aclose()
 
@@ -115,9 +90,9 @@ async def spread(store: RedisStore, per_node: int = 2) -> dict[int, list[str]]:
 
 
 async def test_a_replay_from_memory_sends_nothing_to_any_node(
-    cached_store: RedisStore, shared: tuple[Cluster, str]
+    cached_store: RedisStore, shared_cluster: tuple[Cluster, str]
 ) -> None:
-    cluster, _ = shared
+    cluster, _ = shared_cluster
     by_node = await spread(cached_store)
     results = [r for rs in by_node.values() for r in rs]
     async with cluster.client() as plain:
@@ -132,9 +107,9 @@ async def test_a_replay_from_memory_sends_nothing_to_any_node(
 
 
 async def test_a_replay_read_from_the_store_fills_the_cache_of_its_node(
-    cached_store: RedisStore, shared: tuple[Cluster, str]
+    cached_store: RedisStore, shared_cluster: tuple[Cluster, str]
 ) -> None:
-    cluster, mode = shared
+    cluster, mode = shared_cluster
     other = store_on(cluster, mode)
     try:
         r = await completed(other, duplicated=False)
@@ -151,9 +126,9 @@ async def test_a_replay_read_from_the_store_fills_the_cache_of_its_node(
 
 
 async def test_a_key_deleted_by_another_client_is_not_replayed_from_memory(
-    cached_store: RedisStore, shared: tuple[Cluster, str]
+    cached_store: RedisStore, shared_cluster: tuple[Cluster, str]
 ) -> None:
-    cluster, _ = shared
+    cluster, _ = shared_cluster
     r = await completed(cached_store)
     assert kept(cached_store, r)
     with server_at(cluster, node_of(cached_store, r)).sync_client() as plain:
@@ -170,9 +145,9 @@ async def test_an_expired_result_is_not_replayed_from_memory(cached_store: Redis
 
 
 async def test_flushall_on_one_node_drops_that_nodes_results_only(
-    cached_store: RedisStore, shared: tuple[Cluster, str]
+    cached_store: RedisStore, shared_cluster: tuple[Cluster, str]
 ) -> None:
-    cluster, _ = shared
+    cluster, _ = shared_cluster
     by_node = await spread(cached_store)
     flushed, *others = by_node
     with server_at(cluster, flushed).sync_client() as plain:
@@ -189,9 +164,9 @@ async def test_flushall_on_one_node_drops_that_nodes_results_only(
 
 
 async def test_forget_cached_reaches_every_primarys_cache(
-    cached_store: RedisStore, shared: tuple[Cluster, str]
+    cached_store: RedisStore, shared_cluster: tuple[Cluster, str]
 ) -> None:
-    cluster, _ = shared
+    cluster, _ = shared_cluster
     r = await completed(cached_store)
     cached_store.forget_cached(r)  # still stored: the next replay reads it
     assert not kept(cached_store, r)
@@ -200,8 +175,10 @@ async def test_forget_cached_reaches_every_primarys_cache(
     assert served(cluster) > before
 
 
-async def test_a_restarted_node_is_never_answered_from_memory(own: tuple[Cluster, str]) -> None:
-    cluster, mode = own
+async def test_a_restarted_node_is_never_answered_from_memory(
+    own_cluster: tuple[Cluster, str],
+) -> None:
+    cluster, mode = own_cluster
     store = store_on(cluster, mode)
     try:
         by_node = await spread(store, per_node=1)
@@ -218,12 +195,12 @@ async def test_a_restarted_node_is_never_answered_from_memory(own: tuple[Cluster
 
 
 async def test_a_migrated_slot_is_never_answered_from_the_old_or_new_owners_memory(
-    own: tuple[Cluster, str],
+    own_cluster: tuple[Cluster, str],
 ) -> None:
     """MIGRATE deletes the keys on the source, whose invalidation drops them there; the slot
     table still names the source, whose cache then misses, and MOVED leads to the new owner.
     There the key is kept once read, and dropped when deleted."""
-    cluster, mode = own
+    cluster, mode = own_cluster
     store = store_on(cluster, mode)
     try:
         await store.detect()
@@ -254,13 +231,13 @@ async def test_a_migrated_slot_is_never_answered_from_the_old_or_new_owners_memo
 
 
 async def test_a_publish_redirected_during_a_migration_is_not_kept_by_the_source(
-    own: tuple[Cluster, str],
+    own_cluster: tuple[Cluster, str],
 ) -> None:
     """The claim moved to the importing node, the result not yet written: the publish meets
     ASK on the source's connection (then TRYAGAIN on the target until the migration ends,
     and MOVED), so what it writes on the target was read by no tracked command of the
     source, and is kept by neither."""
-    cluster, mode = own
+    cluster, mode = own_cluster
     store = store_on(cluster, mode)
     try:
         await store.detect()
@@ -339,7 +316,7 @@ async def test_a_primary_resynced_from_another_history_drops_everything(kind: st
 
 
 async def test_a_slot_table_flagged_stale_is_not_read_for_an_answer_from_memory(
-    own: tuple[Cluster, str],
+    own_cluster: tuple[Cluster, str],
 ) -> None:
     """Once the cluster client has flagged its slot table stale (a MOVED, here on another
     slot, with a refresh asked for and not yet due), the table may name a node that no
@@ -347,7 +324,7 @@ async def test_a_slot_table_flagged_stale_is_not_read_for_an_answer_from_memory(
     the store has asked the cluster. Here the key's slot is handed to another primary and
     the key left behind on its old owner (DELSLOTS leaves it, so no invalidation comes),
     and the new owner has never held it: the duplicate must run, not replay."""
-    cluster, mode = own
+    cluster, mode = own_cluster
     store = store_on(cluster, mode)
     try:
         await store.detect()

@@ -5,7 +5,7 @@ completed key from its stored result; only new keys get 503."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -18,12 +18,13 @@ KINDS = ["redis", "valkey"]
 
 
 @pytest.fixture
-def server_kind(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, Server]]:
+def server_kind(
+    request: pytest.FixtureRequest, modules_for: Callable[[str], list[str]]
+) -> Iterator[tuple[str, str, Server]]:
     """A server of its own per test (its memory settings change), the module loaded for
     native mode."""
     kind, mode = request.param
-    modules = [str(request.getfixturevalue("native_module"))] if mode == "native" else []
-    server = start_server(kind, modules=modules)
+    server = start_server(kind, modules=modules_for(mode))
     yield kind, mode, server
     server.stop()
 

@@ -27,7 +27,8 @@ import redis.exceptions
 
 from goblin_idem.native import build_module, source_path
 from goblin_idem.store._scripts import CAD_LUA, CAEXPIRE_LUA, CAS_LUA, CLAIM_LUA
-from tests.support.servers import KINDS, Cluster, Server, start_cluster, start_server
+from tests.support.servers import KINDS, Cluster, Server, start_server
+from tests.support.waits import until_sync
 
 Arg = bytes | str | int
 
@@ -111,14 +112,9 @@ class Raw:
 # -- fixtures -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def module_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_module(tmp_path_factory.mktemp("native"))
-
-
 @pytest.fixture(scope="module", params=KINDS)
-def server(request: pytest.FixtureRequest, module_path: Path) -> Iterator[Server]:
-    s = start_server(request.param, modules=[str(module_path)])
+def server(request: pytest.FixtureRequest, native_module: Path) -> Iterator[Server]:
+    s = start_server(request.param, modules=[str(native_module)])
     yield s
     s.stop()
 
@@ -750,17 +746,14 @@ def test_caexpire_past_deadline_counts_like_pexpire(server: Server, r: redis.Red
 
 
 def _wait_link_up(replica: Server, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
     with replica.sync_client() as c:
-        while c.info("replication").get("master_link_status") != "up":
-            if time.monotonic() > deadline:
-                raise RuntimeError("replica did not connect to its master")
-            time.sleep(0.05)
+        linked = lambda: c.info("replication").get("master_link_status") == "up"  # noqa: E731
+        until_sync(linked, timeout, "the replica connected to its master")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_replica_without_module_sees_the_effects(kind: str, module_path: Path) -> None:
-    master = start_server(kind, modules=[str(module_path)])
+def test_replica_without_module_sees_the_effects(kind: str, native_module: Path) -> None:
+    master = start_server(kind, modules=[str(native_module)])
     replica: Server | None = None
     try:
         replica = start_server(kind, args=["--replicaof", "127.0.0.1", str(master.port)])
@@ -829,10 +822,10 @@ def no_replication(command: str, missing: str) -> bytes:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_effect_the_server_cannot_replicate_is_not_made(kind: str, module_path: Path) -> None:
+def test_an_effect_the_server_cannot_replicate_is_not_made(kind: str, native_module: Path) -> None:
     primary = start_server(
         kind,
-        modules=[str(module_path)],
+        modules=[str(native_module)],
         config=RENAMED,
         args=["--repl-diskless-sync-delay", "0"],
     )
@@ -894,8 +887,8 @@ def _aof_bytes(directory: Path) -> bytes:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_aof_reload_keeps_absolute_deadlines(kind: str, module_path: Path) -> None:
-    server = start_server(kind, modules=[str(module_path)], args=AOF_ARGS, persist=True)
+def test_aof_reload_keeps_absolute_deadlines(kind: str, native_module: Path) -> None:
+    server = start_server(kind, modules=[str(native_module)], args=AOF_ARGS, persist=True)
     plain: Server | None = None
     try:
         with server.sync_client() as c:
@@ -953,11 +946,15 @@ def test_aof_reload_keeps_absolute_deadlines(kind: str, module_path: Path) -> No
 # -- cluster --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def cluster(request: pytest.FixtureRequest, module_path: Path) -> Iterator[Cluster]:
-    c = start_cluster(request.param, masters=3, modules=[str(module_path)])
-    yield c
-    c.stop()
+@pytest.fixture
+def cluster(shared_cluster: tuple[Cluster, str]) -> Cluster:
+    """The module's shared cluster, narrowed to native mode by `native_clusters`."""
+    return shared_cluster[0]
+
+
+native_clusters = pytest.mark.parametrize(
+    "shared_cluster", [(kind, "native") for kind in KINDS], indirect=True, ids="-".join
+)
 
 
 def _owner(cluster: Cluster, key: str) -> Server:
@@ -974,6 +971,7 @@ def _owner(cluster: Cluster, key: str) -> Server:
     return next(s for s in cluster.servers if s.port == port)
 
 
+@native_clusters
 async def test_cluster_client_routes_goblin_commands(cluster: Cluster) -> None:
     tags = ["t", "a", "b", "c", "d", "e", "f", "g"]
     owners = {_owner(cluster, f"{{{t}}}").port for t in tags}
@@ -998,6 +996,7 @@ async def test_cluster_client_routes_goblin_commands(cluster: Cluster) -> None:
         await rc.aclose()
 
 
+@native_clusters
 def test_cluster_node_redirects_and_refuses_cross_slot(cluster: Cluster) -> None:
     key = "{t}:c"
     owner = _owner(cluster, key)
@@ -1017,10 +1016,10 @@ def test_cluster_node_redirects_and_refuses_cross_slot(cluster: Cluster) -> None
 
 
 @pytest.fixture(params=KINDS)
-def module_command_server(request: pytest.FixtureRequest, module_path: Path) -> Iterator[Server]:
+def module_command_server(request: pytest.FixtureRequest, native_module: Path) -> Iterator[Server]:
     """A throwaway server that allows MODULE LOAD / UNLOAD, which a test may crash."""
     s = start_server(
-        request.param, modules=[str(module_path)], args=["--enable-module-command", "yes"]
+        request.param, modules=[str(native_module)], args=["--enable-module-command", "yes"]
     )
     yield s
     s.stop()
@@ -1055,10 +1054,10 @@ def test_module_refuses_to_be_unloaded_under_a_queued_transaction(
     assert (s.dir / "server.log").read_text().count("goblin cannot be unloaded") == 1
 
 
-def test_module_is_loaded_once(module_command_server: Server, module_path: Path) -> None:
+def test_module_is_loaded_once(module_command_server: Server, native_module: Path) -> None:
     with module_command_server.sync_client() as c:
         with pytest.raises(redis.exceptions.ResponseError):
-            c.execute_command("MODULE", "LOAD", str(module_path))
+            c.execute_command("MODULE", "LOAD", str(native_module))
         assert c.ping()
         names = [as_map(m)[b"name"] for m in c.execute_command("MODULE", "LIST")]
         assert names.count(b"goblin") == 1
@@ -1076,7 +1075,7 @@ def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-def test_build_is_cached_by_source_hash(cache_home: Path, module_path: Path) -> None:
+def test_build_is_cached_by_source_hash(cache_home: Path, native_module: Path) -> None:
     first = build_module()
     root = cache_home / "goblin-idem"
     assert first.is_absolute() and first.is_relative_to(root)
@@ -1089,7 +1088,7 @@ def test_build_is_cached_by_source_hash(cache_home: Path, module_path: Path) -> 
     stamp = first.stat().st_mtime_ns
     assert build_module(cc="no-such-compiler-needed") == first  # reused, no compile
     assert first.stat().st_mtime_ns == stamp
-    assert module_path.name == first.name and os.access(module_path, os.X_OK)
+    assert native_module.name == first.name and os.access(native_module, os.X_OK)
     assert source_path().is_file() and source_path().suffix == ".c"
     assert not list(first.parent.glob(".goblin-*"))  # no temp file left behind
 

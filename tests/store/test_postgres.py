@@ -15,12 +15,11 @@ import pytest
 from redis.exceptions import ConnectionError as StoreConnectionError
 from redis.exceptions import ResponseError
 from starlette.applications import Starlette
-from starlette.types import Receive, Scope, Send
 
 from goblin_idem import CLAIMED, IdempotencyMiddleware, PostgresStore
 from goblin_idem.store._postgres_sql import ddl
 from tests.middleware.test_lifespan import lifespan
-from tests.support.asgi import Handler, Reply, problem, request
+from tests.support.asgi import Handler, problem, request
 from tests.support.backends import POSTGRES_BACKENDS, postgres_store
 from tests.support.postgres import (
     PgBouncer,
@@ -30,6 +29,7 @@ from tests.support.postgres import (
     start_postgres,
     start_standby,
 )
+from tests.support.waits import until, until_sync
 
 
 @pytest.fixture(params=POSTGRES_BACKENDS)
@@ -68,18 +68,8 @@ class Statements:
         return sent
 
 
-async def _wait_until_absent(store: PostgresStore, key: str, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while await store.pttl(key) != -2:
-        assert time.monotonic() < deadline, f"{key} still live after {within} s"
-        await asyncio.sleep(0.01)
-
-
-async def _running(handler: Handler, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not handler.runs:
-        assert time.monotonic() < deadline, "the handler never started"
-        await asyncio.sleep(0.005)
+async def _absent(store: PostgresStore, key: str) -> bool:
+    return await store.pttl(key) == -2
 
 
 # -- one statement per step ------------------------------------------------------------------
@@ -106,13 +96,14 @@ async def test_round_trips_per_request_as_with_redis(
 ) -> None:
     """New key 2 (claim, publish), replay 1, in flight 1, no key 0."""
     sent = Statements(pg, monkeypatch)
-    handler = Handler(delay=0.3)
+    handler = Handler(gate=asyncio.Event())
     mw = IdempotencyMiddleware(handler, store=pg)
     first = asyncio.create_task(request(mw, key="k"))
-    await _running(handler)
+    await until(lambda: handler.runs, what="the handler started")
     sent.take()
     assert (await request(mw, key="k")).status == 409
     assert sent.take() == 1
+    handler.gate.set()  # type: ignore[union-attr]
     assert (await first).status == 201
     assert sent.take() == 1  # the publish (the claim was counted before)
     assert (await request(mw, key="k")).header("idempotent-replayed") == b"true"
@@ -157,7 +148,7 @@ async def test_a_skewed_client_clock_can_neither_steal_nor_keep_a_claim(
     assert 29_000 < await store.pttl("c") <= 30_000
     assert await store.claim("short", "r", "skewed", 1) is CLAIMED
     assert 0 < await store.pttl("short") <= 1_000  # its lease is the server's second
-    await _wait_until_absent(store, "short", within=3)  # ... and it ends on time
+    await until(lambda: _absent(store, "short"), 3, "short expired")  # ... and it ends on time
     assert await store.claim("short", "r", "next", 30) is CLAIMED
 
 
@@ -188,7 +179,7 @@ async def test_purge_removes_expired_rows_only_in_batches(asyncpg_store: Postgre
         *(store.set(f"kept:{i}", "x", px=60_000) for i in range(100)),
         store.set("forever", "x"),
     )
-    await _wait_until_absent(store, "gone:2499")
+    await until(lambda: _absent(store, "gone:2499"), what="gone:2499 expired")
     assert await _rows(store) == 2601  # expired rows are absent, not yet deleted
     assert await store.get("gone:0") is None
     assert await store.purge_expired() == 2500  # three batches of at most 1000
@@ -207,10 +198,11 @@ async def test_background_purge_keeps_the_table_to_the_live_keys(
         for round_ in range(5):  # claims that lapse, under steady load
             await asyncio.gather(*(store.claim(f"c:{round_}:{i}", "r", "t", 1) for i in range(200)))
         await store.set("live", "x", ex=60)
-        deadline = time.monotonic() + 15
-        while await _rows(store) > 1:
-            assert time.monotonic() < deadline, "the background purge did not catch up"
-            await asyncio.sleep(0.05)
+
+        async def purged() -> bool:
+            return await _rows(store) <= 1
+
+        await until(purged, 15, "the background purge caught up")
         assert await store.get("live") == b"x"
 
 
@@ -288,10 +280,14 @@ async def test_a_restart_keeps_the_claims_and_new_keys_run_again(
         assert down.status == 503 and handler.runs == 1
         assert problem(down)["type"] == "urn:goblin-idem:problem:store-unavailable"
         own_postgres.start()
-        deadline = time.monotonic() + 10  # the same store, no restart of this process
-        while (reply := await request(mw, key="new")).status == 503:
-            assert time.monotonic() < deadline, "new keys still refused after the restart"
-            await asyncio.sleep(0.05)
+        replies = []
+
+        async def admitted() -> bool:  # the same store, no restart of this process
+            replies.append(await request(mw, key="new"))
+            return replies[-1].status != 503
+
+        await until(admitted, 10, "new keys admitted after the restart", every=0.05)
+        reply = replies[-1]
         assert reply.status == 201 and handler.runs == 2
         assert await store.claim("held", "r", "after", 30) is None  # still held: no rerun
         again = await request(mw, key="done")
@@ -317,12 +313,13 @@ async def test_pool_exhausted_is_unavailable_and_named(postgres: Postgres) -> No
 
 
 async def test_middleware_replay_reuse_and_in_flight(pg: PostgresStore) -> None:
-    handler = Handler(delay=0.2)
+    handler = Handler(gate=asyncio.Event())
     mw = IdempotencyMiddleware(handler, store=pg, retry_after_seconds=2)
     first = asyncio.create_task(request(mw, key="k", body=b"a"))
-    await _running(handler)
+    await until(lambda: handler.runs, what="the handler started")
     racing = await request(mw, key="k", body=b"a")
     assert racing.status == 409 and racing.header("retry-after") == b"2"
+    handler.gate.set()  # type: ignore[union-attr]
     assert (await first).status == 201
     again = await request(mw, key="k", body=b"a")
     assert again.body == b"run 1" and again.header("idempotent-replayed") == b"true"
@@ -333,25 +330,12 @@ async def test_middleware_replay_reuse_and_in_flight(pg: PostgresStore) -> None:
 
 
 async def test_twenty_concurrent_duplicates_run_once(pg: PostgresStore) -> None:
-    """The run holds until the other nineteen are answered, however slow the database."""
-    handler = Handler()
-    others_answered = asyncio.Event()
-    answered = 0
-
-    async def held(scope: Scope, receive: Receive, send: Send) -> None:
-        await others_answered.wait()
-        await handler(scope, receive, send)
-
-    async def one() -> Reply:
-        nonlocal answered
-        reply = await request(mw, key="storm", body=b"x")
-        answered += 1
-        if answered == 19:
-            others_answered.set()
-        return reply
-
-    mw = IdempotencyMiddleware(held, store=pg)
-    replies = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(20))), 60)
+    handler = Handler(gate=asyncio.Event())
+    mw = IdempotencyMiddleware(handler, store=pg)
+    storm = asyncio.gather(*(request(mw, key="storm", body=b"x") for _ in range(20)))
+    await until(lambda: mw.counters.in_flight == 19, what="nineteen duplicates refused")
+    handler.gate.set()  # type: ignore[union-attr]
+    replies = await storm
     assert handler.runs == 1
     assert sorted(r.status for r in replies) == [201] + [409] * 19
     assert (await request(mw, key="storm", body=b"x")).body == b"run 1"
@@ -361,7 +345,7 @@ async def test_a_lapsed_claims_late_publish_is_refused(asyncpg_store: PostgresSt
     """First publish wins: a run whose lease lapsed and was retaken publishes too late."""
     store = asyncpg_store
     assert await store.claim("c", "r", "slow", 1) is CLAIMED
-    await _wait_until_absent(store, "c", within=3)
+    await until(lambda: _absent(store, "c"), 3, "the lease on c lapsed")
     assert await store.claim("c", "r", "fast", 30) is CLAIMED
     assert await store.publish("r", b"fast's", 60000, "c", "fast") == 1
     assert await store.publish("r", b"slow's", 60000, "c", "slow") == -1  # superseded
@@ -398,7 +382,7 @@ async def test_forget_a_lapsed_claim_counts_only_live_keys(
 ) -> None:
     store = asyncpg_store
     assert await store.claim("c", "r", "t", 1) is CLAIMED
-    await _wait_until_absent(store, "c", within=3)
+    await until(lambda: _absent(store, "c"), 3, "the lease on c lapsed")
     assert await store.forget("c", "r") == 0
     assert await _rows(store) == 0  # the expired row went too
 
@@ -488,20 +472,19 @@ async def test_a_failover_to_a_promoted_standby_runs_no_key_twice(driver: str) -
         assert held == [CLAIMED] * 20
         written = primary.psql("SELECT pg_current_wal_lsn()")
         replayed = f"SELECT pg_last_wal_replay_lsn() >= '{written}'::pg_lsn"
-        deadline = time.monotonic() + 20
-        while standby.psql(replayed) != "t":  # the claims are on the standby
-            assert time.monotonic() < deadline, "the standby never caught up"
-            await asyncio.sleep(0.05)
+        until_sync(lambda: standby.psql(replayed) == "t", what="the claims are on the standby")
         primary.stop()  # a crash
         promote(standby)
-        deadline = time.monotonic() + 20
-        while True:
+        replies: list[bytes | None] = []
+
+        async def answered() -> bool:
             try:
-                replies = [await store.claim(f"c{i}", f"r{i}", "dup", 60) for i in range(20)]
-                break
+                replies[:] = [await store.claim(f"c{i}", f"r{i}", "dup", 60) for i in range(20)]
             except StoreConnectionError:
-                assert time.monotonic() < deadline, "the promoted standby never answered"
-                await asyncio.sleep(0.1)
+                return False
+            return True
+
+        await until(answered, what="the promoted standby answered", every=0.1)
         assert replies == [None] * 20  # still in flight: no second run
         assert await store.publish("r0", b"done", 60000, "c0", "run0") == 1
         assert await store.claim("c0", "r0", "dup", 60) == b"done"

@@ -20,6 +20,7 @@ from goblin_idem._keys import key_names
 from tests.support.postgres import Postgres
 from tests.support.procs import Uvicorn, stop
 from tests.support.servers import free_port
+from tests.support.waits import until
 
 LEASE = 2  # seconds
 
@@ -60,13 +61,6 @@ def runs(side: Path, name: str) -> int:
     return sum(1 for line in side.read_text().splitlines() if line.split()[-1] == name)
 
 
-async def until_started(side: Path, name: str) -> None:
-    deadline = time.monotonic() + 20
-    while runs(side, name) == 0:
-        assert time.monotonic() < deadline, "the handler never started"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_killed_worker_blocks_its_key_until_the_lease_then_runs_once(
     workers: tuple[Uvicorn, Uvicorn, Path],
 ) -> None:
@@ -76,7 +70,7 @@ async def test_a_killed_worker_blocks_its_key_until_the_lease_then_runs_once(
         doomed = asyncio.create_task(
             http.post(f"{a.url}/task/charge", headers={**headers, "X-Work-Ms": "60000"})
         )
-        await until_started(side, "charge")
+        await until(lambda: runs(side, "charge"), what="the handler started")
         stop(a.proc, signal.SIGKILL)
         killed_at = time.monotonic()
         await asyncio.gather(doomed, return_exceptions=True)
@@ -107,12 +101,13 @@ async def test_a_worker_paused_past_its_lease_changes_no_answer_given(
             late = asyncio.create_task(
                 http.post(f"{a.url}/task/{key}", headers={**headers, "X-Work-Ms": "300"})
             )
-            await until_started(side, key)
+            await until(lambda: runs(side, key), what="the handler started")
             os.kill(a.pid, signal.SIGSTOP)
-            paused_at = time.monotonic()
-            while await store.pttl(claim) != -2:  # A cannot renew: its claim lapses
-                assert time.monotonic() < paused_at + 10, "the claim never lapsed"
-                await asyncio.sleep(0.02)
+
+            async def lapsed() -> bool:  # A cannot renew: its claim lapses
+                return await store.pttl(claim) == -2
+
+            await until(lapsed, 10, "the paused worker's claim lapsed")
             first = await http.post(f"{b.url}/task/{key}", headers=headers)
             replay = await http.post(f"{b.url}/task/{key}", headers=headers)
             os.kill(a.pid, signal.SIGCONT)

@@ -22,6 +22,7 @@ from goblin_idem.store._replay_cache import ENTRY_OVERHEAD, ReplayCache
 from tests.support.procs import in_child
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_server
+from tests.support.waits import until
 
 BUDGET = 4 << 20
 SERVERS = ["redis_server", "valkey_server", "redis_native_server", "valkey_native_server"]
@@ -67,16 +68,6 @@ def kept(store: RedisStore, r: str) -> bool:
     that the connection heard from the server within a second.)"""
     conn = pipeline_of(store)._conn
     return conn is not None and conn.cache is not None and r.encode() in conn.cache.entries
-
-
-async def until(condition: Callable[[], bool], seconds: float = 5.0) -> float:
-    """Wait for `condition`; how long it took (the test fails past `seconds`)."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while not condition():
-        assert loop.time() - start < seconds, "not within the time allowed"
-        await asyncio.sleep(0.001)
-    return loop.time() - start
 
 
 async def completed(
@@ -448,7 +439,7 @@ async def test_a_stalled_connection_is_not_answered_from_memory(redis_server: Se
             waiting = asyncio.ensure_future(store.claim_unless_done(c2, r2, "t", 30))
             conn = pipeline._conn
             assert conn is not None
-            await until(lambda: conn.stalled())
+            await until(lambda: conn.stalled(), every=0.001)
             assert conn.loop.time() - conn.heard < HEARD_SECONDS  # not yet silent that long
             assert pipeline.cached(r.encode()) is None
             assert kept(store, r)

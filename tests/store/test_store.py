@@ -30,7 +30,7 @@ from tests.support.backends import (
     assert_published_together_or_not_at_all,
 )
 from tests.support.proxy import Proxy, resp_args
-from tests.support.servers import Server, free_port, start_cluster, start_server
+from tests.support.servers import Cluster, Server, free_port, start_cluster, start_server
 
 # -- publish and caexpire_many, on every store ----------------------------------------------
 
@@ -347,43 +347,37 @@ async def test_store_recovers_when_the_server_comes_back() -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("mode", ["script", "native"])
-@pytest.mark.parametrize("kind", ["redis", "valkey"])
-async def test_cluster(request: pytest.FixtureRequest, kind: str, mode: str) -> None:
-    modules = [str(request.getfixturevalue("native_module"))] if mode == "native" else []
-    cluster = start_cluster(kind, masters=3, modules=modules)
+async def test_cluster(own_cluster: tuple[Cluster, str]) -> None:
+    cluster, mode = own_cluster
+    client = cluster.client()
+    store = RedisStore(client)
     try:
-        client = cluster.client()
-        store = RedisStore(client)
-        try:
-            assert await store.detect() == mode
-            # keys spread over the three masters; claim and result share a hash tag
-            owners = set()
-            for i in range(30):
-                ck, rk = f"{{job{i}}}:claim", f"{{job{i}}}:result"
-                assert await store.claim(ck, rk, "t", 30) is CLAIMED
-                assert await store.publish(rk, b"done", 60_000, ck, "t") == 1
-                assert await store.claim(ck, rk, "u", 30) == b"done"
-                assert await store.caexpire_many([(ck, "t", 60_000)]) == [1]
-                owners.add(client.get_node_from_key(ck).name)
-                # the claim step on the key's primary: a lost claim, its result kept
-                assert await store.claim_unless_done(ck, rk, "u", 30) == b"done"
-                await client.delete(ck)
-                assert await store.claim_unless_done(ck, rk, "v", 30) == b"done"
-                assert await client.get(ck) == b"v"
-            assert len(owners) == 3
-            if mode == "script":
-                # a node that forgot its scripts reloads them on the NOSCRIPT it answers
-                node = client.get_node_from_key("{job0}:claim")
-                await client.execute_command("SCRIPT FLUSH", target_nodes=node)
-            assert await store.cad("{job0}:claim", "v") == 1  # retaken by "v" above
-            # claim and result in different slots: refused before anything is sent
-            with pytest.raises(RedisClusterException, match="same key slot"):
-                await store.claim("a:claim", "b:result", "t", 30)
-        finally:
-            await client.aclose()
+        assert await store.detect() == mode
+        # keys spread over the three masters; claim and result share a hash tag
+        owners = set()
+        for i in range(30):
+            ck, rk = f"{{job{i}}}:claim", f"{{job{i}}}:result"
+            assert await store.claim(ck, rk, "t", 30) is CLAIMED
+            assert await store.publish(rk, b"done", 60_000, ck, "t") == 1
+            assert await store.claim(ck, rk, "u", 30) == b"done"
+            assert await store.caexpire_many([(ck, "t", 60_000)]) == [1]
+            owners.add(client.get_node_from_key(ck).name)
+            # the claim step on the key's primary: a lost claim, its result kept
+            assert await store.claim_unless_done(ck, rk, "u", 30) == b"done"
+            await client.delete(ck)
+            assert await store.claim_unless_done(ck, rk, "v", 30) == b"done"
+            assert await client.get(ck) == b"v"
+        assert len(owners) == 3
+        if mode == "script":
+            # a node that forgot its scripts reloads them on the NOSCRIPT it answers
+            node = client.get_node_from_key("{job0}:claim")
+            await client.execute_command("SCRIPT FLUSH", target_nodes=node)
+        assert await store.cad("{job0}:claim", "v") == 1  # retaken by "v" above
+        # claim and result in different slots: refused before anything is sent
+        with pytest.raises(RedisClusterException, match="same key slot"):
+            await store.claim("a:claim", "b:result", "t", 30)
     finally:
-        cluster.stop()
+        await client.aclose()
 
 
 # -- MemoryStore ----------------------------------------------------------------------------

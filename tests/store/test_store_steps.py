@@ -30,6 +30,7 @@ from goblin_idem.store import Published
 from tests.support.asgi import request
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, free_port
+from tests.support.waits import until
 
 
 async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -107,11 +108,15 @@ async def test_a_publish_that_waits_outlives_the_cancelled_request() -> None:
     store = SlowPublish(delay=0.2)
     mw = IdempotencyMiddleware(app, store=store)
     task = asyncio.create_task(request(mw, key="k"))
-    await asyncio.sleep(0.05)  # the app has answered; the publish is waiting
+    await until(lambda: store.calls == 1, what="the app answered; the publish is waiting")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.3)
+
+    async def published() -> bool:
+        return await store.get(key_names(b"idem", b"", b"k").result) is not None
+
+    await until(published, what="the publish landed")
     stored = await store.get(key_names(b"idem", b"", b"k").result)
     assert stored is not None and decode(stored).body == b"done"
     replay = await request(mw, key="k")
@@ -132,11 +137,15 @@ async def test_a_release_that_waits_outlives_the_cancelled_request() -> None:
     task = asyncio.create_task(request(mw, key="k"))
     await started.wait()
     task.cancel()  # the run is cut short: its claim must be freed all the same
-    await asyncio.sleep(0.05)  # the release (CAD) is waiting ...
+    await until(lambda: store.cads == 1, what="the release (CAD) is waiting ...")
     task.cancel()  # ... and a second cancellation must not cut it short either
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.5)
+
+    async def freed() -> bool:
+        return await store.get(key_names(b"idem", b"", b"k").claim) is None
+
+    await until(freed, what="the release deleted the claim")
     assert await store.get(key_names(b"idem", b"", b"k").claim) is None
     assert mw.counters.released == 1 and store.cads == 2  # started again, counted once
     assert (await request(mw, key="k")).status == 201  # the key is free: a retry runs

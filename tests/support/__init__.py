@@ -5,5 +5,6 @@ processes (uvicorn, granian, the example app) started and stopped by PID; asgi: 
 driver and a scripted handler; inproc: a run-counting app and a retrying client over ASGI;
 http_pool: a raw keep-alive HTTP client for load; proxy: the fault-injecting TCP proxy;
 backends: the stores under test; responses: checks on what the middleware answered;
+waits: waiting for an event with a deadline, never sleeping for a guess;
 apps: the small apps and scripts the tests run in child processes.
 """

@@ -118,12 +118,14 @@ class Handler:
         chunks: list[bytes] | None = None,
         delay: float = 0.0,
         raises: BaseException | None = None,
+        gate: asyncio.Event | None = None,
     ) -> None:
         self.status = status
         self.headers = headers if headers is not None else [(b"content-type", b"text/plain")]
         self.chunks = chunks
         self.delay = delay
         self.raises = raises
+        self.gate = gate  # a run waits for it after its body: held in flight until set
         self.runs = 0
         self.bodies: list[bytes] = []
 
@@ -136,6 +138,8 @@ class Handler:
             if not message.get("more_body"):
                 break
         self.bodies.append(body)
+        if self.gate is not None:
+            await self.gate.wait()
         if self.delay:
             await asyncio.sleep(self.delay)
         if self.raises is not None:

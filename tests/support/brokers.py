@@ -1,4 +1,4 @@
-"""Message brokers of the tests' own, and a wait for what a consumer did.
+"""Message brokers of the tests' own (and, re-exported, the wait of `waits`).
 
 Each broker is started on free loopback ports, with its data in a temporary directory, and
 stopped by PID: a RabbitMQ node (Debian's ``rabbitmq-server``) with its own node name, AMQP,
@@ -8,18 +8,17 @@ already run on the standard ports. Redis Streams use the redis-server of `server
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.procs import stop
 from tests.support.servers import free_port
+from tests.support.waits import until
 
 __all__ = ["Broker", "Nats", "RabbitMQ", "start_nats", "start_rabbitmq", "until"]
 
@@ -153,20 +152,3 @@ def start_nats() -> Nats:
     broker = Nats(proc, port, directory)
     _wait_port(broker, 20)
     return broker
-
-
-async def until(
-    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 20.0, what: str = ""
-) -> None:
-    """Wait for `condition` (a function, or a coroutine function) to hold, checking every
-    20 ms; AssertionError naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        held = condition()
-        if not isinstance(held, bool):
-            held = await held
-        if held:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what or condition}")
-        await asyncio.sleep(0.02)

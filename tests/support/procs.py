@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from tests.support.waits import START_DEADLINE
+
 ROOT = Path(__file__).resolve().parents[2]
 APPS = "tests.support.apps"
 TASK_APP = f"{APPS}.task_app:app"
@@ -83,7 +85,7 @@ def wait_http(
     *,
     path: str = "/health",
     name: str = "the server",
-    timeout: float = 15.0,
+    timeout: float = START_DEADLINE,
     output: Callable[[], str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Until ``GET path`` answers 200; RuntimeError (with the process's output) if `proc`
@@ -115,7 +117,7 @@ def uvicorn_args(app: str, port: int, log_level: str = "warning", workers: int =
 
 
 def start_uvicorn(
-    port: int, env: dict[str, str], timeout: float = 15.0, app: str = TASK_APP
+    port: int, env: dict[str, str], timeout: float = START_DEADLINE, app: str = TASK_APP
 ) -> subprocess.Popen[bytes]:
     """`app` (``module:app`` with a ``/health`` route) under uvicorn, one process."""
     proc = spawn(uvicorn_args(app, port), env)
@@ -123,7 +125,7 @@ def start_uvicorn(
 
 
 def start_granian(
-    port: int, env: dict[str, str], target: str, timeout: float = 15.0
+    port: int, env: dict[str, str], target: str, timeout: float = START_DEADLINE
 ) -> subprocess.Popen[bytes]:
     """Granian, one worker, serving `target` (module:app, which answers GET /health).
     Granian offers the http.response.pathsend extension that uvicorn does not."""
@@ -146,9 +148,7 @@ def start_example_app(port: int, log: Path, **env: str) -> subprocess.Popen[byte
             stderr=subprocess.STDOUT,
         )
     try:
-        return wait_http(
-            proc, port, path="/stats", name="the app", timeout=10, output=log.read_text
-        )
+        return wait_http(proc, port, path="/stats", name="the app", output=log.read_text)
     except RuntimeError as exc:
         stop(proc)
         raise AssertionError(str(exc)) from None
@@ -205,7 +205,7 @@ class Uvicorn:
         self._seen.update(pids)  # workers and multiprocessing's resource tracker
         return [p for p in pids if b"spawn_main" in _cmdline(p)]
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = START_DEADLINE) -> None:
         """Until every worker runs and the port answers."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -273,6 +273,16 @@ class Cluster:
             s.stop()
 
 
+@contextlib.contextmanager
+def running_cluster(kind: str, **kwargs: object) -> Iterator[Cluster]:
+    """`start_cluster` (3 primaries unless told), stopped when the block ends."""
+    cluster = start_cluster(kind, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def start_cluster(
     kind: str,
     *,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.support.procs import ROOT, alive, children, http_status, spawn, stop
+from tests.support.waits import START_DEADLINE
 
 StartResponse = Callable[..., Callable[[bytes], object]]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -165,7 +166,7 @@ class Gunicorn:
         self._seen.update(pids)
         return pids
 
-    def wait_ready(self, timeout: float = 30.0) -> Gunicorn:
+    def wait_ready(self, timeout: float = START_DEADLINE) -> Gunicorn:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

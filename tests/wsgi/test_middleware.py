@@ -38,6 +38,7 @@ from tests.support.backends import (
 )
 from tests.support.procs import in_child
 from tests.support.servers import Server
+from tests.support.waits import until_sync
 from tests.support.wsgi import Reply, StartResponse, call
 from tests.support.wsgi import environ as wsgi_environ
 
@@ -591,10 +592,7 @@ def test_a_replay_kept_in_memory_is_answered_in_the_request_thread_as_the_store_
     # the first duplicate reads the store, whose answer is then kept in memory
     assert call(mw, "POST", "/pay", b'{"n": 1}', key="k").body == first.body
     result = key_names(b"idem", b"", b"k").result
-    deadline = time.monotonic() + 5
-    while mw.door.memory._kept(result) is None:
-        assert time.monotonic() < deadline, "the fill never arrived"
-        time.sleep(0.001)
+    until_sync(lambda: mw.door.memory._kept(result) is not None, what="the fill", every=0.001)  # type: ignore[union-attr]
     before = commands_served(redis_server)
     again = call(mw, "POST", "/pay", b'{"n": 1}', key="k")
     assert commands_served(redis_server) == before
@@ -645,10 +643,11 @@ def test_what_memory_no_longer_holds_or_does_not_match_takes_the_bridged_path(
     assert mw.door.memory is not None and mw.door.memory._kept(names.result) is not None
     with redis_server.sync_client() as client:
         client.delete(names.result, names.claim)
-    deadline = time.monotonic() + 5
-    while mw.door.memory._kept(names.result) is not None:
-        assert time.monotonic() < deadline, "the invalidation never arrived"
-        time.sleep(0.001)
+    until_sync(
+        lambda: mw.door.memory._kept(names.result) is None,  # type: ignore[union-attr]
+        what="the invalidation",
+        every=0.001,
+    )
     assert call(mw, "POST", "/pay", b'{"n": 1}', key="k").json()["run"] == 2
     assert app.runs == 2 and seen.events[-1][0] == "claimed" and mw.counters.replayed == 1
     loop_thread().run(store.aclose())

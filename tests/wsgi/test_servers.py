@@ -26,6 +26,7 @@ from tests.store.test_replay_cache import commands_served
 from tests.support.apps.wsgi_app import RELAY_TOKEN
 from tests.support.procs import spawn, start_uvicorn, stop, uvicorn_args, wait_http
 from tests.support.servers import Server, free_port
+from tests.support.waits import until_sync
 from tests.support.wsgi import Gunicorn, run_until_exit
 
 FLASK = "tests.support.apps.flask_app:app"
@@ -258,7 +259,7 @@ def test_a_handler_three_leases_long_runs_once(flask_sync: Served) -> None:
     with ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
         first = pool.submit(post, served.url, "/work", key, work_ms=3200)
-        time.sleep(0.3)
+        until_sync(lambda: served.runs(key) == 1, what="the first run started")
         duplicates = []  # (seconds since the first was sent, status), while it runs
         while not first.done():
             status = post(served.url, "/work", key).status_code
@@ -278,10 +279,7 @@ def test_a_worker_killed_mid_handler_frees_the_key_after_its_lease(
     served, key = django_gthread, uuid.uuid4().hex
     with ThreadPoolExecutor(1) as pool:
         cut = pool.submit(post, served.url, "/work", key, work_ms=30_000)
-        deadline = time.monotonic() + 10
-        while not served.worker_of(key):
-            assert time.monotonic() < deadline, "the handler did not start"
-            time.sleep(0.02)
+        until_sync(lambda: served.worker_of(key), 10, "the handler started")
         os.kill(served.worker_of(key), signal.SIGKILL)
         with pytest.raises(httpx.HTTPError):
             cut.result()
@@ -442,13 +440,15 @@ def test_a_replay_from_memory_under_gunicorn_sends_no_command_and_the_same_bytes
     from_store = exchange(memory.url, key)
     assert from_store[0] == 201 and named(from_store)["idempotent-replayed"] == "true"
     sent = []
-    for _ in range(20):  # the store's read is kept once its tracked read is answered
+
+    def answered_from_memory() -> bool:
         before = commands_served(memory.store)
         assert exchange(memory.url, key) == from_store
         sent.append(commands_served(memory.store) - before)
-        if sent[-1] == 0:
-            break
-        time.sleep(0.05)
+        return sent[-1] == 0
+
+    # the store's read is kept once its tracked read is answered
+    until_sync(answered_from_memory, what="a replay sent no command", every=0.05)
     assert sent[-1] == 0, sent
     reused = exchange(memory.url, key, b'{"amount": 6}')
     assert reused[0] == 422 and named(reused)["content-type"] == "application/problem+json"
