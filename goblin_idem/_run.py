@@ -117,7 +117,9 @@ class Held:
         and nothing of this run happened."""
         assert self.tx is not None
         try:
-            await self.tx.commit(RecordRow(self.names.result, self.names.hash, fp, data, self.ttl_ms))
+            await self.tx.commit(
+                RecordRow(self.names.result, self.names.hash, fp, data, self.ttl_ms)
+            )
         except Committed as exc:
             self.refused = True
             return exc.data
