@@ -143,8 +143,9 @@ class Statements:
 
 class DjangoRecords:
     """Records in the Django database `using`, in goblin_idem.django's table (its migration
-    applied there). Made by the middleware from ``settings.GOBLIN_IDEM``; `validate`
-    raises ImproperlyConfigured, saying what to change, for what cannot work."""
+    applied there). Made by the middleware from ``settings.GOBLIN_IDEM``, or given to a
+    sync gRPC server's ``IdempotencyInterceptor(store, records=DjangoRecords())``;
+    `validate` raises ImproperlyConfigured, saying what to change, for what cannot work."""
 
     def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
         if not isinstance(using, str) or not using:
