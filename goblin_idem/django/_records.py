@@ -118,6 +118,15 @@ def unavailable_as(exc: BaseException, where: str) -> DatabaseUnavailableError |
     return failure
 
 
+def _drop(conn: Any) -> None:
+    """Close the thread's connection that met the database unavailable, outside any atomic
+    block, so the thread's next run connects anew. A thread that serves no Django request
+    (a gRPC server's) has no ``request_finished`` to close it, and would otherwise meet the
+    dead connection at every call."""
+    if not conn.in_atomic_block:
+        conn.close()
+
+
 def _closed(conn: Any) -> bool:
     """Whether the driver's connection under Django's `conn` is closed (psycopg's and
     psycopg2's say so; SQLite's connection is never lost)."""
@@ -220,6 +229,7 @@ class DjangoRecords:
             failure = unavailable_as(exc, "for the record's lookup")
             if failure is None:
                 raise
+            _drop(conn)
             raise failure from exc
         if row is None:
             return None
@@ -379,7 +389,12 @@ class DjangoWork:
         must, so a database down is met here), before the view runs."""
         atomic = transaction.atomic(using=self.records.using)
         self.nested = connections[self.records.using].in_atomic_block
-        atomic.__enter__()
+        try:
+            atomic.__enter__()
+        except Exception as exc:
+            if unavailable(exc):
+                _drop(connections[self.records.using])
+            raise
         self.atomic = atomic
         transaction.on_commit(self._committed, using=self.records.using)  # the first callback
         conn = connections[self.records.using]

@@ -81,3 +81,20 @@ def test_an_outcome_not_kept_rolls_the_orm_write_back(site: Site) -> None:
     # NOT_FOUND is kept: its write committed with its record, the duplicate ran nothing.
     assert [m[0] for m in missing] == [grpc.StatusCode.NOT_FOUND] * 2
     assert site.count("dj-3") == 1 and site.records() == 1
+
+
+@pytest.mark.parametrize("site", ["postgresql"], indirect=True)
+def test_a_connection_the_database_dropped_is_replaced_at_the_next_call(site: Site) -> None:
+    """The server's threads keep their connections between calls: one the database ended
+    (a restart, a failover) answers UNAVAILABLE at most once, and the calls after get a
+    new one."""
+    assert site.postgres is not None
+    with serving(site) as channel:
+        codes = [call(channel, pb2.ChargeRequest(request_id=f"dj-4-{i}"))[0] for i in range(8)]
+        site.postgres.psql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            f"WHERE datname = '{site.database}' AND pid <> pg_backend_pid()"
+        )
+        after = [call(channel, pb2.ChargeRequest(request_id=f"dj-5-{i}"))[0] for i in range(16)]
+    assert codes == [grpc.StatusCode.OK] * 8
+    assert after[-8:] == [grpc.StatusCode.OK] * 8, after
