@@ -215,9 +215,11 @@ class _AsyncCall(_Method):
         keyed = self.door.keyed(self.method, requests, context)
         if not isinstance(keyed, Keyed):
             return None if keyed is None else (keyed, None)
-        held = AsyncHeld(context, self.serialize, self.door.max_response_bytes, requests)
+        held: AsyncHeld | None = None  # made only for a run (a replay needs none)
 
         async def work() -> Outcome:
+            nonlocal held
+            held = AsyncHeld(context, self.serialize, self.door.max_response_bytes, requests)
             keyed.started()
             try:
                 await handle(requests, held)
