@@ -112,6 +112,15 @@ def unavailable_as(exc: BaseException, where: str) -> DatabaseUnavailableError |
     return failure
 
 
+def _drop(conn: Any) -> None:
+    """Close the thread's connection that met the database unavailable, outside any atomic
+    block, so the thread's next run connects anew. A thread that serves no Django request
+    (a gRPC server's) has no ``request_finished`` to close it, and would otherwise meet the
+    dead connection at every call."""
+    if not conn.in_atomic_block:
+        conn.close()
+
+
 def _closed(conn: Any) -> bool:
     """Whether the driver's connection under Django's `conn` is closed (psycopg's and
     psycopg2's say so; SQLite's connection is never lost)."""
@@ -137,8 +146,9 @@ class Statements:
 
 class DjangoRecords:
     """Records in the Django database `using`, in goblin_idem.django's table (its migration
-    applied there). Made by the middleware from ``settings.GOBLIN_IDEM``; `validate`
-    raises ImproperlyConfigured, saying what to change, for what cannot work."""
+    applied there). Made by the middleware from ``settings.GOBLIN_IDEM``, or given to a
+    sync gRPC server's ``IdempotencyInterceptor(store, records=DjangoRecords())``;
+    `validate` raises ImproperlyConfigured, saying what to change, for what cannot work."""
 
     def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
         if not isinstance(using, str) or not using:
@@ -213,6 +223,7 @@ class DjangoRecords:
             failure = unavailable_as(exc, "for the record's lookup")
             if failure is None:
                 raise
+            _drop(conn)
             raise failure from exc
         if row is None:
             return None
@@ -370,7 +381,12 @@ class DjangoWork:
         must, so a database down is met here), before the view runs."""
         atomic = transaction.atomic(using=self.records.using)
         self.nested = connections[self.records.using].in_atomic_block
-        atomic.__enter__()
+        try:
+            atomic.__enter__()
+        except Exception as exc:
+            if unavailable(exc):
+                _drop(connections[self.records.using])
+            raise
         self.atomic = atomic
         transaction.on_commit(self._committed, using=self.records.using)  # the first callback
         conn = connections[self.records.using]

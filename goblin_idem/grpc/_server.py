@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from .._recording import Records
+from .._threaded import ThreadedRecords, ThreadedTransaction, for_sync_apps, pending
 from ..once._sync import in_callers_thread
 from ..store import Store
 from ._context import AsyncHeld, Ended, SyncHeld
@@ -78,19 +79,12 @@ class _Interceptor:
         ``authorization`` metadata); `wait_seconds`: how long a duplicate waits for the
         first call's answer before ABORTED; `retry_after_seconds`: the ``retry-after`` it
         names; `max_response_bytes`: the responses kept for a replay; `records`: SQL
-        records (``goblin_idem.sql.SqlRecords``); `encryption_keys` / `require_sealed`:
+        records (`_records`); `encryption_keys` / `require_sealed`:
         sealing, as the middleware's; `on_event`: (event, key hash) on every count.
         """
-        if records is not None and not self._joins_records:
-            raise TypeError(
-                "records= needs AsyncIdempotencyInterceptor on a grpc.aio server: a sync "
-                "handler cannot join the run's transaction through goblin_idem.sql's async "
-                "connection(); serve the service with grpc.aio, or keep its writes "
-                "idempotent by themselves"
-            )
         self._door = Door(
             store,
-            records=records,
+            records=self._records(records),
             key_field=key_field,
             key_metadata=key_metadata,
             methods=methods,
@@ -146,7 +140,12 @@ class _Interceptor:
         return self._door.identity.has_field(request_type())
 
     _call: type[_AsyncCall | _SyncCall]  # one method's wrapped behaviours
-    _joins_records = True  # a handler's writes can join the run's transaction
+
+    @staticmethod
+    def _records(records: object) -> Any:
+        """The records a handler's writes join: grpc.aio's through goblin_idem.sql's async
+        ``connection()`` (checked by the door)."""
+        return records
 
     def _wrapped(self, method: str, handler: Handler, kind: tuple[bool, bool]) -> Handler:
         """The method's handler, wrapped: deserializing as the method does, sending bytes."""
@@ -216,9 +215,11 @@ class _AsyncCall(_Method):
         keyed = self.door.keyed(self.method, requests, context)
         if not isinstance(keyed, Keyed):
             return None if keyed is None else (keyed, None)
-        held = AsyncHeld(context, self.serialize, self.door.max_response_bytes, requests)
+        held: AsyncHeld | None = None  # made only for a run (a replay needs none)
 
         async def work() -> Outcome:
+            nonlocal held
+            held = AsyncHeld(context, self.serialize, self.door.max_response_bytes, requests)
             keyed.started()
             try:
                 await handle(requests, held)
@@ -306,8 +307,26 @@ async def _send(context: Context, outcome: Outcome, own: Any) -> Any:
     return outcome.messages[0] if outcome.messages else None
 
 
-def _in_thread(keyed: Keyed, work: Callable[[], Outcome]) -> Outcome:
-    return work()
+def _in_thread(
+    keyed: Keyed, work: Callable[[], Outcome], tx: ThreadedTransaction | None = None
+) -> Outcome:
+    """The call's work in the handler's thread; with records, in the run's transaction,
+    begun here and current while the handler runs (as a WSGI app's, `wsgi._bridge`)."""
+    if tx is None:
+        return work()
+    try:
+        joined = tx.begin()
+    except Exception as exc:
+        failure = tx.unavailable(exc)
+        if failure is None:
+            raise
+        keyed.ran = False  # the handler did not run: UNAVAILABLE, as a claim step's failure
+        raise failure from exc
+    token = joined.enter()
+    try:
+        return work()
+    finally:
+        joined.leave(token)
 
 
 class _SyncCall(_Method):
@@ -329,7 +348,8 @@ class _SyncCall(_Method):
         async def run_keyed(keyed: Keyed, work: Callable[[], Outcome]) -> Outcome:
             async def started() -> Outcome:
                 keyed.started()  # counted on the loop thread, as every other event
-                return keyed.ended(await call_back(keyed, work))
+                # The run's records' transaction, if any, handed to the handler's thread.
+                return keyed.ended(await call_back(keyed, work, pending()))
 
             outcome: Outcome = await run.call(keyed.names, keyed.fp, (started,), {})
             return outcome
@@ -452,6 +472,11 @@ class IdempotencyInterceptor(_Interceptor, grpc.ServerInterceptor):
     cannot be stopped: a call whose client cancelled or whose deadline passed while its
     handler ran is not kept (the key released, the records rolled back) once the handler
     returns. A server stream's responses are sent once the call's outcome is kept.
+
+    With `records` (``SqlRecords`` with a sync Engine, or `goblin_idem.django.DjangoRecords`
+    in a Django project), the handler's writes through ``goblin_idem.sql.sync``'s
+    ``connection()`` / ``session()`` (or Django's ORM) are the run's transaction in the
+    handler's thread, committed with the outcome, as a WSGI view's are (`_threaded`).
     """
 
     def intercept_service(
@@ -462,4 +487,26 @@ class IdempotencyInterceptor(_Interceptor, grpc.ServerInterceptor):
         return self._handler(continuation(handler_call_details), handler_call_details)
 
     _call = _SyncCall
-    _joins_records = False
+
+    @staticmethod
+    def _records(records: object) -> Any:
+        """Records whose transaction is the handler's thread's (``SqlRecords`` with a sync
+        Engine, `goblin_idem.django.DjangoRecords`), adapted as the WSGI middleware adapts
+        them and checked now (the database answers, the table is there), so that a
+        misconfiguration stops the server's start; async records are refused, saying what
+        to pass."""
+        if records is None:
+            return None
+        if callable(getattr(records, "transaction", None)):
+            raise TypeError(
+                f"records: {records!r} writes through an AsyncEngine, which a sync handler "
+                "cannot write through (goblin_idem.sql.connection() is async), so the "
+                "outcome would commit without the handler's writes: pass SqlRecords(engine) "
+                "with a sync Engine and write through goblin_idem.sql.sync, or "
+                "goblin_idem.django.DjangoRecords() in a Django project; or serve the "
+                "service with grpc.aio and AsyncIdempotencyInterceptor"
+            )
+        adapted = for_sync_apps(records)
+        if isinstance(adapted, ThreadedRecords):
+            adapted.backend.check()  # SqlRecordsError, saying what to change
+        return adapted

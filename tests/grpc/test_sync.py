@@ -65,8 +65,11 @@ class SyncPayments(pb2_grpc.PaymentsServicer):  # type: ignore[misc,name-defined
 
 
 @contextlib.contextmanager
-def serving(interceptor: IdempotencyInterceptor) -> Iterator[tuple[SyncPayments, grpc.Channel]]:
-    service = SyncPayments()
+def serving(
+    interceptor: IdempotencyInterceptor, service: Any = None
+) -> Iterator[tuple[Any, grpc.Channel]]:
+    """A sync server on a free loopback port (`service`, or a `SyncPayments`), a channel to it."""
+    service = service or SyncPayments()
     server = grpc.server(ThreadPoolExecutor(max_workers=24), interceptors=[interceptor])
     pb2_grpc.add_PaymentsServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
