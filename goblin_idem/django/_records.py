@@ -113,10 +113,11 @@ def unavailable_as(exc: BaseException, where: str) -> DatabaseUnavailableError |
 
 
 def _drop(conn: Any) -> None:
-    """Close the thread's connection that met the database unavailable, outside any atomic
-    block, so the thread's next run connects anew. A thread that serves no Django request
-    (a gRPC server's) has no ``request_finished`` to close it, and would otherwise meet the
-    dead connection at every call."""
+    """Close the thread's connection that met the database unavailable (at a lookup, the
+    first statement of a keyed run), outside any atomic block, so the thread's next run
+    connects anew. A thread that serves no Django request (a gRPC server's) has no
+    ``request_finished`` to close it, and would otherwise meet the dead connection at every
+    call."""
     if not conn.in_atomic_block:
         conn.close()
 
@@ -381,12 +382,7 @@ class DjangoWork:
         must, so a database down is met here), before the view runs."""
         atomic = transaction.atomic(using=self.records.using)
         self.nested = connections[self.records.using].in_atomic_block
-        try:
-            atomic.__enter__()
-        except Exception as exc:
-            if unavailable(exc):
-                _drop(connections[self.records.using])
-            raise
+        atomic.__enter__()
         self.atomic = atomic
         transaction.on_commit(self._committed, using=self.records.using)  # the first callback
         conn = connections[self.records.using]

@@ -314,14 +314,7 @@ def _in_thread(
     begun here and current while the handler runs (as a WSGI app's, `wsgi._bridge`)."""
     if tx is None:
         return work()
-    try:
-        joined = tx.begin()
-    except Exception as exc:
-        failure = tx.unavailable(exc)
-        if failure is None:
-            raise
-        keyed.ran = False  # the handler did not run: UNAVAILABLE, as a claim step's failure
-        raise failure from exc
+    joined = tx.begin()
     token = joined.enter()
     try:
         return work()
