@@ -14,13 +14,11 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+from tests.docs.examples import NOT_SOURCE
 from tests.support.procs import stop
 from tests.support.servers import start_server
 
 ROOT = Path(__file__).resolve().parent.parent
-NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"
-)
 
 USE = textwrap.dedent(
     """

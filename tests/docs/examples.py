@@ -29,16 +29,22 @@ Directives, an HTML comment on the line just before a block (GitHub and the site
   lines are matched against what the server wrote, once it has stopped.
 - ``<!-- not run: REASON -->``: a block the tests cannot run: only ``bash .ci/run``, the
   command that runs them.
-- ``<!-- install -->``: the page's install line, ``pip install -e '.[EXTRAS]' PACKAGE...``
-  (from a checkout; a comment after it may give the line for once it is published). It is
-  not run, since it would rewrite the test run's environment: instead every extra and
-  package it names must be installed there, with what the extra requires.
+- ``<!-- install -->``: the page's install line, before its first block that runs: the
+  line for a checkout, then the same extras and packages as the line for once it is
+  published, ``pip install -e '.[EXTRAS]' PACKAGE...  # published: pip install
+  'goblin-idem[EXTRAS]' PACKAGE...`` (``pip install -e .`` and ``goblin-idem`` without
+  extras). A page without one needs the package alone, ``pip install -e .``.
 
 What a block sees:
 
-- ``python``, ``pip`` and the console scripts of the test run's environment (its
-  interpreter's directory first on ``PATH``). What a shell block exports stays set for the
-  page's later blocks, as in one shell: ``export NAME=...``, a venv's ``bin/activate``.
+- ``python`` and the console scripts of a venv built from the page's install line alone
+  (its ``bin`` first on ``PATH``, as if activated), so a block that needs a package its
+  page's line does not install fails here, not for a reader. The venv is built with uv
+  (``uv pip install`` and the line's arguments, in the checkout), once for every page with
+  the same line, and kept under ``.cache/docs-venvs/`` for later runs until the line or
+  pyproject.toml changes. It has no ``pip``: a page that installs makes its venv first, as
+  README.md does. What a shell block exports stays set for the page's later blocks, as in
+  one shell: ``export NAME=...``, a venv's ``bin/activate``.
 - ``REDIS_URL``: a redis-server the fixtures started on a free loopback port (its data
   flushed before each page), until the page exports its own.
 - ``POSTGRES_URL``, for a page that names it: a new database (``postgresql://...``) on a
@@ -49,7 +55,8 @@ What a block sees:
   or ``mkdocs serve`` that names no port serves on 8000, their default, and is given the port
   that stands for 8000. No block ever reaches a server that the page or the fixtures did not
   start.
-- ``XDG_CACHE_HOME``: a scratch directory (``build-module`` caches its build there).
+- ``XDG_CACHE_HOME``: a scratch directory (``build-module`` caches its build there); pip
+  keeps its own cache (``PIP_CACHE_DIR``), as a reader's does.
 - ``PYTHONPATH``: the checkout, as for a reader whose shell is in it (the Quick start's), so
   ``python -m example_app`` is found; the example app is not part of the installed package.
   A page's own files are written to a directory of its own, not to the checkout.
@@ -57,6 +64,9 @@ What a block sees:
 
 from __future__ import annotations
 
+import fcntl
+import functools
+import hashlib
 import os
 import re
 import shlex
@@ -69,11 +79,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import metadata
+from email.parser import Parser
 from pathlib import Path
-
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
 from tests.support.procs import ROOT
 from tests.support.servers import free_port
@@ -84,7 +91,13 @@ FENCE = re.compile(
     r"^(?P<fence>```+)(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S
 )
 DIRECTIVE = re.compile(r"<!--\s*(serve|install|not run:[^>]*?)\s*-->\s*$")
-INSTALL = re.compile(r"^pip install -e '\.\[([\w,-]+)\]'((?: [\w\[\],.'-]+)*)\s*(?:#.*)?$")
+PACKAGES = r"(?P<packages>(?: [\w\[\],.'<>=!~-]+)*)"
+CHECKOUT = re.compile(rf"pip install -e (?:'\.\[(?P<extras>[\w,-]+)\]'|\.){PACKAGES}")
+PUBLISHED = re.compile(
+    rf"# published: pip install (?:'goblin-idem\[(?P<extras>[\w,-]+)\]'|goblin-idem){PACKAGES}"
+)
+BASE = "pip install -e ."  # a page without an install line needs the package alone
+VENVS = ROOT / ".cache" / "docs-venvs"
 PORT = re.compile(r"(127\.0\.0\.1:|localhost:|--port[ =])(\d{2,5})\b")
 SHELL_OWN = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})  # bash's, not the page's
 DEFAULT_PORT = 8000  # uvicorn's, the example app's and mkdocs serve's
@@ -244,7 +257,7 @@ class Session:
         elif block.directive == "serve":
             self.serve(block)
         elif block.directive == "install":
-            installed(block)
+            pass  # the page's venv was built from it
         elif block.lang == "console":
             between = f"printf '\\n%s\\n' {shlex.quote(END)}"  # each command's output apart
             each = [f"{c}\n{between}" for c in block.commands()]
@@ -330,33 +343,87 @@ class Session:
         assert not errors, "\n".join(errors)
 
 
-def installed(block: Block) -> None:
-    """What an install line names is installed: each extra of goblin-idem (and what it
-    requires, in this environment) and each other package."""
-    line = block.body.strip()
-    m = INSTALL.match(line)
-    assert m, f"{block.where}: an install line is one `pip install -e '.[EXTRAS]' ...`: {line}"
-    wanted = [Requirement(f"goblin-idem[{m[1]}]")]
-    wanted += [Requirement(name.strip("'")) for name in m[2].split()]
-    seen: set[tuple[str, str]] = set()
-    while wanted:
-        req = wanted.pop()
-        name = canonicalize_name(req.name)
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            raise AssertionError(f"{block.where}: {req} is not installed") from None
-        for extra in sorted(req.extras):
-            if (name, extra) in seen:
+def install_line(page: list[Block]) -> str:
+    """The page's install line for a checkout: its install directive's, or the package alone."""
+    lines = [b for b in page if b.directive == "install"]
+    if not lines:
+        return BASE
+    block = lines[0]
+    form = (
+        "an install line is `pip install -e '.[EXTRAS]' PACKAGE...  "
+        "# published: pip install 'goblin-idem[EXTRAS]' PACKAGE...`"
+    )
+    assert len(lines) == 1, f"{block.where}: a page has one install line"
+    assert block is next(b for b in page if b.runs), f"{block.where}: the page starts with it"
+    checkout, hash_, published = block.body.strip().partition("#")
+    here = CHECKOUT.fullmatch(checkout.strip())
+    there = PUBLISHED.fullmatch(f"{hash_}{published}".strip())
+    assert here and there, f"{block.where}: {form}: {block.body.strip()}"
+    named = [(m["extras"], m["packages"].split()) for m in (here, there)]
+    assert named[0] == named[1], f"{block.where}: the two lines name different packages: {named}"
+    return here[0]
+
+
+def venv_python(line: str) -> Path:
+    """The python of a venv with `line` installed (from the checkout) and nothing else."""
+    setup = digest((ROOT / "pyproject.toml").read_text())  # a new one prunes the others
+    venv = VENVS / f"{setup}-{digest(line, sys.version, str(ROOT))}"
+    return _built(venv, line) / "bin" / "python"
+
+
+def digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def _built(venv: Path, line: str) -> Path:
+    """`venv`, built once for all the test run's workers (a lock per venv) and kept for later
+    runs: it is complete once its `installed` file names the line."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    done = venv / "installed"
+    with open(venv.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.is_file():
+            shutil.rmtree(venv, ignore_errors=True)  # what a stopped build left
+            uv("venv", "--python", getattr(sys, "_base_executable", sys.executable), venv)
+            uv("pip", "install", "--python", venv / "bin" / "python", *shlex.split(line)[2:])
+            [meta] = venv.glob("lib/python*/site-packages/goblin_idem-*.dist-info/METADATA")
+            offered = Parser().parsestr(meta.read_text()).get_all("Provides-Extra") or []
+            m = CHECKOUT.fullmatch(line)
+            unknown = set(m["extras"].split(",") if m and m["extras"] else ()) - set(offered)
+            assert not unknown, f"{line}: goblin-idem has no extra {sorted(unknown)}"
+            done.write_text(f"{line}\n")
+            prune(venv)
+    return venv
+
+
+def prune(current: Path) -> None:
+    """Remove the venvs built for another pyproject.toml: no run of this checkout asks for
+    them again. One whose lock is held (being built) is left."""
+    setup = current.name.split("-")[0]
+    for path in VENVS.glob("*.lock"):
+        if path.name.startswith(f"{setup}-"):
+            continue
+        with open(path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
                 continue
-            seen.add((name, extra))
-            given = [Requirement(r) for r in dist.requires or ()]
-            wanted += [
-                r for r in given if r.marker is not None and r.marker.evaluate({"extra": extra})
-            ]
-            assert extra in (dist.metadata.get_all("Provides-Extra") or []), (
-                f"{block.where}: {name} has no extra {extra!r}"
-            )
+            shutil.rmtree(path.with_suffix(""), ignore_errors=True)
+            path.unlink()
+
+
+def uv(*args: str | Path) -> None:
+    """Run uv in the checkout, as the install line runs from it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "uv", "--quiet", *map(str, args)],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, f"uv {shlex.join(map(str, args))}:\n{proc.stderr}"
 
 
 def accepts(port: int) -> bool:
@@ -381,21 +448,38 @@ def unnamed_files(page: list[Block]) -> list[str]:
 
 
 NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"
+    ".git",
+    ".venv*",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    ".cache",
+    ".hypothesis",
 )
 
 
-def environment(scratch: Path, redis_url: str, postgres_url: str | None = None) -> dict[str, str]:
-    # Nothing of the test process's own settings: its Redis, goblin-idem's variables, and
-    # the Django settings the Django tests set for their worker process.
+def environment(
+    scratch: Path, python: Path, redis_url: str, postgres_url: str | None = None
+) -> dict[str, str]:
+    # Nothing of the test process's own settings: its Redis, goblin-idem's variables, the
+    # Django settings the Django tests set for their worker process, its venv.
     own = ("REDIS_", "GOBLIN_", "DJANGO_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(own)}
-    env.pop("VIRTUAL_ENV", None)
+    tests = {Path(sys.executable).parent, Path(sys.prefix) / "bin"}
+    if "VIRTUAL_ENV" in env:
+        tests.add(Path(env["VIRTUAL_ENV"]) / "bin")
+    path = [p for p in env.get("PATH", "").split(os.pathsep) if p and Path(p) not in tests]
+    env["PATH"] = os.pathsep.join([str(python.parent), *path])
+    env["VIRTUAL_ENV"] = str(python.parent.parent)  # as activated
     env["PYTHONPATH"] = str(ROOT)  # as from a shell in the checkout: `python -m example_app`
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["REDIS_URL"] = redis_url
     if postgres_url is not None:  # a page that names POSTGRES_URL: a database of its own
         env["POSTGRES_URL"] = postgres_url
+    # pip's cache stays the reader's (README.md's venv installs with pip), the rest is new.
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    env.setdefault("PIP_CACHE_DIR", str(cache / "pip"))
     env["XDG_CACHE_HOME"] = str(scratch / "cache")
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
@@ -407,6 +491,7 @@ def run_page(
     """Run every block of `page` in order; yields each block as it has run."""
     found = blocks(page)
     assert not unnamed_files(found), unnamed_files(found)
+    python = venv_python(install_line(found))
     scratch = Path(tempfile.mkdtemp(dir=tmp, prefix="scratch-"))
     if page.name == "README.md" and page.parent == ROOT:
         directory = tmp / "checkout"
@@ -414,7 +499,8 @@ def run_page(
     else:
         directory = tmp / "work"
         directory.mkdir()
-    session = Session(directory, environment(scratch, redis_url, postgres_url), scratch)
+    env = environment(scratch, python, redis_url, postgres_url)
+    session = Session(directory, env, scratch)
     try:
         for block in found:
             if block.runs:
