@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from .._recording import Records
-from .._threaded import ThreadedRecords, ThreadedTransaction, for_sync_apps, pending
+from .._threads._records import ThreadedRecords, ThreadedTransaction, for_sync_apps, pending
 from ..once._sync import in_callers_thread
 from ..store import Store
 from ._context import AsyncHeld, Ended, SyncHeld
@@ -466,10 +466,10 @@ class IdempotencyInterceptor(_Interceptor, grpc.ServerInterceptor):
     handler ran is not kept (the key released, the records rolled back) once the handler
     returns. A server stream's responses are sent once the call's outcome is kept.
 
-    With `records` (``SqlRecords`` with a sync Engine, or `goblin_idem.django.DjangoRecords`
+    With `records` (``SyncSqlRecords`` on a sync Engine, or `goblin_idem.django.DjangoRecords`
     in a Django project), the handler's writes through ``goblin_idem.sql.sync``'s
     ``connection()`` / ``session()`` (or Django's ORM) are the run's transaction in the
-    handler's thread, committed with the outcome, as a WSGI view's are (`_threaded`).
+    handler's thread, committed with the outcome, as a WSGI view's are (`_threads._records`).
     """
 
     def intercept_service(
@@ -483,7 +483,7 @@ class IdempotencyInterceptor(_Interceptor, grpc.ServerInterceptor):
 
     @staticmethod
     def _records(records: object) -> Any:
-        """Records whose transaction is the handler's thread's (``SqlRecords`` with a sync
+        """Records whose transaction is the handler's thread's (``SyncSqlRecords`` on a sync
         Engine, `goblin_idem.django.DjangoRecords`), adapted as the WSGI middleware adapts
         them and checked now (the database answers, the table is there), so that a
         misconfiguration stops the server's start; async records are refused, saying what
@@ -494,8 +494,8 @@ class IdempotencyInterceptor(_Interceptor, grpc.ServerInterceptor):
             raise TypeError(
                 f"records: {records!r} writes through an AsyncEngine, which a sync handler "
                 "cannot write through (goblin_idem.sql.connection() is async), so the "
-                "outcome would commit without the handler's writes: pass SqlRecords(engine) "
-                "with a sync Engine and write through goblin_idem.sql.sync, or "
+                "outcome would commit without the handler's writes: pass SyncSqlRecords(engine) "
+                "on a sync Engine and write through goblin_idem.sql.sync, or "
                 "goblin_idem.django.DjangoRecords() in a Django project; or serve the "
                 "service with grpc.aio and AsyncIdempotencyInterceptor"
             )

@@ -16,7 +16,7 @@ from sqlalchemy import create_engine, insert
 
 from goblin_idem import MemoryStore, SqlRecordsError
 from goblin_idem.grpc import AsyncIdempotencyInterceptor, IdempotencyInterceptor
-from goblin_idem.sql import SqlRecords, connection, sync
+from goblin_idem.sql import SqlRecords, SyncSqlRecords, connection, sync
 from tests.grpc.conftest import CHARGE, pb2, pb2_grpc, raw, serving
 from tests.grpc.test_sync import serving as sync_serving
 from tests.sql.conftest import Setup, SyncSetup, pg_database  # noqa: F401
@@ -182,12 +182,12 @@ def test_the_sync_interceptor_refuses_records_it_cannot_join(tmp_path: Any) -> N
 
 
 def test_the_async_interceptor_refuses_sync_records(tmp_path: Any) -> None:
-    records = SqlRecords(create_engine(f"sqlite:///{tmp_path / 'app.db'}"))
+    records = SyncSqlRecords(create_engine(f"sqlite:///{tmp_path / 'app.db'}"))
     with pytest.raises(TypeError, match="AsyncEngine"):
         AsyncIdempotencyInterceptor(MemoryStore(), records=records)
 
 
 def test_the_sync_interceptor_checks_its_records_table_at_start(tmp_path: Any) -> None:
-    records = SqlRecords(create_engine(f"sqlite:///{tmp_path / 'app.db'}"))  # no table made
+    records = SyncSqlRecords(create_engine(f"sqlite:///{tmp_path / 'app.db'}"))  # no table made
     with pytest.raises(SqlRecordsError, match=r"create_table\(\)"):
         IdempotencyInterceptor(MemoryStore(), records=records)
