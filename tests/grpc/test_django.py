@@ -15,7 +15,7 @@ import pytest
 
 from tests.django.test_records import Site, make_site
 from tests.grpc.conftest import CHARGE, pb2
-from tests.sql.conftest import pg_database, postgres  # noqa: F401
+from tests.sql.conftest import pg_database  # noqa: F401
 from tests.support.procs import output_of, spawn
 from tests.support.servers import Server, free_port
 
