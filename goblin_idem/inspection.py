@@ -199,6 +199,17 @@ def _free(names: KeyNames, data: bytes | None, result_ttl: int | None, *, hint: 
     )
 
 
+# A value stored by `once`'s codecs: `once` itself, a gRPC interceptor, a broker consumer.
+_ONCE_VALUE = (
+    "a value stored by once, a gRPC interceptor or a broker consumer: calls and deliveries "
+    "with this key get it without running"
+)
+_ONCE_UNREADABLE = (
+    "once raises goblin_idem.exceptions.RecordError for this key (gRPC: INTERNAL); nothing "
+    "with it runs"
+)
+
+
 def _completed(
     names: KeyNames,
     token: bytes,
@@ -227,20 +238,14 @@ def _completed(
                 result_ttl,
                 len(data),
                 value_bytes=len(value),
-                note=(
-                    "a value stored by once, a gRPC interceptor or a broker consumer: calls "
-                    "and deliveries with this key get it without running"
-                ),
+                note=_ONCE_VALUE,
                 format=fmt,
             )
         fmt = _format_or_none(data)
         record = decode(data, sealer=sealer, name=names.result, require_sealed=require_sealed)
     except RecordError as exc:
         if once_value:
-            note = (
-                "once raises goblin_idem.exceptions.RecordError for this key (gRPC: INTERNAL); "
-                "nothing with it runs"
-            )
+            note = _ONCE_UNREADABLE
         else:
             note = "the middleware answers requests with this key with 503 and never runs them"
         if fmt is not None and fmt.sealed and sealer is None:
