@@ -110,7 +110,13 @@ class Statements:
         t = check_table(table)
         self.table = t
         self.ddl = ddl(t)
+        self._steps(t)
+        self._renewals(t)
+        self._plain(t)
+        self._upkeep(t)
 
+    def _steps(self, t: str) -> None:
+        """A run's steps: CLAIM, CLAIM where a stored result wins, and publish."""
         # CLAIM: SET claim token NX PX lease, else GET result. Replies (won, result): the
         # result as the statement's snapshot had it (read only when the claim was held).
         self.claim = Statement.of(
@@ -131,6 +137,29 @@ class Statements:
             + " SELECT EXISTS (SELECT 1 FROM taken) OR EXISTS (SELECT 1 FROM inserted),"
             " (SELECT value FROM res)"
         )
+        # Publish: SET result value PX ttl NX, and CAEXPIRE claim token ttl, as one
+        # statement. A live result is locked and kept as it is (the upsert rewrites it
+        # unchanged), so the reply says which value stands: (same, its deadline, renewed).
+        # The claim lasts as long as the result that stands. Claim and result must differ.
+        self.publish = Statement.of(
+            f"WITH a AS (SELECT $1::bytea AS rk, $2::bytea AS v, $3::bigint AS ttl,"
+            f" $4::bytea AS ck, $5::bytea AS tok, {_NOW} AS now),"
+            f" res AS (INSERT INTO {t} AS t (key, value, expires_at)"
+            f" SELECT a.rk, a.v, {_deadline('a.ttl')} FROM a"
+            " ON CONFLICT (key) DO UPDATE SET"
+            " value = CASE WHEN t.expires_at <= (SELECT now FROM a)"
+            " THEN EXCLUDED.value ELSE t.value END,"
+            " expires_at = CASE WHEN t.expires_at <= (SELECT now FROM a)"
+            " THEN EXCLUDED.expires_at ELSE t.expires_at END"
+            " RETURNING t.value = (SELECT v FROM a) AS same, t.expires_at),"
+            f" renewed AS (UPDATE {t} AS t SET expires_at = CASE WHEN res.same"
+            f" THEN {_deadline('a.ttl')} ELSE COALESCE(res.expires_at, {_deadline('a.ttl')}) END"
+            f" FROM a, res WHERE t.key = a.ck AND t.value = a.tok AND {_LIVE} RETURNING 1)"
+            " SELECT res.same, EXISTS (SELECT 1 FROM renewed) FROM res"
+        )
+
+    def _renewals(self, t: str) -> None:
+        """CAEXPIRE (one or many), CAD and CAS: a change to a live row holding a token."""
         # CAEXPIRE with ms > 0: the new deadline, only on a live row holding the token.
         self.caexpire = Statement.of(
             f"WITH a AS (SELECT $1::bytea AS k, $2::bytea AS e, $3::bigint AS ms, {_NOW} AS now)"
@@ -156,26 +185,9 @@ class Statements:
             f" UPDATE {t} AS t SET value = a.n FROM a"
             f" WHERE t.key = a.k AND t.value = a.e AND {_LIVE} RETURNING 1"
         )
-        # Publish: SET result value PX ttl NX, and CAEXPIRE claim token ttl, as one
-        # statement. A live result is locked and kept as it is (the upsert rewrites it
-        # unchanged), so the reply says which value stands: (same, its deadline, renewed).
-        # The claim lasts as long as the result that stands. Claim and result must differ.
-        self.publish = Statement.of(
-            f"WITH a AS (SELECT $1::bytea AS rk, $2::bytea AS v, $3::bigint AS ttl,"
-            f" $4::bytea AS ck, $5::bytea AS tok, {_NOW} AS now),"
-            f" res AS (INSERT INTO {t} AS t (key, value, expires_at)"
-            f" SELECT a.rk, a.v, {_deadline('a.ttl')} FROM a"
-            " ON CONFLICT (key) DO UPDATE SET"
-            " value = CASE WHEN t.expires_at <= (SELECT now FROM a)"
-            " THEN EXCLUDED.value ELSE t.value END,"
-            " expires_at = CASE WHEN t.expires_at <= (SELECT now FROM a)"
-            " THEN EXCLUDED.expires_at ELSE t.expires_at END"
-            " RETURNING t.value = (SELECT v FROM a) AS same, t.expires_at),"
-            f" renewed AS (UPDATE {t} AS t SET expires_at = CASE WHEN res.same"
-            f" THEN {_deadline('a.ttl')} ELSE COALESCE(res.expires_at, {_deadline('a.ttl')}) END"
-            f" FROM a, res WHERE t.key = a.ck AND t.value = a.tok AND {_LIVE} RETURNING 1)"
-            " SELECT res.same, EXISTS (SELECT 1 FROM renewed) FROM res"
-        )
+
+    def _plain(self, t: str) -> None:
+        """The plain commands: GET, SET (NX), PTTL, DEL."""
         self.get = Statement.of(
             f"WITH a AS (SELECT $1::bytea AS k, {_NOW} AS now)"
             f" SELECT t.value FROM {t} AS t, a WHERE t.key = a.k AND {_LIVE}"
@@ -208,6 +220,9 @@ class Statements:
             f"WITH a AS (SELECT $1::bytea[] AS ks, {_NOW} AS now)"
             f" DELETE FROM {t} AS t USING a WHERE t.key = ANY (a.ks) RETURNING {_LIVE}"
         )
+
+    def _upkeep(self, t: str) -> None:
+        """FORGET, and one batch of the background purge."""
         # FORGET: unless a run holds the claim (it is live, holds another token than
         # `expected`, and no result is stored), delete the result, the others and the
         # claim; the claim row is locked meanwhile. Replies -1 (held, nothing deleted) or
