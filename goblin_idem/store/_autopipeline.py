@@ -50,7 +50,7 @@ try:
 except ImportError:  # pragma: no cover - the "fast" extra installs it
     hiredis = None  # type: ignore[assignment]
 
-__all__ = ["HIREDIS", "AutoPipeline", "pack"]
+__all__ = ["HIREDIS", "AutoPipeline", "pack", "settings_of"]
 
 logger = logging.getLogger("goblin_idem.store")
 
@@ -315,7 +315,7 @@ class AutoPipeline:
             return None
         pool = client.connection_pool
         kwargs = pool.connection_kwargs
-        common = cls.settings_of(kwargs)
+        common = settings_of(kwargs)
         if common is None:
             return None
         common["replay_cache_bytes"] = replay_cache_bytes
@@ -325,25 +325,6 @@ class AutoPipeline:
         if pool.connection_class is redis.asyncio.UnixDomainSocketConnection:
             return cls(path=kwargs["path"], **common)
         return None
-
-    @staticmethod
-    def settings_of(kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The constructor's settings but the address, from a redis-py client's connection
-        keywords (a cluster client's `get_connection_kwargs()`: one pipeline per node is
-        then made with each node's host and port); None where they cannot be honoured (a
-        credential provider, no hiredis). The connection class (TLS, a custom one) is the
-        caller's to check."""
-        if not HIREDIS or kwargs.get("credential_provider") is not None:
-            return None
-        return {
-            "username": kwargs.get("username"),
-            "password": kwargs.get("password"),
-            "db": int(kwargs.get("db") or 0),
-            "client_name": kwargs.get("client_name"),
-            "socket_timeout": kwargs.get("socket_timeout"),
-            "socket_connect_timeout": kwargs.get("socket_connect_timeout"),
-            "retry": kwargs.get("retry"),
-        }
 
     @property
     def address(self) -> str:
@@ -524,6 +505,24 @@ class AutoPipeline:
         for c in (conn, *draining):
             if c is not None and c.broken is None:
                 c.fail(RedisConnectionError("Connection closed by the client."))
+
+
+def settings_of(kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """AutoPipeline's settings but the address, from a redis-py client's connection keywords
+    (a cluster client's `get_connection_kwargs()`: one pipeline per node is then made with
+    each node's host and port); None where they cannot be honoured (a credential provider,
+    no hiredis). The connection class (TLS, a custom one) is the caller's to check."""
+    if not HIREDIS or kwargs.get("credential_provider") is not None:
+        return None
+    return {
+        "username": kwargs.get("username"),
+        "password": kwargs.get("password"),
+        "db": int(kwargs.get("db") or 0),
+        "client_name": kwargs.get("client_name"),
+        "socket_timeout": kwargs.get("socket_timeout"),
+        "socket_connect_timeout": kwargs.get("socket_connect_timeout"),
+        "retry": kwargs.get("retry"),
+    }
 
 
 async def _ignore(error: Exception) -> None:

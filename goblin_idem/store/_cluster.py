@@ -26,7 +26,7 @@ from redis.exceptions import (
 )
 
 from . import _scripts as scripts
-from ._autopipeline import PUSHES, AutoPipeline
+from ._autopipeline import PUSHES, AutoPipeline, settings_of
 from ._executor import LOST, Address, Command, Executor, Outcome, Wait, Where, no_script, pipelined
 from ._redis_compat import (
     drop_cluster_nodes,
@@ -246,7 +246,7 @@ class ClusterPipelined(Clustered):
         kwargs = client.get_connection_kwargs()
         if kwargs.get("connection_class", redis.asyncio.Connection) is not redis.asyncio.Connection:
             return None  # TLS, or a connection class of the application's
-        settings = AutoPipeline.settings_of(kwargs)
+        settings = settings_of(kwargs)
         if settings is None:
             return None
         settings["replay_cache_bytes"] = replay_cache_bytes

@@ -56,47 +56,26 @@ class _OtherType(Protocol):
 _Entry: TypeAlias = "bytes | _OtherType"
 
 
-class MemoryStore:
-    """The four GOBLIN commands and plain GET/SET/PTTL/DEL on a dict, in this process.
+class _Keyspace:
+    """String keys with deadlines, laid out as the comment above says: a key past its
+    deadline reads as absent (`_live`), and `_evict` reclaims a few expired ones at a time.
+    `MemoryStore` adds the lock and the commands."""
 
-    Same replies and error texts as RedisStore. Every method runs without awaiting
-    anything, so under asyncio each call is atomic with respect to every other, and holds
-    the store's lock throughout, so it is atomic across threads too (a store shared by
-    threads each running an event loop). Expiry is
-    lazy (a key past its deadline reads as absent) on the monotonic clock, and each write
-    also reclaims a few expired entries, so memory tracks the live keys. Nothing it holds
-    is tracked by the garbage collector, so its keys add nothing to a collection's pause.
-
-    It is per-process: two workers (uvicorn ``--workers 2``, gunicorn) each have their own
-    and do not see each other's claims. Use RedisStore as soon as more than one process
-    serves the same keys.
-    """
-
-    def __init__(self, *, max_value_bytes: int | None = DEFAULT_MAX_VALUE_BYTES) -> None:
-        self.max_value_bytes = max_value_bytes
+    def __init__(self) -> None:
         self._data: dict[bytes, _Entry] = {}
         self._deadlines: dict[bytes, float] = {}
         self._buckets: dict[float, dict[bytes, None]] = {}
         self._ends: list[float] = []  # a heap of the buckets' ends
-        self._lock = threading.Lock()
-        _stores.add(self)
 
     def __len__(self) -> int:
         """Entries held, including expired ones not reclaimed yet."""
         return len(self._data)
 
-    def forget_cached(self, result_key: KeyT) -> None:
-        """Nothing: a MemoryStore keeps no copy of a result beside the result itself
-        (`RedisStore.forget_cached`, for the same call on either store)."""
-
-    async def aclose(self) -> None:
-        with self._lock:
-            self._data.clear()
-            self._deadlines.clear()
-            self._buckets.clear()
-            self._ends.clear()
-
-    # -- internals --
+    def _clear(self) -> None:
+        self._data.clear()
+        self._deadlines.clear()
+        self._buckets.clear()
+        self._ends.clear()
 
     def _live(self, key: bytes) -> _Entry | None:
         entry = self._data.get(key)
@@ -138,10 +117,6 @@ class MemoryStore:
         else:
             bucket[key] = None
 
-    def _put(self, key: bytes, value: bytes, deadline: float | None) -> None:
-        self._evict()
-        self._store(key, check_size(value, self.max_value_bytes), deadline)
-
     def _evict(self) -> None:
         """Drop up to a few entries whose deadline passed, from the buckets that ended (a
         key a bucket names may have been renewed, rewritten or deleted since, which its
@@ -162,6 +137,41 @@ class MemoryStore:
                 if deadline is not None and deadline <= now:
                     self._drop(key)
             del self._buckets[heapq.heappop(ends)]
+
+
+class MemoryStore(_Keyspace):
+    """The four GOBLIN commands and plain GET/SET/PTTL/DEL on a dict, in this process.
+
+    Same replies and error texts as RedisStore. Every method runs without awaiting
+    anything, so under asyncio each call is atomic with respect to every other, and holds
+    the store's lock throughout, so it is atomic across threads too (a store shared by
+    threads each running an event loop). Expiry is
+    lazy (a key past its deadline reads as absent) on the monotonic clock, and each write
+    also reclaims a few expired entries, so memory tracks the live keys. Nothing it holds
+    is tracked by the garbage collector, so its keys add nothing to a collection's pause.
+
+    It is per-process: two workers (uvicorn ``--workers 2``, gunicorn) each have their own
+    and do not see each other's claims. Use RedisStore as soon as more than one process
+    serves the same keys.
+    """
+
+    def __init__(self, *, max_value_bytes: int | None = DEFAULT_MAX_VALUE_BYTES) -> None:
+        super().__init__()
+        self.max_value_bytes = max_value_bytes
+        self._lock = threading.Lock()
+        _stores.add(self)
+
+    def forget_cached(self, result_key: KeyT) -> None:
+        """Nothing: a MemoryStore keeps no copy of a result beside the result itself
+        (`RedisStore.forget_cached`, for the same call on either store)."""
+
+    async def aclose(self) -> None:
+        with self._lock:
+            self._clear()
+
+    def _put(self, key: bytes, value: bytes, deadline: float | None) -> None:
+        self._evict()
+        self._store(key, check_size(value, self.max_value_bytes), deadline)
 
     # -- the four GOBLIN commands --
 
