@@ -58,8 +58,7 @@ _Entry: TypeAlias = "bytes | _OtherType"
 
 class _Keyspace:
     """String keys with deadlines, laid out as the comment above says: a key past its
-    deadline reads as absent (`_live`), and `_evict` reclaims a few expired ones at a time.
-    `MemoryStore` adds the lock and the commands."""
+    deadline reads as absent (`_live`), and `_evict` reclaims a few at a time."""
 
     def __init__(self) -> None:
         self._data: dict[bytes, _Entry] = {}
@@ -70,12 +69,6 @@ class _Keyspace:
     def __len__(self) -> int:
         """Entries held, including expired ones not reclaimed yet."""
         return len(self._data)
-
-    def _clear(self) -> None:
-        self._data.clear()
-        self._deadlines.clear()
-        self._buckets.clear()
-        self._ends.clear()
 
     def _live(self, key: bytes) -> _Entry | None:
         entry = self._data.get(key)
@@ -167,7 +160,10 @@ class MemoryStore(_Keyspace):
 
     async def aclose(self) -> None:
         with self._lock:
-            self._clear()
+            self._data.clear()
+            self._deadlines.clear()
+            self._buckets.clear()
+            self._ends.clear()
 
     def _put(self, key: bytes, value: bytes, deadline: float | None) -> None:
         self._evict()

@@ -84,7 +84,7 @@ class PostgresStore:
             DEFAULT_MAX_VALUE_BYTES if max_value_bytes is None else max_value_bytes
         )
         self.purge_interval_seconds = purge_interval_seconds
-        self._purging: asyncio.Task[None] | None = None
+        self._purge = _Purge()
         _stores.add(self)
 
     @classmethod
@@ -152,51 +152,13 @@ class PostgresStore:
         await self.driver.script(self.sql.ddl)
 
     async def aclose(self) -> None:
-        task, self._purging = self._purging, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await self._purge.stop()
         await self.driver.aclose()
-
-    def _after_fork(self) -> None:
-        """In a fork's child: the parent's connections and purge task are not ours."""
-        self._purging = None
-        self.driver.after_fork()
-
-    # -- the background purge --
-
-    def _purge_soon(self) -> None:
-        """Start the purge task on first use, in the running loop (cheap once started)."""
-        task = self._purging
-        if self.purge_interval_seconds is not None and (
-            task is None or task.get_loop().is_closed()
-        ):
-            self._purging = asyncio.get_running_loop().create_task(self._purge_every())
-
-    async def _purge_every(self) -> None:
-        interval = self.purge_interval_seconds
-        assert interval is not None
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                removed = await self.purge_expired()
-            except Exception as exc:
-                logger.warning("could not purge expired keys of %r: %s", self, exc)
-            else:
-                if removed:
-                    logger.debug("purged %d expired keys of %r", removed, self)
 
     async def purge_expired(self) -> int:
         """Delete the expired rows, in batches of `PURGE_BATCH` (one short statement each,
         rows locked by another statement skipped); the rows removed."""
-        removed = 0
-        while True:
-            row = await self.driver.row(self.sql.purge, (PURGE_BATCH,))
-            count = int(row[0]) if row is not None else 0
-            removed += count
-            if count < PURGE_BATCH:
-                return removed
+        return await self._purge.batches(self)
 
     # -- the four GOBLIN commands --
 
@@ -204,32 +166,13 @@ class PostgresStore:
         self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
     ) -> ClaimReply:
         """SET claim_key token NX EX seconds, else GET result_key: one statement."""
-        return await self._claim(self.sql.claim, claim_key, result_key, token, seconds)
+        return await _claim(self, self.sql.claim, claim_key, result_key, token, seconds)
 
     async def claim_unless_done(
         self, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
     ) -> ClaimReply:
         """CLAIM where a stored result wins over a free claim (see Store): one statement."""
-        return await self._claim(self.sql.claim_unless_done, claim_key, result_key, token, seconds)
-
-    async def _claim(
-        self, stmt: Any, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
-    ) -> ClaimReply:
-        args = (
-            as_bytes(claim_key),
-            as_bytes(result_key),
-            as_bytes(token, "token"),
-            claim_seconds(seconds) * 1000,
-        )
-        self._purge_soon()
-        row = await self.driver.row(stmt, args)
-        assert row is not None
-        won, result = row[0], row[1]
-        # CLAIM: a won claim is CLAIMED; claim_unless_done: a stored result is the reply,
-        # the claim won or not.
-        if won and (result is None or stmt is self.sql.claim):
-            return CLAIMED
-        return None if result is None else claim_reply(bytes(result))
+        return await _claim(self, self.sql.claim_unless_done, claim_key, result_key, token, seconds)
 
     async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
         k, e = as_bytes(key), as_bytes(expected, "expected")
@@ -348,13 +291,80 @@ class PostgresStore:
         return sum(1 for row in rows if row[0])
 
 
+class _Purge:
+    """A store's background purge: a task of the event loop that used the store first,
+    every `purge_interval_seconds`; another loop starts its own once that one has closed."""
+
+    task: asyncio.Task[None] | None = None
+
+    def soon(self, store: PostgresStore) -> None:
+        """Start the task on first use, in the running loop (cheap once started)."""
+        task = self.task
+        if store.purge_interval_seconds is not None and (
+            task is None or task.get_loop().is_closed()
+        ):
+            self.task = asyncio.get_running_loop().create_task(self._every(store))
+
+    async def _every(self, store: PostgresStore) -> None:
+        interval = store.purge_interval_seconds
+        assert interval is not None
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                removed = await store.purge_expired()
+            except Exception as exc:
+                logger.warning("could not purge expired keys of %r: %s", store, exc)
+            else:
+                if removed:
+                    logger.debug("purged %d expired keys of %r", removed, store)
+
+    async def batches(self, store: PostgresStore) -> int:
+        """`PostgresStore.purge_expired`: statements until one deletes less than a batch."""
+        removed = 0
+        while True:
+            row = await store.driver.row(store.sql.purge, (PURGE_BATCH,))
+            count = int(row[0]) if row is not None else 0
+            removed += count
+            if count < PURGE_BATCH:
+                return removed
+
+    async def stop(self) -> None:
+        task, self.task = self.task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _claim(
+    store: PostgresStore, stmt: Any, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
+) -> ClaimReply:
+    args = (
+        as_bytes(claim_key),
+        as_bytes(result_key),
+        as_bytes(token, "token"),
+        claim_seconds(seconds) * 1000,
+    )
+    store._purge.soon(store)
+    row = await store.driver.row(stmt, args)
+    assert row is not None
+    won, result = row[0], row[1]
+    # CLAIM: a won claim is CLAIMED; claim_unless_done: a stored result is the reply,
+    # the claim won or not.
+    if won and (result is None or stmt is store.sql.claim):
+        return CLAIMED
+    return None if result is None else claim_reply(bytes(result))
+
+
 # Every PostgresStore of the process, for the fork handler.
 _stores: weakref.WeakSet[PostgresStore] = weakref.WeakSet()
 
 
 def _after_fork() -> None:
+    """In a fork's child: the parent's connections and purge task are not ours."""
     for store in list(_stores):
-        store._after_fork()
+        store._purge = _Purge()
+        store.driver.after_fork()
 
 
 if hasattr(os, "register_at_fork"):

@@ -111,9 +111,8 @@ class Statements:
         self.table = t
         self.ddl = ddl(t)
         self._steps(t)
-        self._renewals(t)
+        self._conditional(t)
         self._plain(t)
-        self._upkeep(t)
 
     def _steps(self, t: str) -> None:
         """A run's steps: CLAIM, CLAIM where a stored result wins, and publish."""
@@ -158,8 +157,8 @@ class Statements:
             " SELECT res.same, EXISTS (SELECT 1 FROM renewed) FROM res"
         )
 
-    def _renewals(self, t: str) -> None:
-        """CAEXPIRE (one or many), CAD and CAS: a change to a live row holding a token."""
+    def _conditional(self, t: str) -> None:
+        """What changes a row only where it holds a token: CAEXPIRE, CAD, CAS, FORGET."""
         # CAEXPIRE with ms > 0: the new deadline, only on a live row holding the token.
         self.caexpire = Statement.of(
             f"WITH a AS (SELECT $1::bytea AS k, $2::bytea AS e, $3::bigint AS ms, {_NOW} AS now)"
@@ -185,9 +184,27 @@ class Statements:
             f" UPDATE {t} AS t SET value = a.n FROM a"
             f" WHERE t.key = a.k AND t.value = a.e AND {_LIVE} RETURNING 1"
         )
+        # FORGET: unless a run holds the claim (it is live, holds another token than
+        # `expected`, and no result is stored), delete the result, the others and the
+        # claim; the claim row is locked meanwhile. Replies -1 (held, nothing deleted) or
+        # the count of live keys deleted. Rows written after the statement began are not
+        # seen, so are not deleted: a claim taken meanwhile stands.
+        self.forget = Statement.of(
+            f"WITH a AS (SELECT $1::bytea AS ck, $2::bytea AS rk, $3::bytea[] AS others,"
+            f" $4::bytea AS expected, {_NOW} AS now),"
+            f" c AS (SELECT t.value FROM {t} AS t, a WHERE t.key = a.ck AND {_LIVE} FOR UPDATE),"
+            " held AS (SELECT EXISTS (SELECT 1 FROM c, a"
+            " WHERE a.expected IS NULL OR c.value <> a.expected)"
+            f" AND NOT EXISTS (SELECT 1 FROM {t} AS t, a WHERE t.key = a.rk AND {_LIVE})"
+            " AS held),"
+            f" gone AS (DELETE FROM {t} AS t USING a, held WHERE NOT held.held"
+            f" AND t.key = ANY (ARRAY[a.ck, a.rk] || a.others) RETURNING {_LIVE} AS live)"
+            " SELECT CASE WHEN held.held THEN -1"
+            " ELSE (SELECT count(*) FROM gone WHERE live) END FROM held"
+        )
 
     def _plain(self, t: str) -> None:
-        """The plain commands: GET, SET (NX), PTTL, DEL."""
+        """The plain commands (GET, SET, SET NX, PTTL, DEL), and one batch of the purge."""
         self.get = Statement.of(
             f"WITH a AS (SELECT $1::bytea AS k, {_NOW} AS now)"
             f" SELECT t.value FROM {t} AS t, a WHERE t.key = a.k AND {_LIVE}"
@@ -219,27 +236,6 @@ class Statements:
         self.delete = Statement.of(
             f"WITH a AS (SELECT $1::bytea[] AS ks, {_NOW} AS now)"
             f" DELETE FROM {t} AS t USING a WHERE t.key = ANY (a.ks) RETURNING {_LIVE}"
-        )
-
-    def _upkeep(self, t: str) -> None:
-        """FORGET, and one batch of the background purge."""
-        # FORGET: unless a run holds the claim (it is live, holds another token than
-        # `expected`, and no result is stored), delete the result, the others and the
-        # claim; the claim row is locked meanwhile. Replies -1 (held, nothing deleted) or
-        # the count of live keys deleted. Rows written after the statement began are not
-        # seen, so are not deleted: a claim taken meanwhile stands.
-        self.forget = Statement.of(
-            f"WITH a AS (SELECT $1::bytea AS ck, $2::bytea AS rk, $3::bytea[] AS others,"
-            f" $4::bytea AS expected, {_NOW} AS now),"
-            f" c AS (SELECT t.value FROM {t} AS t, a WHERE t.key = a.ck AND {_LIVE} FOR UPDATE),"
-            " held AS (SELECT EXISTS (SELECT 1 FROM c, a"
-            " WHERE a.expected IS NULL OR c.value <> a.expected)"
-            f" AND NOT EXISTS (SELECT 1 FROM {t} AS t, a WHERE t.key = a.rk AND {_LIVE})"
-            " AS held),"
-            f" gone AS (DELETE FROM {t} AS t USING a, held WHERE NOT held.held"
-            f" AND t.key = ANY (ARRAY[a.ck, a.rk] || a.others) RETURNING {_LIVE} AS live)"
-            " SELECT CASE WHEN held.held THEN -1"
-            " ELSE (SELECT count(*) FROM gone WHERE live) END FROM held"
         )
         # One batch of the purge: expired rows not locked by anyone, by the index.
         # Replies the count of rows deleted.

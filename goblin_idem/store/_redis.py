@@ -14,7 +14,7 @@ import os
 import threading
 import weakref
 from collections.abc import Awaitable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
@@ -266,6 +266,34 @@ class _StoreConnection:
         with self._arriving:
             self._loops = self._drop_closed()
 
+
+# Every RedisStore of the process, for the fork handler.
+_stores: weakref.WeakSet[_StoreConnection] = weakref.WeakSet()
+
+
+def forget_everywhere(keys: Sequence[bytes]) -> None:
+    """Drop `keys` from every replay cache of this process, every store's and every loop's:
+    called before and after a step that deletes them, so that no connection of this process
+    answers them from memory once the step has returned, whether or not the server's
+    invalidation has reached it yet (a fill under way then is spoiled; one read before the
+    step and done is dropped by the second call)."""
+    for store in list(_stores):
+        store._forget(keys)
+
+
+def _after_fork() -> None:
+    for store in list(_stores):
+        store._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+class _StoreCommands(_StoreConnection):
+    """What RedisStore's methods go through: the plain commands, detection's gate, one GOBLIN
+    command, and a claim's or a publish's replies read past the fast path."""
+
     # -- plain commands, through the running loop's redis-py client --
 
     async def _plain(self, command: Awaitable[Any]) -> Any:
@@ -310,31 +338,104 @@ class _StoreConnection:
         finally:
             self._forget(names)
 
+    async def _ready(self) -> bool:
+        """Whether the GOBLIN commands are native, once detection has run."""
+        detection = self._detection
+        if not detection.done and not detection.ready():  # it probes the whole RedisStore
+            await detection.run(cast("RedisStore", self), self._executor)
+        return detection.mode == "native"
 
-# Every RedisStore of the process, for the fork handler.
-_stores: weakref.WeakSet[_StoreConnection] = weakref.WeakSet()
+    async def _goblin(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
+        """One GOBLIN command, its reply (an error reply raised, as the native one reads)."""
+        command = script.call(await self._ready(), keys, args)
+        self._forget(keys)  # every GOBLIN command but CLAIM may change its key
+        try:
+            (reply,) = await self._executor.send(keys[0], [command])
+        finally:
+            self._forget(keys)
+        return unwrap(reply, self._acl_user)
+
+    async def _claimed(
+        self, replies: list[Any], acked: Acked, ck: bytes, rk: bytes, tok: bytes, lease: int
+    ) -> ClaimReply:
+        """What CLAIM's and PTTL's replies say, read the general way (not on the shared
+        connection, or not as it came: an error, NOSCRIPT, a result that outlived its claim)."""
+        reply, result_ttl = replies
+        replays = self._executor.replays  # the running loop's, as `claim_unless_done` read it
+        if isinstance(reply, OutOfMemoryError):
+            return await self._read_when_full(ck, rk, reply)
+        claimed = claim_reply(unwrap(reply, self._acl_user))
+        if claimed is not CLAIMED:
+            if claimed is not None and replays is not None:
+                replays.fill(rk, ck)  # later duplicates: from memory, once it is tracked
+            return claimed
+        ttl = int(unwrap(result_ttl, self._acl_user))
+        if ttl != -2:
+            survived = await self._result_survived(ck, rk, tok, lease, ttl)
+            if survived is not CLAIMED:
+                return survived
+        acked.check(_CLAIM_KEPT)
+        return CLAIMED
+
+    async def _result_survived(
+        self, ck: bytes, rk: bytes, token: bytes, lease: int, result_ttl: int
+    ) -> ClaimReply:
+        """The claim was won, yet a result is stored: the claim had been lost. Read the
+        result and keep the claim as long as the result (a lease at least, so that it never
+        expires under a run should the result have expired meanwhile): one round trip."""
+        keep = max(result_ttl, lease * 1000)
+        renew = scripts.CAEXPIRE.call(self.mode == "native", (ck,), (token, keep))
+        value, _ = await self._executor.send(ck, [("GET", rk), renew])
+        if unwrap(value, self._acl_user) is None:  # expired meanwhile: the claim is the
+            return CLAIMED  # caller's to run
+        logger.warning(
+            "goblin-idem store: key %s: its claim was gone while its result was stored "
+            "(evicted, or lost in a restart or failover): answered from the result instead "
+            "of running again, and the claim is retaken for the result's TTL",
+            shown(ck),
+        )
+        return as_bytes(value, "reply")
+
+    async def _read_when_full(self, ck: bytes, rk: bytes, refused: OutOfMemoryError) -> ClaimReply:
+        """CLAIM was refused for memory (it writes): answer from reads, which a full server
+        still serves. A stored result is the answer; a held claim is in flight; only a free
+        key has nothing to go by, and gets the refusal."""
+        value, claim_ttl = await self._executor.send(ck, [("GET", rk), ("PTTL", ck)])
+        if unwrap(value, self._acl_user) is not None:
+            return as_bytes(value, "reply")
+        if int(unwrap(claim_ttl, self._acl_user)) != -2:
+            return None
+        raise refused
+
+    def _published(self, replies: list[Any], acked: Acked) -> tuple[bool, int]:
+        """What the publish transaction's replies (its EXEC's last) say was done: whether
+        the result was written, and the claim's CAEXPIRE reply."""
+        for reply in replies:  # a refusal at MULTI time aborts the EXEC: raise the refusal
+            unwrap(reply, self._acl_user)
+        stored, renewed = replies[-1][:2]
+        written = unwrap(stored, self._acl_user) is not None
+        renewed = int(unwrap(renewed, self._acl_user))
+        acked.check("the published response")
+        return written, renewed
+
+    async def _stood(
+        self, rk: bytes, value: bytes, ck: bytes, token: bytes, renewed: int
+    ) -> Published:
+        """SET NX found a result stored: read it and its TTL (one round trip). If it holds
+        these very bytes, it is this publish's own (an earlier attempt landed, its reply
+        lost). Otherwise another run's result stands; a claim this publish renewed is then
+        cut to that result's remaining TTL (one more round trip), so that it does not
+        outlive the result and answer 409 after it."""
+        stored, left = await self._executor.send(ck, [("GET", rk), ("PTTL", rk)])
+        if unwrap(stored, self._acl_user) == value:
+            return WRITTEN[renewed]
+        left = int(unwrap(left, self._acl_user))
+        if renewed and left > 0:  # CAEXPIRE, as `RedisStore.caexpire` sends it
+            await self._goblin(scripts.CAEXPIRE, (ck,), token, caexpire_ms(left))
+        return Published.SUPERSEDED
 
 
-def forget_everywhere(keys: Sequence[bytes]) -> None:
-    """Drop `keys` from every replay cache of this process, every store's and every loop's:
-    called before and after a step that deletes them, so that no connection of this process
-    answers them from memory once the step has returned, whether or not the server's
-    invalidation has reached it yet (a fill under way then is spoiled; one read before the
-    step and done is dropped by the second call)."""
-    for store in list(_stores):
-        store._forget(keys)
-
-
-def _after_fork() -> None:
-    for store in list(_stores):
-        store._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
-
-
-class RedisStore(_StoreConnection):
+class RedisStore(_StoreCommands):
     """The GOBLIN commands on a Redis-protocol server, natively or as Lua scripts.
 
     ``mode="native"`` sends GOBLIN.* as is; ``mode="script"`` runs the spec's Lua with
@@ -427,23 +528,6 @@ class RedisStore(_StoreConnection):
             return []
         return await self._detection.notes(self, self._executor)
 
-    async def _ready(self) -> bool:
-        """Whether the GOBLIN commands are native, once detection has run."""
-        detection = self._detection
-        if not detection.done and not detection.ready():
-            await detection.run(self, self._executor)
-        return detection.mode == "native"
-
-    async def _goblin(self, script: scripts.Script, keys: Sequence[bytes], *args: Any) -> Any:
-        """One GOBLIN command, its reply (an error reply raised, as the native one reads)."""
-        command = script.call(await self._ready(), keys, args)
-        self._forget(keys)  # every GOBLIN command but CLAIM may change its key
-        try:
-            (reply,) = await self._executor.send(keys[0], [command])
-        finally:
-            self._forget(keys)
-        return unwrap(reply, self._acl_user)
-
     # -- the four GOBLIN commands --
 
     async def claim(
@@ -498,51 +582,7 @@ class RedisStore(_StoreConnection):
                     return CLAIMED
             else:
                 replies = await executor.resent(ck, step, replies)
-        reply, result_ttl = replies
-        if isinstance(reply, OutOfMemoryError):
-            return await self._read_when_full(ck, rk, reply)
-        claimed = claim_reply(unwrap(reply, self._acl_user))
-        if claimed is not CLAIMED:
-            if claimed is not None and replays is not None:
-                replays.fill(rk, ck)  # later duplicates: from memory, once it is tracked
-            return claimed
-        ttl = int(unwrap(result_ttl, self._acl_user))
-        if ttl != -2:
-            survived = await self._result_survived(ck, rk, tok, lease, ttl)
-            if survived is not CLAIMED:
-                return survived
-        acked.check(_CLAIM_KEPT)
-        return CLAIMED
-
-    async def _result_survived(
-        self, ck: bytes, rk: bytes, token: bytes, lease: int, result_ttl: int
-    ) -> ClaimReply:
-        """The claim was won, yet a result is stored: the claim had been lost. Read the
-        result and keep the claim as long as the result (a lease at least, so that it never
-        expires under a run should the result have expired meanwhile): one round trip."""
-        keep = max(result_ttl, lease * 1000)
-        renew = scripts.CAEXPIRE.call(self.mode == "native", (ck,), (token, keep))
-        value, _ = await self._executor.send(ck, [("GET", rk), renew])
-        if unwrap(value, self._acl_user) is None:  # expired meanwhile: the claim is the
-            return CLAIMED  # caller's to run
-        logger.warning(
-            "goblin-idem store: key %s: its claim was gone while its result was stored "
-            "(evicted, or lost in a restart or failover): answered from the result instead "
-            "of running again, and the claim is retaken for the result's TTL",
-            shown(ck),
-        )
-        return as_bytes(value, "reply")
-
-    async def _read_when_full(self, ck: bytes, rk: bytes, refused: OutOfMemoryError) -> ClaimReply:
-        """CLAIM was refused for memory (it writes): answer from reads, which a full server
-        still serves. A stored result is the answer; a held claim is in flight; only a free
-        key has nothing to go by, and gets the refusal."""
-        value, claim_ttl = await self._executor.send(ck, [("GET", rk), ("PTTL", ck)])
-        if unwrap(value, self._acl_user) is not None:
-            return as_bytes(value, "reply")
-        if int(unwrap(claim_ttl, self._acl_user)) != -2:
-            return None
-        raise refused
+        return await self._claimed(replies, acked, ck, rk, tok, lease)
 
     async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
         """Atomically: if GET key == expected, PEXPIRE key ms (ms <= 0 deletes)."""
@@ -620,33 +660,6 @@ class RedisStore(_StoreConnection):
             replies = await executor.resent(ck, step, replies)
         written, renewed = self._published(replies, acked)
         return WRITTEN[renewed] if written else await self._stood(rk, v, ck, tok, renewed)
-
-    def _published(self, replies: list[Any], acked: Acked) -> tuple[bool, int]:
-        """What the publish transaction's replies (its EXEC's last) say was done: whether
-        the result was written, and the claim's CAEXPIRE reply."""
-        for reply in replies:  # a refusal at MULTI time aborts the EXEC: raise the refusal
-            unwrap(reply, self._acl_user)
-        stored, renewed = replies[-1][:2]
-        written = unwrap(stored, self._acl_user) is not None
-        renewed = int(unwrap(renewed, self._acl_user))
-        acked.check("the published response")
-        return written, renewed
-
-    async def _stood(
-        self, rk: bytes, value: bytes, ck: bytes, token: bytes, renewed: int
-    ) -> Published:
-        """SET NX found a result stored: read it and its TTL (one round trip). If it holds
-        these very bytes, it is this publish's own (an earlier attempt landed, its reply
-        lost). Otherwise another run's result stands; a claim this publish renewed is then
-        cut to that result's remaining TTL (one more round trip), so that it does not
-        outlive the result and answer 409 after it."""
-        stored, left = await self._executor.send(ck, [("GET", rk), ("PTTL", rk)])
-        if unwrap(stored, self._acl_user) == value:
-            return WRITTEN[renewed]
-        left = int(unwrap(left, self._acl_user))
-        if renewed and left > 0:
-            await self.caexpire(ck, token, left)
-        return Published.SUPERSEDED
 
     async def caexpire_many(
         self, renewals: Sequence[tuple[KeyT, KeyT, int]]
