@@ -339,6 +339,7 @@ class _Purge:
 async def _claim(
     store: PostgresStore, stmt: Any, claim_key: KeyT, result_key: KeyT, token: KeyT, seconds: int
 ) -> ClaimReply:
+    """CLAIM, or claim_unless_done (`stmt`), for `PostgresStore`: one statement."""
     args = (
         as_bytes(claim_key),
         as_bytes(result_key),
