@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Sequence
 from typing import Any, Final, TypeVar, cast
@@ -425,13 +427,17 @@ class _StoreCommands(_StoreConnection):
         these very bytes, it is this publish's own (an earlier attempt landed, its reply
         lost). Otherwise another run's result stands; a claim this publish renewed is then
         cut to that result's remaining TTL (one more round trip), so that it does not
-        outlive the result and answer 409 after it."""
+        outlive the result and answer 409 after it. The PTTL was read no earlier than it
+        was sent and the CAEXPIRE runs no earlier than it is sent, so the time between the
+        two sends is taken off: a delay here (a busy loop) does not lengthen the claim."""
+        sent = time.monotonic()
         stored, left = await self._executor.send(ck, [("GET", rk), ("PTTL", rk)])
         if unwrap(stored, self._acl_user) == value:
             return WRITTEN[renewed]
         left = int(unwrap(left, self._acl_user))
         if renewed and left > 0:  # CAEXPIRE, as `RedisStore.caexpire` sends it
-            await self._goblin(scripts.CAEXPIRE, (ck,), token, caexpire_ms(left))
+            left -= math.ceil((time.monotonic() - sent) * 1000)
+            await self._goblin(scripts.CAEXPIRE, (ck,), token, caexpire_ms(max(left, 1)))
         return Published.SUPERSEDED
 
 
