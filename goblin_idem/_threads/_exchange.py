@@ -9,8 +9,14 @@ item posted before it: the app is asked for the next chunk only once the previou
 reached the server, which is the only back-pressure a sync server needs.
 
 Each crossing is one wake-up of the other thread (about 25 us on a loaded 2-core machine),
-so the adapters cross as few times as they can: a request with a key and a small body,
-answered by an app in one piece, crosses four times (start, run the app, response, end).
+so the adapters cross as few times as they can. A first run of a request with a key and a
+small body, answered by an app in one piece, crosses four times: the start (to the loop
+thread), the app's run once the claim is won (to the caller's thread), the app's response
+(to the loop thread, which publishes it), and the response with the end of the coroutine
+(to the caller's thread): an item posted as the `last` one is held and handed over with
+the end, so the caller's thread never waits again for an end that follows it at once. A
+replay or a refusal (a 409 for a key in flight) crosses twice: the start, then the answer
+with the end.
 
 An exception raised in the caller's thread reaches the coroutine as `Raised` (an
 Exception: a KeyboardInterrupt or SystemExit raised in a task would stop the loop thread),
@@ -45,14 +51,19 @@ class Raised(Exception):
         self.error = error
 
 
+_NOTHING: Any = object()  # no last item held
+
+
 class _Done:
-    """The end of the coroutine: its result, or its error."""
+    """The end of the coroutine: its result, or its error; and the item posted as its
+    last, if it was still held (one hand-over for both)."""
 
-    __slots__ = ("error", "result")
+    __slots__ = ("error", "last", "result")
 
-    def __init__(self, result: Any, error: BaseException | None) -> None:
+    def __init__(self, result: Any, error: BaseException | None, last: Any) -> None:
         self.result = result
         self.error = error
+        self.last = last
 
 
 class _Call:
@@ -72,7 +83,7 @@ DONE: Any = object()  # what `next` returns once the coroutine has ended without
 class Exchange:
     """A coroutine on the loop thread and the thread that waits for it."""
 
-    __slots__ = ("_abandoned", "_at_end", "_jobs", "_task", "done", "loop", "thread")
+    __slots__ = ("_abandoned", "_at_end", "_jobs", "_last", "_task", "done", "loop", "thread")
 
     def __init__(self, thread: LoopThread) -> None:
         self.thread = thread
@@ -82,6 +93,7 @@ class Exchange:
         self._abandoned = False  # the caller's thread stopped waiting
         self.done: _Done | None = None  # set in the caller's thread, once it has seen the end
         self._at_end: list[Callable[[], object]] | None = None
+        self._last: Any = _NOTHING  # posted as the last item, held for the end (loop side)
 
     @staticmethod
     def running() -> Exchange | None:
@@ -103,6 +115,8 @@ class Exchange:
             elif type(job) is _Done:
                 self.done = job
                 self._ended()
+                if job.last is not _NOTHING:
+                    return job.last
             else:
                 return job
         error = self.done.error
@@ -175,23 +189,39 @@ class Exchange:
         try:
             result = await coro
         except BaseException as exc:  # the caller's thread re-raises it; the task ends
-            self._jobs.put(_Done(None, exc))
+            self._jobs.put(_Done(None, exc, self._take_last()))
             if not isinstance(exc, (Exception, asyncio.CancelledError)):
                 raise
         else:
-            self._jobs.put(_Done(result, None))
+            self._jobs.put(_Done(result, None, self._take_last()))
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` run in the caller's thread, after every item posted before."""
         if self._abandoned:
             raise asyncio.CancelledError
         future: asyncio.Future[T] = self.loop.create_future()
+        if self._last is not _NOTHING:
+            self._jobs.put(self._take_last())
         self._jobs.put(_Call(fn, args, future))
         return await future
 
-    def post(self, item: Any) -> None:
-        """Hand `item` over to the caller's thread (`next` returns it)."""
-        self._jobs.put(item)
+    def post(self, item: Any, last: bool = False) -> None:
+        """Hand `item` over to the caller's thread (`next` returns it). An item posted as
+        the `last` one (the response's last message) is held and goes with the
+        coroutine's end, in one hand-over: what the coroutine does after it (nothing
+        that waits, in the adapters: their closing steps come before the last message)
+        must end before the caller's thread has it. Anything handed over before the end
+        takes it along first, in order."""
+        if self._last is not _NOTHING:
+            self._jobs.put(self._take_last())
+        if last:
+            self._last = item
+        else:
+            self._jobs.put(item)
+
+    def _take_last(self) -> Any:
+        last, self._last = self._last, _NOTHING
+        return last
 
     def _cancel(self) -> None:
         if self._task is not None:  # started before: `start` was called first

@@ -20,7 +20,11 @@ On the way:
 - the response: a chunk that completes the Content-Length goes as the response's last
   message, after the app's iterable has been drained and closed, so the claim's publish
   comes before the client has the whole body; `close()` is called on the app's iterable
-  in every case, in the request's thread;
+  in every case, in the request's thread. The last message reaches the request's thread
+  with the middleware's end, in one hand-over (`Exchange.post`): by then the middleware
+  has nothing left to wait for (its closing step, the publish or the release, came before
+  that message), and a body in one piece went to the server only once the middleware had
+  ended anyway;
 - a client that disconnects (the server closes the outer iterable early): the middleware's
   next send raises `ClientGone`, an OSError as an ASGI server's would, so the app's
   iterable is closed and the key released;
@@ -260,15 +264,16 @@ class Handoff:
 
     async def send(self, message: Message) -> None:
         """The outer response: a start is held back and handed over with the first body
-        message (nothing reaches a sync server before it); other messages (trailers) have
-        no sync equivalent and are dropped."""
+        message (nothing reaches a sync server before it), the last body message with the
+        middleware's end; other messages (trailers) have no sync equivalent and are
+        dropped."""
         if self.gone:
             raise ClientGone("the client disconnected")
         kind = message["type"]
         if kind == "http.response.start":
             self._start = message
         elif kind == "http.response.body":
-            self.exchange.post((self._start, message))
+            self.exchange.post((self._start, message), not message.get("more_body", False))
             self._start = None
 
 
@@ -329,7 +334,8 @@ class Outer:
         return self.start is self.handoff.responder.start_message
 
     def whole(self) -> bytes | None:
-        """The body, if the first message was the last (once the middleware has ended)."""
+        """The body, if the first message was the last (once the middleware has ended: the
+        last message came with its end, so this waits for nothing more)."""
         assert self.first is not None
         message = self.first[1]
         if message.get("more_body", False):

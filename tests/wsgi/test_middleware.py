@@ -10,6 +10,7 @@ import asyncio
 import io
 import json
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,7 @@ from goblin_idem import (
     IdempotencyMiddleware as ASGIMiddleware,
 )
 from goblin_idem._keys import key_names
+from goblin_idem._threads._exchange import Exchange
 from goblin_idem._threads._loop import loop_thread
 from goblin_idem.wsgi import IdempotencyMiddleware
 from tests.store.test_replay_cache import commands_served
@@ -202,6 +204,55 @@ def test_the_original_status_line_and_header_names_pass_through(store: Store) ->
     assert first.status == "201 Payment Accepted" and ("X-Run", "1") in first.headers
     replayed = call(mw, key="k")  # from the record: the code's reason phrase, names lowercased
     assert replayed.status == "201 Created" and ("x-run", "1") in replayed.headers
+
+
+class CountedJobs(queue.SimpleQueue[Any]):
+    """A request's queue of what the loop thread hands its thread, counted."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        self.puts += 1
+        super().put(item)
+
+
+def test_a_response_in_one_piece_comes_with_the_exchange_s_end_in_one_hand_over(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the loop thread hands the request's thread: for a new key the app's run, then
+    its response with the end of the exchange (one hand-over, not two); for a replay and
+    an in-flight 409, the answer with the end."""
+    queues: list[CountedJobs] = []
+    made = Exchange.__init__
+
+    def counted(self: Exchange, thread: Any) -> None:
+        made(self, thread)
+        self._jobs = CountedJobs()
+        queues.append(self._jobs)
+
+    monkeypatch.setattr(Exchange, "__init__", counted)
+    entered, gate = threading.Event(), threading.Event()
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        environ["wsgi.input"].read()
+        if environ["HTTP_IDEMPOTENCY_KEY"] == "slow":
+            entered.set()
+            gate.wait(30)
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [b"done"]
+
+    mw = IdempotencyMiddleware(app, store=store)
+    assert call(mw, key="k").code == 201 and queues[-1].puts == 2
+    assert call(mw, key="k").header("Idempotent-Replayed") == "true" and queues[-1].puts == 1
+    slow = threading.Thread(target=call, args=(mw,), kwargs={"key": "slow"})
+    slow.start()
+    try:
+        assert entered.wait(30)
+        assert call(mw, key="slow").code == 409 and queues[-1].puts == 1
+    finally:
+        gate.set()
+        slow.join(30)
 
 
 # -- a response as WSGI streams it ----------------------------------------------------------
