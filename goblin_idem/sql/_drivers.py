@@ -58,23 +58,23 @@ async def begin_looking(
     query (`RecordsTable._lookup_begun`), its row or None. psycopg sends its own BEGIN
     ahead of a connection's first statement and waits for its answer, even in a
     pipeline: a round trip of its own. So psycopg is told to begin nothing for this one
-    query (autocommit), whose text leads with the BEGIN it would have sent (the engine's
-    isolation level, read only, deferrable), and then told it is not in autocommit
-    again: its own flag, set back while the transaction is open, since its setter
-    refuses then. The connection is then as after psycopg's own BEGIN: the run's
-    statements are in that transaction, and a statement after a rollback begins another.
-    Without that flag (another psycopg), on a connection not idle, or on an engine in
-    autocommit (which begins nothing anyway), the lookup as before: in a pipeline,
-    behind psycopg's own BEGIN if any."""
+    query (its own autocommit flag, set and set back around it: its setter refuses while
+    a transaction is open), whose text leads with the BEGIN it would have sent (the
+    engine's isolation level, read only, deferrable). The connection is then as after
+    psycopg's own BEGIN: the run's statements are in that transaction, and a statement
+    after a rollback begins another. Without that flag (another psycopg), on a connection
+    not idle, or on an engine in autocommit (which begins nothing anyway), the lookup as
+    before: in a pipeline, behind psycopg's own BEGIN if any."""
     raw: Any = (await pooled(conn)).driver_connection  # psycopg's own
     if raw.autocommit or not _can_begin(raw):
         async with raw.pipeline():
             cursor = await raw.execute(records._sql(conn, LOOKUP_SQL_PSYCOPG), (key, now))
         return await cursor.fetchone()
     text = records._lookup_begun(conn.dialect, _begin_statement(raw), key, now)
-    await raw.set_autocommit(True)
+    raw._autocommit = True  # as its setter would on an idle connection (`_can_begin`)
     try:
-        cursor = await raw.execute(text)
+        # Not counted towards preparing: a text made for one key is never seen again.
+        cursor = await raw.execute(text, prepare=False)
     finally:
         raw._autocommit = False  # what it was: psycopg begins again after a rollback
     cursor.nextset()  # past BEGIN's result, to the SELECT's
@@ -122,7 +122,7 @@ async def at_once(
         return await pipelined(records, conn, tx, row)
     raw: Any = (await pooled(conn)).driver_connection  # psycopg's own
     try:
-        await raw.execute(text)
+        await raw.execute(text, prepare=False)  # made for one row: never prepared
     except UniqueViolation as exc:
         if not records._taken(exc):
             raise
