@@ -1,6 +1,6 @@
 """Round trips of a run's record commit on PostgreSQL, per driver.
 
-    python3 bench/sql_bench.py [--latency-ms 20] [--runs 5] [--messages]
+    python3 bench/sql_bench.py [--latency-ms 20] [--runs 5] [--messages | --instructions]
 
 A throwaway PostgreSQL (tests/support/postgres.py) is reached through the test suite's
 loopback proxy with `latency` added each way, so a round trip costs twice that; a run's
@@ -15,16 +15,23 @@ AsyncSession of the app's own that commits (no records).
 `--messages` prints, for that whole run and driver, what the client sent in each round
 trip (PostgreSQL's frontend messages: Q a query as text, P/B/E a statement parsed, bound,
 executed, S a sync), read by a forwarder of its own with no latency.
+
+`--instructions` counts this process's instructions per new key's whole run, with records
+and without (valgrind's callgrind, in a child process per count: 30 runs, then 130, the
+difference over 100; the server's work is not in them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import secrets
 import statistics
 import struct
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -215,16 +222,55 @@ class Messages:
         return trips
 
 
+INSTRUCTION_RUNS = (30, 130)
+
+
+def instructions(url: str, kind: str) -> float:
+    """Instructions per run of `kind` (callgrind, a child process per count)."""
+    totals = []
+    for runs in INSTRUCTION_RUNS:
+        with tempfile.NamedTemporaryFile(suffix=".callgrind") as out:
+            command = [sys.executable, __file__, "--child", url, kind, str(runs)]
+            subprocess.run(
+                ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out.name}", *command],
+                check=True,
+                capture_output=True,
+            )
+            found = re.search(rb"^(?:summary|totals): (\d+)", out.read(), re.M)
+            assert found is not None, "no totals in callgrind's output"
+            totals.append(int(found[1]))
+    return (totals[1] - totals[0]) / (INSTRUCTION_RUNS[1] - INSTRUCTION_RUNS[0])
+
+
+async def child(url: str, kind: str, runs: int) -> None:
+    """`runs` runs of `kind`, after as many as `measure_runs` warms up with."""
+    engine, kinds = await made(url)
+    for _ in range(6 + runs):
+        await kinds[kind]()
+    await engine.dispose()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--latency-ms", type=float, default=20)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--messages", action="store_true")
+    parser.add_argument("--instructions", action="store_true")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # URL KIND RUNS
     args = parser.parse_args()
+    if args.child:
+        url, kind, runs = args.child
+        return await child(url, kind, int(runs))
     one_way = args.latency_ms / 1000
     postgres = start_postgres()
     try:
         database = postgres.new_database()
+        if args.instructions:
+            for driver in DRIVERS:
+                for kind in ("no records", "records"):
+                    count = instructions(postgres.url(database, driver), kind)
+                    print(f"{driver:8} {kind:10} {count:,.0f} instructions per new key")
+            return
         if args.messages:
             messages = Messages(postgres.port)
             for driver in DRIVERS:
