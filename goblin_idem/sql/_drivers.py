@@ -12,44 +12,31 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncTransaction
 
 from .._recording import RecordRow
 from ._failures import unavailable
-from ._table import IN_ONE_MAX, IN_ONE_SQL, RecordsTable, _utcnow
+from ._table import LOOKUP_SQL_PSYCOPG, RecordsTable
 
-__all__ = ["drop_if_broken", "in_one", "pipelined"]
+__all__ = ["at_once", "begin_looking", "drop_if_broken", "in_one", "pipelined", "pooled"]
 
 
 async def in_one(
     records: RecordsTable, conn: AsyncConnection, adapter: Any, row: RecordRow
 ) -> bool | None:
     """asyncpg's commit in one round trip: the key's expired row deleted, the row
-    inserted and COMMIT, sent as one text (asyncpg has no pipeline, and its
-    transaction's COMMIT is a query of its own). The insert raises on an unexpired row
-    (the primary key), which aborts the rest, the COMMIT included: False, nothing of
-    the run committed. The values go in the text as literals made of hex digits and
-    ISO timestamps only, never text from outside. None, having sent
-    nothing, unless the transaction is the one SQLAlchemy's asyncpg adapter began (its
-    asyncpg Transaction the connection's top one, which are then ended without a
-    second COMMIT; SQLAlchemy 2.1's adapter, whose state is those two), or the record
-    is too large to send as hex."""
+    inserted and COMMIT, sent as one text (`RecordsTable._in_one`: asyncpg has no
+    pipeline, and its transaction's COMMIT is a query of its own). The insert raises on
+    an unexpired row (the primary key), which aborts the rest, the COMMIT included:
+    False, nothing of the run committed. None, having sent nothing, unless the
+    transaction is the one SQLAlchemy's asyncpg adapter began (its asyncpg Transaction
+    the connection's top one, which are then ended without a second COMMIT; SQLAlchemy
+    2.1's adapter, whose state is those two), or the record is too large to send as hex."""
     raw = adapter.driver_connection
     xact = getattr(adapter, "_transaction", None)
-    too_large = len(row.data) > IN_ONE_MAX
-    if xact is None or getattr(raw, "_top_xact", None) is not xact or too_large:
+    if xact is None or getattr(raw, "_top_xact", None) is not xact:
         return None
     if hasattr(adapter, "_started"):
         return None  # SQLAlchemy 2.0's adapter, whose own flag would outlive the commit
-    if not row.key_hash.isascii() or not row.key_hash.isalnum():
-        return None  # never the case (a hex digest), but a literal must hold no quote
-    now = _utcnow()
-    expires = now + datetime.timedelta(milliseconds=row.ttl_ms)
-    table = conn.dialect.identifier_preparer.format_table(records.table)
-    text = IN_ONE_SQL.format(table=table.replace("{", "{{").replace("}", "}}")).format(
-        key=row.key.hex(),
-        key_hash=row.key_hash,
-        fp=row.fp.hex(),
-        record=row.data.hex(),
-        now=now.isoformat(),
-        expires=expires.isoformat(),
-    )
+    text = records._in_one(conn.dialect, row)
+    if text is None:
+        return None
     try:
         await raw.execute(text)
     except Exception as exc:
@@ -64,6 +51,86 @@ async def in_one(
     return True
 
 
+async def begin_looking(
+    records: RecordsTable, conn: AsyncConnection, key: bytes, now: datetime.datetime
+) -> Any:
+    """psycopg: the run's transaction begun and `key` looked up in one round trip, one
+    query (`RecordsTable._lookup_begun`), its row or None. psycopg sends its own BEGIN
+    ahead of a connection's first statement and waits for its answer, even in a
+    pipeline: a round trip of its own. So psycopg is told to begin nothing for this one
+    query (its own autocommit flag, set and set back around it: its setter refuses while
+    a transaction is open), whose text leads with the BEGIN it would have sent (the
+    engine's isolation level, read only, deferrable). The connection is then as after
+    psycopg's own BEGIN: the run's statements are in that transaction, and a statement
+    after a rollback begins another. Without that flag (another psycopg), on a connection
+    not idle, or on an engine in autocommit (which begins nothing anyway), the lookup as
+    before: in a pipeline, behind psycopg's own BEGIN if any."""
+    raw: Any = (await pooled(conn)).driver_connection  # psycopg's own
+    if raw.autocommit or not _can_begin(raw):
+        async with raw.pipeline():
+            cursor = await raw.execute(records._sql(conn, LOOKUP_SQL_PSYCOPG), (key, now))
+        return await cursor.fetchone()
+    text = records._lookup_begun(conn.dialect, _begin_statement(raw), key, now)
+    raw._autocommit = True  # as its setter would on an idle connection (`_can_begin`)
+    try:
+        # Not counted towards preparing: a text made for one key is never seen again.
+        cursor = await raw.execute(text, prepare=False)
+    finally:
+        raw._autocommit = False  # what it was: psycopg begins again after a rollback
+    cursor.nextset()  # past BEGIN's result, to the SELECT's
+    return await cursor.fetchone()
+
+
+def _can_begin(raw: Any) -> bool:
+    """Whether `begin_looking` can send the BEGIN on `raw`: idle, and psycopg's own
+    autocommit flag where this release keeps it."""
+    from psycopg.pq import TransactionStatus
+
+    idle = raw.info.transaction_status == TransactionStatus.IDLE
+    return idle and getattr(raw, "_autocommit", None) is False
+
+
+def _begin_statement(raw: Any) -> str:
+    """The BEGIN psycopg would send on `raw` (its isolation level, read only, deferrable
+    settings, as the engine set them), made of keywords only."""
+    from psycopg import IsolationLevel
+
+    parts = ["BEGIN"]
+    if raw.isolation_level is not None:
+        level = IsolationLevel(raw.isolation_level).name.replace("_", " ")
+        parts.append(f"ISOLATION LEVEL {level}")
+    if raw.read_only is not None:
+        parts.append("READ ONLY" if raw.read_only else "READ WRITE")
+    if raw.deferrable is not None:
+        parts.append("DEFERRABLE" if raw.deferrable else "NOT DEFERRABLE")
+    return " ".join(parts)
+
+
+async def at_once(
+    records: RecordsTable, conn: AsyncConnection, tx: AsyncTransaction, row: RecordRow
+) -> bool:
+    """psycopg's commit in one round trip and one query: the text asyncpg's `in_one`
+    sends (the expired row's DELETE, the INSERT and COMMIT), which a query without
+    parameters carries whole; a pipeline of the three costs the app several event loop
+    turns more. The insert raises on an unexpired row (the primary key), which aborts
+    the rest, the COMMIT included: False, nothing of the run committed. A record too
+    large to send as hex goes through the pipeline (`pipelined`)."""
+    from psycopg.errors import UniqueViolation
+
+    text = records._in_one(conn.dialect, row)
+    if text is None:
+        return await pipelined(records, conn, tx, row)
+    raw: Any = (await pooled(conn)).driver_connection  # psycopg's own
+    try:
+        await raw.execute(text, prepare=False)  # made for one row: never prepared
+    except UniqueViolation as exc:
+        if not records._taken(exc):
+            raise
+        return False
+    await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
+    return True
+
+
 async def pipelined(
     records: RecordsTable, conn: AsyncConnection, tx: AsyncTransaction, row: RecordRow
 ) -> bool:
@@ -73,7 +140,7 @@ async def pipelined(
     it in the pipeline, the COMMIT included: nothing of the run commits."""
     from psycopg.errors import UniqueViolation
 
-    raw: Any = (await conn.get_raw_connection()).driver_connection  # psycopg's own
+    raw: Any = (await pooled(conn)).driver_connection  # psycopg's own
     statements = records._pipeline(conn.dialect, row)
     try:
         async with raw.pipeline(), raw.cursor() as cursor:
@@ -85,6 +152,16 @@ async def pipelined(
         return False
     await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
     return True
+
+
+async def pooled(conn: AsyncConnection) -> Any:
+    """`conn`'s pooled DBAPI connection (`get_raw_connection`), without the greenlet
+    SQLAlchemy's call starts when `conn` holds one already (open and not invalidated, as a
+    run's is): that call only reconnects otherwise."""
+    sync = conn.sync_connection
+    if sync is not None and not sync.closed and not sync.invalidated:
+        return sync.connection
+    return await conn.get_raw_connection()
 
 
 async def drop_if_broken(conn: AsyncConnection, exc: Exception) -> None:

@@ -24,13 +24,12 @@ from sqlalchemy.ext.asyncio import (
 
 from .._recording import RecordRow, kept
 from ._context import RunTransaction
-from ._drivers import drop_if_broken, in_one, pipelined
+from ._drivers import at_once, begin_looking, drop_if_broken, in_one, pooled
 from ._failures import connecting, unavailable_as
 from ._sqlite import sqlite_engine
 from ._table import (
     DEFAULT_TABLE,
     LOOKUP_SQL,
-    LOOKUP_SQL_PSYCOPG,
     PURGE_BATCH,
     UPSERT_SQL,
     RecordsTable,
@@ -146,7 +145,8 @@ class SqlRecords(RecordsTable):
     ) -> tuple[bytes, int] | None:
         """The key's unexpired record, looked up on `conn` in one round trip. `begin`: on
         psycopg, the run's transaction begins with the lookup (`begun`), in the same round
-        trip (its pipeline), so that the run's first write does not wait for a BEGIN. The
+        trip and query (`begin_looking`), so that the run's first write does not wait for
+        a BEGIN. The
         connection is invalidated if it was lost (`drop_if_broken`)."""
         now = _utcnow()
         try:
@@ -155,15 +155,11 @@ class SqlRecords(RecordsTable):
                 # The driver's own call: SQLAlchemy's layer cost more CPU than the round
                 # trip. No BEGIN before it (the adapter begins on its own first use only),
                 # so no ROLLBACK after it either: one round trip.
-                raw: Any = (await conn.get_raw_connection()).driver_connection
+                raw: Any = (await pooled(conn)).driver_connection
                 row = await raw.fetchrow(self._sql(conn, LOOKUP_SQL), key, now)
             elif driver == "psycopg" and begin:
-                # BEGIN (psycopg's own, the connection not in autocommit) and the SELECT,
-                # sent together and answered together.
-                raw = (await conn.get_raw_connection()).driver_connection
-                async with raw.pipeline():
-                    cursor = await raw.execute(self._sql(conn, LOOKUP_SQL_PSYCOPG), (key, now))
-                row = await cursor.fetchone()
+                # BEGIN and the SELECT, as one query (`begin_looking`).
+                row = await begin_looking(self, conn, key, now)
             else:
                 # Autocommit: the SELECT alone, one round trip.
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -190,7 +186,7 @@ class SqlRecords(RecordsTable):
         """The record of a run that wrote nothing: one statement in autocommit, on `conn`
         (the run's lookup's, in no transaction; its owner gives it back) or a pooled one."""
         if conn is not None:  # asyncpg's (in `KEPT_DRIVERS`, not `begun`): its own call
-            raw: Any = (await conn.get_raw_connection()).driver_connection
+            raw: Any = (await pooled(conn)).driver_connection
             upsert = self._sql(conn, UPSERT_SQL)
             return await raw.fetchval(upsert, *self._row(row).values()) is not None
         async with self.engine.connect() as conn:
@@ -200,7 +196,7 @@ class SqlRecords(RecordsTable):
     async def commit(self, conn: AsyncConnection, tx: AsyncTransaction, row: RecordRow) -> bool:
         """Insert `row` in the run's transaction and commit it, with the work's writes;
         False (nothing committed) if the key's unexpired row exists. On psycopg, the insert
-        and the COMMIT go in one round trip (`pipelined`), on asyncpg too (`in_one`);
+        and the COMMIT go in one round trip and query (`at_once`), on asyncpg too (`in_one`);
         elsewhere one each. A connection lost on the way is invalidated (`drop_if_broken`),
         which the run's transaction answers as the database unavailable, whatever the
         driver's own error said."""
@@ -212,11 +208,11 @@ class SqlRecords(RecordsTable):
 
     async def _commit(self, conn: AsyncConnection, tx: AsyncTransaction, row: RecordRow) -> bool:
         if conn.dialect.driver == "psycopg":
-            return await pipelined(self, conn, tx, row)
+            return await at_once(self, conn, tx, row)
         if conn.dialect.driver == "asyncpg":
             # The driver's own call on the run's connection, inside the transaction the
             # work's writes began (SQLAlchemy's layer cost more CPU than the round trip).
-            adapter: Any = (await conn.get_raw_connection()).dbapi_connection
+            adapter: Any = (await pooled(conn)).dbapi_connection
             committed = await in_one(self, conn, adapter, row)
             if committed is not None:
                 if committed:

@@ -48,6 +48,12 @@ IN_ONE_SQL = (
     "COMMIT"
 )
 IN_ONE_MAX = 256 * 1024  # a larger record goes as a parameter (its hex text is twice its size)
+# psycopg's lookup that begins the run's transaction (`_drivers.begin_looking`): {begin} is
+# the BEGIN psycopg would send, the rest literals as in IN_ONE_SQL.
+LOOKUP_BEGIN_SQL = (
+    "{begin}; SELECT record, expires_at FROM {table} WHERE key = decode('{key}', 'hex') "
+    "AND expires_at > '{now}'::timestamptz"
+)
 UPSERT_SQL = (
     "INSERT INTO {table} (key, key_hash, fingerprint, record, created_at, expires_at) "
     "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (key) DO UPDATE SET "
@@ -154,6 +160,31 @@ class RecordsTable:
             "created_at": now,
             "expires_at": now + datetime.timedelta(milliseconds=row.ttl_ms),
         }
+
+    def _in_one(self, dialect: Any, row: RecordRow) -> str | None:
+        """IN_ONE_SQL for `row`: the expired row's DELETE, the INSERT and COMMIT as one text
+        (one round trip, one query), its values written as hex digits and ISO timestamps
+        only, never text from outside; None if the record is too large to send as hex."""
+        if len(row.data) > IN_ONE_MAX:
+            return None
+        if not row.key_hash.isascii() or not row.key_hash.isalnum():
+            return None  # never the case (a hex digest), but a literal must hold no quote
+        now = _utcnow()
+        expires = now + datetime.timedelta(milliseconds=row.ttl_ms)
+        table = dialect.identifier_preparer.format_table(self.table)
+        return IN_ONE_SQL.format(table=table.replace("{", "{{").replace("}", "}}")).format(
+            key=row.key.hex(),
+            key_hash=row.key_hash,
+            fp=row.fp.hex(),
+            record=row.data.hex(),
+            now=now.isoformat(),
+            expires=expires.isoformat(),
+        )
+
+    def _lookup_begun(self, dialect: Any, begin: str, key: bytes, now: datetime.datetime) -> str:
+        """LOOKUP_BEGIN_SQL for `key`: `begin` (made of keywords only) and the lookup."""
+        table = dialect.identifier_preparer.format_table(self.table)
+        return LOOKUP_BEGIN_SQL.format(begin=begin, table=table, key=key.hex(), now=now.isoformat())
 
     def _pipeline(self, dialect: Any, row: RecordRow) -> list[tuple[str, tuple[Any, ...] | None]]:
         """What psycopg's pipeline sends to commit the record with the run's writes: the

@@ -8,14 +8,15 @@ import subprocess
 import sys
 
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, text
+from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.types import Receive, Scope, Send
 
 from goblin_idem import IdempotencyMiddleware, NotInRunError, once
 from goblin_idem._cli import main
 from goblin_idem._recording import Committed, RecordRow
 from goblin_idem.sql import SqlRecords, connection
-from tests.sql.conftest import Setup
+from tests.sql.conftest import Setup, on_postgres
 from tests.support.asgi import Handler, request
 from tests.support.procs import ROOT
 
@@ -216,3 +217,44 @@ async def test_a_handler_that_asks_for_the_connection_and_writes_nothing_is_reco
     await setup.store.client.flushall()  # type: ignore[union-attr]
     again = await request(mw, key="asked")
     assert again.header("idempotent-replayed") == b"true" and again.body == first.body
+
+
+@on_postgres
+async def test_a_run_is_in_the_engines_transaction_and_leaves_its_connection_as_it_was(
+    setup: Setup,
+) -> None:
+    """The run's transaction has the engine's isolation level and read-write setting (on
+    psycopg the lookup sends the BEGIN itself, as psycopg would have), a write after the
+    work's own rollback still waits for the run's commit, and the connection goes back to
+    the pool as it came: not in autocommit, a write rolled back leaves nothing."""
+    engine = create_async_engine(setup.url, pool_size=1, isolation_level="REPEATABLE READ")
+    records = SqlRecords(engine, table=setup.records.table.name)
+    seen: list[str] = []
+
+    @once(setup.store, key=lambda ref: ref, records=records)
+    async def charge(ref: str) -> str:
+        conn = await connection()
+        level = text("SELECT current_setting('transaction_isolation')")
+        seen.append((await conn.execute(level)).scalar_one())
+        if ref == "r1":  # a write, the work's rollback, a write in a transaction after it
+            await conn.execute(insert(setup.payments).values(ref="rolled back", amount=1))
+            await conn.rollback()
+        await conn.execute(insert(setup.payments).values(ref=ref, amount=1))
+        if ref == "r1":
+            raise RuntimeError("the run fails after its writes")
+        return ref
+
+    try:
+        with pytest.raises(RuntimeError):
+            await charge("r1")
+        assert await setup.payment_count() == 0
+        assert await charge("r2") == "r2"
+        assert seen == ["repeatable read"] * 2
+        assert await setup.payment_count() == 1 and len(await keys(records)) == 1
+        async with engine.connect() as conn:  # the pool's one connection, given back
+            assert (await conn.get_isolation_level()) == "REPEATABLE READ"
+            await conn.execute(insert(setup.payments).values(ref="r3", amount=1))
+            await conn.rollback()
+        assert await setup.payment_count("r3") == 0
+    finally:
+        await engine.dispose()
