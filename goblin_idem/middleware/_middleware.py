@@ -180,16 +180,11 @@ class IdempotencyMiddleware:
         self.max_body_bytes = options.whole_number("max_body_bytes", max_body_bytes, minimum=1)
         retry_after = options.seconds("retry_after_seconds", retry_after_seconds, minimum=0)
         self.retry_after = str(math.ceil(retry_after)).encode()  # delta-seconds: whole
-        self.wait_seconds, self.poll_interval = options.polling(
-            options.renamed_ms("wait_ms", wait_ms, "wait_seconds", wait_seconds, 3),
-            options.renamed_ms(
-                "poll_interval_ms",
-                poll_interval_ms,
-                "poll_interval_seconds",
-                poll_interval_seconds,
-                3,
-            ),
+        wait = options.renamed_ms("wait_ms", wait_ms, "wait_seconds", wait_seconds, 3)
+        pause = options.renamed_ms(
+            "poll_interval_ms", poll_interval_ms, "poll_interval_seconds", poll_interval_seconds, 3
         )
+        self.wait_seconds, self.poll_interval = options.polling(wait, pause)
         self.fail_open = options.flag("fail_open", fail_open)
         self.namespace = options.namespace(namespace)
         self.previous_key_names = options.flag("previous_key_names", previous_key_names)
@@ -223,12 +218,9 @@ class IdempotencyMiddleware:
         )
         self.sealer = self.runs.sealer
         self.require_sealed = options.require_sealed(require_sealed, self.sealer)
+        any_key = self.key_pattern is DEFAULT_KEY_PATTERN
         self._coverage = Coverage(
-            self.methods,
-            self.header_name,
-            self.key_pattern is DEFAULT_KEY_PATTERN,
-            self.fail_open,
-            self.routes,
+            self.methods, self.header_name, any_key, self.fail_open, self.routes
         )
         self.identity = Identity(
             self.namespace, self.scope_of, self.fingerprint_headers, self.header_name
@@ -236,7 +228,7 @@ class IdempotencyMiddleware:
         self.answers = Answers(
             self.events,
             self.header_name,
-            self.key_pattern is DEFAULT_KEY_PATTERN,
+            any_key,
             self.max_body_bytes,
             self.retry_after,
             self.sealer,
