@@ -6,20 +6,16 @@ one that wins it runs the app and publishes the response in one more (result + c
 a MULTI/EXEC) before the last body chunk reaches the client; every duplicate is answered
 from the claim step's reply alone. A request without a key costs nothing.
 
-The middleware decides and answers: which requests are covered (../_routes.py), whether a key
-is acceptable, what the claim step's reply (../_claim_step.py) means, and every response it
-writes itself. The
-run of the app under a won claim is a `Run` (_run.py); what happened is counted by one
-event function (../_events.py).
+The middleware decides which requests are covered (../_routes.py); a covered one, from its
+key to its answer, is a `Covered` (_covered.py), and the run of the app under a won claim a
+`Run` (_run.py); what happened is counted by one event function (../_events.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import inspect
-import logging
 import math
 import re
 import sys
@@ -28,45 +24,33 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec
 
-from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import _options as options
 from .. import _routes
-from .._claim import new_token
 from .._claim_step import ClaimStep
-from .._events import Counters, Events, log_store_error
-from .._keys import (
-    DEFAULT_KEY_PATTERN,
-    KeyNames,
-    header_key,
-    valid_key,
-)
+from .._events import Counters, Events
+from .._keys import DEFAULT_KEY_PATTERN
 from .._lease import Watchdog
 from .._recording import Records
-from .._routes import RoutePolicy, Routes, Settings, idempotent
+from .._routes import RoutePolicy, Routes, idempotent
 from .._run import Core
-from ..exceptions import DatabaseUnavailableError, WebhookRefusedError
 from ..records._sealing import Sealer
-from ..store import CLAIMED, Store
+from ..store import Store
+from ._covered import Covered
 from ._lifespan import Lifespan, Refused
 from ._names_010 import previous_reply
 from ._openapi import Coverage, document_openapi
 from ._recorded import Recording, Unkeyed
-from ._request import BodyTooLarge, Identity, ReplayReceive, read_body
+from ._request import Identity
 from ._responses import Answers
-from ._run import Run, RunConfig
+from ._run import RunConfig
 
 if TYPE_CHECKING:
     from ..webhooks import Provider
 
 __all__ = ["OPTIONS", "Counters", "IdempotencyMiddleware", "RoutePolicy", "idempotent"]
 
-logger = logging.getLogger("goblin_idem.middleware")
-
-# What a store that is down or misbehaving raises, logged as one line; anything else out of
-# a store call is logged with its traceback. Every one of them is answered as an outage.
-LOGGED_WITHOUT_TRACEBACK = (RedisError, OSError, asyncio.TimeoutError)
 _serving: weakref.WeakKeyDictionary[Any, IdempotencyMiddleware] = weakref.WeakKeyDictionary()
 _P = ParamSpec("_P")
 
@@ -196,16 +180,11 @@ class IdempotencyMiddleware:
         self.max_body_bytes = options.whole_number("max_body_bytes", max_body_bytes, minimum=1)
         retry_after = options.seconds("retry_after_seconds", retry_after_seconds, minimum=0)
         self.retry_after = str(math.ceil(retry_after)).encode()  # delta-seconds: whole
-        self.wait_seconds, self.poll_interval = options.polling(
-            options.renamed_ms("wait_ms", wait_ms, "wait_seconds", wait_seconds, 3),
-            options.renamed_ms(
-                "poll_interval_ms",
-                poll_interval_ms,
-                "poll_interval_seconds",
-                poll_interval_seconds,
-                3,
-            ),
+        wait = options.renamed_ms("wait_ms", wait_ms, "wait_seconds", wait_seconds, 3)
+        pause = options.renamed_ms(
+            "poll_interval_ms", poll_interval_ms, "poll_interval_seconds", poll_interval_seconds, 3
         )
+        self.wait_seconds, self.poll_interval = options.polling(wait, pause)
         self.fail_open = options.flag("fail_open", fail_open)
         self.namespace = options.namespace(namespace)
         self.previous_key_names = options.flag("previous_key_names", previous_key_names)
@@ -239,12 +218,9 @@ class IdempotencyMiddleware:
         )
         self.sealer = self.runs.sealer
         self.require_sealed = options.require_sealed(require_sealed, self.sealer)
+        any_key = self.key_pattern is DEFAULT_KEY_PATTERN
         self._coverage = Coverage(
-            self.methods,
-            self.header_name,
-            self.key_pattern is DEFAULT_KEY_PATTERN,
-            self.fail_open,
-            self.routes,
+            self.methods, self.header_name, any_key, self.fail_open, self.routes
         )
         self.identity = Identity(
             self.namespace, self.scope_of, self.fingerprint_headers, self.header_name
@@ -252,7 +228,7 @@ class IdempotencyMiddleware:
         self.answers = Answers(
             self.events,
             self.header_name,
-            self.key_pattern is DEFAULT_KEY_PATTERN,
+            any_key,
             self.max_body_bytes,
             self.retry_after,
             self.sealer,
@@ -273,6 +249,18 @@ class IdempotencyMiddleware:
                 self.runs, recording=Recording(self.records, self.answers)
             )
             self._unkeyed = Unkeyed(self.app, self.records, self.retry_after)
+        self.covered = Covered(
+            self.key_pattern,
+            self.max_body_bytes,
+            self.identity,
+            self.answers,
+            self.claim_step,
+            self.events,
+            self.runs,
+            self.fail_open,
+            self.store,
+            self._unkeyed,
+        )
 
     @property
     def on_event(self) -> Callable[[str, str], None] | None:
@@ -338,127 +326,12 @@ class IdempotencyMiddleware:
         if settings is None:
             await self._unkeyed(scope, receive, send)
         elif settings.webhook is not None:
-            await self._delivery(scope, receive, send, settings, settings.webhook, content_length)
+            webhook = settings.webhook
+            await self.covered.delivery(scope, receive, send, settings, webhook, content_length)
         elif key is not None:
-            await self._with_key(scope, receive, send, settings, key, keys, content_length)
+            await self.covered.with_key(scope, receive, send, settings, key, keys, content_length)
         else:  # a route that requires a key
             await self.answers.missing_key(send, scope["method"], scope["path"])
-
-    async def _with_key(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        settings: Settings,
-        key: bytes,
-        keys: int,
-        content_length: bytes | None,
-    ) -> None:
-        """A covered request with a key: the key checked, the body read, the key claimed;
-        then the one run, or an answer from the claim step's reply."""
-        checked = header_key(key)
-        if keys > 1 or checked is None or not valid_key(checked, self.key_pattern):
-            await self.answers.invalid_key(send, malformed=keys == 1 and checked is None)
-            return
-        body = await self._body(receive, send, content_length)
-        if body is None:
-            return
-        names, fp = self.identity.identify(scope, checked, body)
-        await self._claimed(scope, receive, send, settings, names, fp, body)
-
-    async def _delivery(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        settings: Settings,
-        provider: Provider,
-        content_length: bytes | None,
-    ) -> None:
-        """A webhook delivery: the body read (within the size limit), the provider's
-        verification of it, then the claim of its delivery id. Nothing unverified reaches
-        the store, so a forged request naming a genuine id cannot hold, delay or answer
-        the genuine delivery of that id."""
-        body = await self._body(receive, send, content_length)
-        if body is None:
-            return
-        try:
-            delivery = provider.verify(self.identity.header_map(scope), body)
-        except WebhookRefusedError as exc:
-            await self.answers.webhook_refused(send, provider.name, scope["path"], exc)
-            return
-        names, fp = self.identity.delivery(scope, provider.name, delivery, body)
-        await self._claimed(scope, receive, send, settings, names, fp, body)
-
-    async def _body(
-        self, receive: Receive, send: Send, content_length: bytes | None
-    ) -> bytes | None:
-        """The whole body; None if the client left, or after answering 413 past the limit
-        (before anything else reads it: a webhook's signature is checked after)."""
-        try:
-            return await read_body(receive, content_length, self.max_body_bytes)
-        except BodyTooLarge:
-            await self.answers.body_too_large(send)
-            return None
-
-    async def _claimed(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        settings: Settings,
-        names: KeyNames,
-        fp: bytes,
-        body: bytes,
-    ) -> None:
-        """The claim step for a request whose key and body are settled; then the one run,
-        or an answer from the claim step's reply."""
-        token = new_token()
-        try:
-            reply = await self.claim_step(names, token, settings.claim_seconds)
-        except DatabaseUnavailableError as exc:
-            # The records' database could not be asked (the claim, if won, was freed): it
-            # may hold a committed record, so nothing runs, whatever fail_open says.
-            await self.answers.database_unavailable(send, names, exc)
-            return
-        except Exception as exc:
-            # Anything out of the store step, even a client library's own bug, means the
-            # claim is in doubt: answer as for a store that is down, never run unprotected
-            # by accident (fail_open decides).
-            if not isinstance(exc, LOGGED_WITHOUT_TRACEBACK):
-                logger.exception("unexpected error from the store for key %s", names.hash)
-            await self._store_failed(exc, scope, ReplayReceive(body, receive), send, names)
-            return
-        if reply is CLAIMED:
-            self.events("claimed", names.hash)
-            runs = self.runs
-            run = Run(runs.core, names, token, settings.ttl_ms, runs, send, fp, settings)
-            await run(scope, ReplayReceive(body, receive))
-        elif reply is None:
-            await self.answers.in_flight(send, names)
-        else:
-            await self.answers.stored(reply, fp, send, names)
-
-    async def _store_failed(
-        self, exc: BaseException, scope: Scope, receive: Receive, send: Send, names: KeyNames
-    ) -> None:
-        """The claim is in doubt: 503, or with `fail_open` the app run unprotected."""
-        self.events("store_errors", names.hash)
-        if self.fail_open:
-            log_store_error(
-                self.store,
-                logging.WARNING,
-                exc,
-                "store error for key %s, running unprotected",
-                names.hash,
-            )
-            self.events("unprotected", names.hash)
-            await self._unkeyed(scope, receive, send)
-            return
-        log_store_error(
-            self.store, logging.ERROR, exc, "store error for key %s, answering 503", names.hash
-        )
-        await self.answers.store_unavailable(send)
 
 
 # Every option of the middleware, by name, but its app and the millisecond names it keeps

@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, Protocol, TypeVar, overload
+from typing import Any, ParamSpec, TypeVar, overload
 
 from .. import _options as options
 from .._claim import Claim, new_token
@@ -62,8 +62,24 @@ POLL_SECONDS = 0.05  # the middleware's default poll_interval_seconds
 RETRY_AFTER = 1.0  # the middleware's default Retry-After
 
 
-class Decorator(Protocol):
-    """What `once(...)` returns: an ``async def`` stays one, a plain ``def`` stays one."""
+@dataclass(frozen=True, slots=True)
+class Decorator:
+    """What `once(...)` returns, its options checked: an ``async def`` stays one, a plain
+    ``def`` stays one, each with a run of its own (`_Once`)."""
+
+    store: Store
+    key: Callable[..., str | bytes | int]
+    name: str | None
+    namespace: bytes
+    codec: Codec | None
+    ttl_ms: int
+    lease_ms: int
+    claim_seconds: int  # the claim's first lease, in GOBLIN.CLAIM's whole seconds
+    sealer: Sealer | None
+    require_sealed: bool
+    wait_seconds: float
+    records: Records | None
+    fingerprint: bool | Callable[..., Any]
 
     @overload
     def __call__(
@@ -72,6 +88,36 @@ class Decorator(Protocol):
 
     @overload
     def __call__(self, func: Callable[P, R], /) -> Callable[P, R]: ...
+
+    def __call__(self, func: Callable[..., Any], /) -> Callable[..., Any]:
+        if not inspect.iscoroutinefunction(func):
+            if inspect.iscoroutinefunction(type(func).__call__):
+                raise TypeError(
+                    f"once decorates functions, and {_name_of(func)} is an object whose "
+                    "__call__ is async: decorate an async def that awaits it"
+                )
+            return in_callers_thread(self, func)
+        run = _Once(
+            Core(self.store, Watchdog.for_store(self.store), records=self.records),
+            func,
+            self.key,
+            (self.name or _name_of(func)).encode(),
+            self.namespace,
+            self.codec if self.codec is not None else codec_for(func),
+            self.ttl_ms,
+            self.lease_ms,
+            self.claim_seconds,
+            self.sealer,
+            self.require_sealed,
+            ClaimStep(self.store, self.wait_seconds, POLL_SECONDS, self.records),
+            None if self.fingerprint is False else Fingerprint(func, self.fingerprint),
+        )
+
+        @functools.wraps(func)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return await run(args, kwargs)
+
+        return wrapper
 
 
 def once(
@@ -118,41 +164,21 @@ def once(
     lease = options.seconds("lease_seconds", lease_seconds, minimum=1)
     ns = options.namespace(namespace)
     sealer = options.sealer(encryption_keys)
-    sealed_only = options.require_sealed(require_sealed, sealer)
-    the_records = options.records(records)
-    fingerprinted = fingerprint_option(fingerprint)
-
-    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
-        if not inspect.iscoroutinefunction(func):
-            if inspect.iscoroutinefunction(type(func).__call__):
-                raise TypeError(
-                    f"once decorates functions, and {_name_of(func)} is an object whose "
-                    "__call__ is async: decorate an async def that awaits it"
-                )
-            return in_callers_thread(decorate, func)
-        run = _Once(
-            Core(the_store, Watchdog.for_store(the_store), records=the_records),
-            func,
-            key,
-            (name or _name_of(func)).encode(),
-            ns,
-            codec if codec is not None else codec_for(func),
-            round(ttl * 1000),
-            round(lease * 1000),
-            math.ceil(lease),
-            sealer,
-            sealed_only,
-            ClaimStep(the_store, float(wait_seconds), POLL_SECONDS, the_records),
-            None if fingerprinted is False else Fingerprint(func, fingerprinted),
-        )
-
-        @functools.wraps(func)
-        async def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return await run(args, kwargs)
-
-        return wrapper
-
-    return decorate
+    return Decorator(
+        the_store,
+        key,
+        name,
+        ns,
+        codec,
+        round(ttl * 1000),
+        round(lease * 1000),
+        math.ceil(lease),
+        sealer,
+        options.require_sealed(require_sealed, sealer),
+        float(wait_seconds),
+        options.records(records),
+        fingerprint_option(fingerprint),
+    )
 
 
 def _checked(
