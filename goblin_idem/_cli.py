@@ -161,7 +161,8 @@ def _store_of(args: argparse.Namespace) -> RedisStore | None:
         print("error: give either KEY or --hash HASH", file=sys.stderr)
         return None
     try:
-        return RedisStore.from_url(args.url, max_connections=2)
+        # one command and out: no replay cache, so no tracking handshake either
+        return RedisStore.from_url(args.url, max_connections=2, replay_cache_bytes=0)
     except ValueError as exc:  # a malformed URL
         print(f"error: {exc}", file=sys.stderr)
         return None
