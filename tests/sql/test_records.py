@@ -89,6 +89,23 @@ async def test_once_commits_its_writes_with_its_value(setup: Setup) -> None:
     assert runs == 1 and await setup.payment_count("o1") == 1
 
 
+async def test_a_key_written_as_sql_is_only_a_key(setup: Setup) -> None:
+    """The one-query lookup and commit write their values into the text: a key an attacker
+    chose as SQL is a key like any other, on every driver (quotes, a statement, a comment)."""
+    forged = "o1'); DROP TABLE payments; -- \\' \"; COMMIT; SELECT '"
+
+    @once(setup.store, key=lambda ref: ref, records=setup.records)
+    async def charge(ref: str) -> dict[str, object]:
+        conn = await connection()
+        await conn.execute(insert(setup.payments).values(ref="forged", amount=5))
+        return {"ref": ref}
+
+    assert await charge(forged) == {"ref": forged}
+    await setup.store.client.flushall()  # type: ignore[union-attr]
+    assert await charge(forged) == {"ref": forged}  # from the database, by that key
+    assert await setup.payment_count("forged") == 1  # the table stands, written once
+
+
 async def test_once_that_raises_leaves_nothing(setup: Setup) -> None:
     calls = 0
 
