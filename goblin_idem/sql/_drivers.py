@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from collections.abc import Awaitable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncTransaction
@@ -115,20 +116,12 @@ async def at_once(
     turns more. The insert raises on an unexpired row (the primary key), which aborts
     the rest, the COMMIT included: False, nothing of the run committed. A record too
     large to send as hex goes through the pipeline (`pipelined`)."""
-    from psycopg.errors import UniqueViolation
-
     text = records._in_one(conn.dialect, row)
     if text is None:
         return await pipelined(records, conn, tx, row)
     raw: Any = (await pooled(conn)).driver_connection  # psycopg's own
-    try:
-        await raw.execute(text, prepare=False)  # made for one row: never prepared
-    except UniqueViolation as exc:
-        if not records._taken(exc):
-            raise
-        return False
-    await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
-    return True
+    # made for one row: never prepared
+    return await _ended(records, tx, raw.execute(text, prepare=False))
 
 
 async def pipelined(
@@ -138,19 +131,30 @@ async def pipelined(
     together and answered together (one round trip, as the COMMIT alone would cost).
     The insert raises on an unexpired row (the primary key), which aborts what follows
     it in the pipeline, the COMMIT included: nothing of the run commits."""
-    from psycopg.errors import UniqueViolation
-
     raw: Any = (await pooled(conn)).driver_connection  # psycopg's own
     statements = records._pipeline(conn.dialect, row)
-    try:
+
+    async def send() -> None:
         async with raw.pipeline(), raw.cursor() as cursor:
             for sql, params in statements:
                 await cursor.execute(sql, params)
+
+    return await _ended(records, tx, send())
+
+
+async def _ended(records: RecordsTable, tx: AsyncTransaction, sent: Awaitable[object]) -> bool:
+    """Await what ends the server's transaction with COMMIT: False if the insert met an
+    unexpired row (which aborted the COMMIT with it), else True once SQLAlchemy's side of
+    the transaction is closed too (nothing is sent: the server's has ended)."""
+    from psycopg.errors import UniqueViolation
+
+    try:
+        await sent
     except UniqueViolation as exc:
         if not records._taken(exc):
             raise
         return False
-    await tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
+    await tx.commit()
     return True
 
 
