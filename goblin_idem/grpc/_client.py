@@ -73,8 +73,20 @@ class _Details(NamedTuple):
     compression: Any
 
 
-class _Keys:
-    """What both interceptors share: the options, checked once, and each call's key."""
+def _retry_after(trailing: Any) -> float | None:
+    for name, value in trailing or ():
+        if name == "retry-after":
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                return None
+    return None
+
+
+class _Interceptor:
+    """What the sync and the grpc.aio client interceptors share: the options, checked once,
+    keying a call's first message (or its metadata) before the first attempt, and the wait
+    before each retry."""
 
     def __init__(
         self,
@@ -93,13 +105,13 @@ class _Keys:
             )
         if policy.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, not {policy.max_attempts}")
-        self.policy = policy
-        self.identity = Identity(b"", key_field, key_metadata.lower(), None)
-        self.derive = bool(derived_keys)
-        self.secret = secret_bytes(key_secret)
+        self._policy = policy
+        self._identity = Identity(b"", key_field, key_metadata.lower(), None)
+        self._derive = bool(derived_keys)
+        self._secret = secret_bytes(key_secret)
 
-    def new_key(self, method: str, metadata: list[Any]) -> str:
-        claim = current_claim() if self.derive else None
+    def _new_key(self, method: str, metadata: list[Any]) -> str:
+        claim = current_claim() if self._derive else None
         if claim is None:
             return str(uuid.uuid4())
         labels = [value for name, value in metadata if name == LABEL_METADATA]
@@ -111,29 +123,39 @@ class _Keys:
                 "yourself (say, current_claim().derive_key('<name>')); derived_keys=False "
                 "sends random ids, and a re-run then repeats the call's effect. Nothing was sent"
             )
-        return claim._key_for_call("GRPC", method, labels[0], self.secret)
+        return claim._key_for_call("GRPC", method, labels[0], self._secret)
 
-    def keyed(self, method: str | bytes, metadata: Any, first: Any) -> tuple[Any, Any]:
-        """(the first message, the metadata) with a key, unless the call carries one: the
+    def _keyed(self, details: Any, requests: list[Any]) -> tuple[list[Any], Any]:
+        """(the messages, the details) with a key, unless the call carries one: the first
         message's field if its type has one, else the metadata."""
-        identity = self.identity
+        if not requests:
+            return requests, details
+        identity = self._identity
+        method = details.method
         if isinstance(method, bytes):  # grpc.aio's details carry it encoded
             method = method.decode()
-        pairs = list(metadata or ())
+        first = requests[0]
+        pairs = list(details.metadata or ())
         if identity.has_field(first):
             if getattr(first, identity.key_field):
-                return first, metadata
+                return requests, details
             copy = type(first)()
             copy.CopyFrom(first)
-            setattr(copy, identity.key_field, self.new_key(method, pairs))
-            return copy, metadata
+            setattr(copy, identity.key_field, self._new_key(method, pairs))
+            return [copy, *requests[1:]], details
         if any(name == identity.key_metadata for name, _ in pairs):
-            return first, metadata
-        return first, (*pairs, (identity.key_metadata, self.new_key(method, pairs)))
+            return requests, details
+        metadata = (*pairs, (identity.key_metadata, self._new_key(method, pairs)))
+        return requests, self._with_metadata(details, metadata)
 
-    def pause(self, retry: int, code: grpc.StatusCode, trailing: Any, ends: float | None) -> float:
+    @staticmethod
+    def _with_metadata(details: Any, metadata: Any) -> Any:
+        """`details` with `metadata` instead of its own, as the channel kind wants them."""
+        raise NotImplementedError
+
+    def _pause(self, retry: int, code: grpc.StatusCode, trailing: Any, ends: float | None) -> float:
         """The wait before retry `retry` (1 for the first), or -1: no retry."""
-        policy = self.policy
+        policy = self._policy
         if retry >= policy.max_attempts:
             return -1
         wait = None
@@ -151,53 +173,8 @@ class _Keys:
             return -1
         return wait
 
-    def deadline(self) -> float | None:
-        return None if self.policy.deadline is None else time.monotonic() + self.policy.deadline
-
-
-def _retry_after(trailing: Any) -> float | None:
-    for name, value in trailing or ():
-        if name == "retry-after":
-            try:
-                return max(0.0, float(value))
-            except ValueError:
-                return None
-    return None
-
-
-class _Interceptor:
-    """What the sync and the grpc.aio client interceptors share: the options, and keying a
-    call's first message (or its metadata) before the first attempt."""
-
-    def __init__(
-        self,
-        *,
-        policy: RetryPolicy | None = None,
-        key_field: str = "request_id",
-        key_metadata: str = "idempotency-key",
-        derived_keys: bool = True,
-        key_secret: bytes | str | None = None,
-    ) -> None:
-        self._keys = _Keys(
-            policy=policy,
-            key_field=key_field,
-            key_metadata=key_metadata,
-            derived_keys=derived_keys,
-            key_secret=key_secret,
-        )
-
-    def _keyed(self, details: Any, requests: list[Any]) -> tuple[list[Any], Any]:
-        if not requests:
-            return requests, details
-        first, metadata = self._keys.keyed(details.method, details.metadata, requests[0])
-        if metadata is not details.metadata:
-            details = self._with_metadata(details, metadata)
-        return [first, *requests[1:]], details
-
-    @staticmethod
-    def _with_metadata(details: Any, metadata: Any) -> Any:
-        """`details` with `metadata` instead of its own, as the channel kind wants them."""
-        raise NotImplementedError
+    def _deadline(self) -> float | None:
+        return None if self._policy.deadline is None else time.monotonic() + self._policy.deadline
 
 
 class IdempotentClientInterceptor(
@@ -235,13 +212,13 @@ class IdempotentClientInterceptor(
         )
 
     def _retried(self, attempt: Callable[[], Any]) -> Any:
-        ends = self._keys.deadline()
+        ends = self._deadline()
         retry = 0
         while True:
             call = attempt()
             code = call.code()  # blocks until the call ends
             retry += 1
-            wait = self._keys.pause(retry, code, call.trailing_metadata(), ends)
+            wait = self._pause(retry, code, call.trailing_metadata(), ends)
             if wait < 0:
                 return call
             time.sleep(wait)
@@ -283,13 +260,13 @@ class AsyncIdempotentClientInterceptor(
         )
 
     async def _retried(self, attempt: Callable[[], Any]) -> Any:
-        ends = self._keys.deadline()
+        ends = self._deadline()
         retry = 0
         while True:
             call = await attempt()
             code = await call.code()
             retry += 1
-            wait = self._keys.pause(retry, code, await call.trailing_metadata(), ends)
+            wait = self._pause(retry, code, await call.trailing_metadata(), ends)
             if wait < 0:
                 return call
             await asyncio.sleep(wait)
