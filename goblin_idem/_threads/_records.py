@@ -126,28 +126,40 @@ async def _in_thread(exchange: Exchange, fn: Callable[..., T], *args: Any) -> T:
         raise exc.error from None
 
 
-class ThreadedRecords:
-    """`backend` as the middleware's `Records` (`goblin_idem._recording`)."""
+class InWorkerThread:
+    """A `ThreadRecords` backend's lookup and forget for code outside any request (an
+    operator's `forget`): each call in a worker thread of the running loop, on a connection
+    of its own. No transaction: a run's commit belongs to its request's thread."""
 
     def __init__(self, backend: ThreadRecords) -> None:
         self.backend = backend
-        self.where = backend.where
-
-    def __repr__(self) -> str:
-        return repr(self.backend)
 
     def transaction(self, where: Callable[[], str] | None = None) -> ThreadedTransaction:
         return ThreadedTransaction(self.backend, where, _exchange("records"))
 
     async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
-        """Asked in the request's thread while the loop thread sends the claim."""
-        return await _in_thread(_exchange("records"), self.backend.lookup, key)
+        return await asyncio.to_thread(self.backend.lookup, key)
 
     async def check(self) -> str:
         return await asyncio.to_thread(self.backend.check)
 
     async def forget(self, key: bytes) -> bool:
         return await asyncio.to_thread(self.backend.forget, key)
+
+
+class ThreadedRecords(InWorkerThread):
+    """`backend` as the middleware's `Records` (`goblin_idem._recording`)."""
+
+    def __init__(self, backend: ThreadRecords) -> None:
+        super().__init__(backend)
+        self.where = backend.where
+
+    def __repr__(self) -> str:
+        return repr(self.backend)
+
+    async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
+        """Asked in the request's thread while the loop thread sends the claim."""
+        return await _in_thread(_exchange("records"), self.backend.lookup, key)
 
 
 class ThreadedTransaction:
@@ -219,27 +231,6 @@ def pending() -> ThreadedTransaction | None:
     """The current request's transaction in the request's thread, on the loop side (read by
     the bridge before it calls into the app)."""
     return _pending.get()
-
-
-class InWorkerThread:
-    """A `ThreadRecords` backend's lookup and forget for code outside any request (an
-    operator's `forget`): each call in a worker thread of the running loop, on a connection
-    of its own. No transaction: a run's commit belongs to its request's thread."""
-
-    def __init__(self, backend: ThreadRecords) -> None:
-        self.backend = backend
-
-    def transaction(self, where: Callable[[], str] | None = None) -> ThreadedTransaction:
-        return ThreadedTransaction(self.backend, where, _exchange("records"))
-
-    async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
-        return await asyncio.to_thread(self.backend.lookup, key)
-
-    async def check(self) -> str:
-        return await asyncio.to_thread(self.backend.check)
-
-    async def forget(self, key: bytes) -> bool:
-        return await asyncio.to_thread(self.backend.forget, key)
 
 
 def outside_requests(records: object) -> object:
