@@ -30,11 +30,16 @@ def _build_module(args: argparse.Namespace) -> int:
     try:
         path = build_module(args.out, cc=args.cc)
     except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _failed(exc, 1)
     # The path is the last line of output, so scripts can take it with `tail -n 1`.
     print(path)
     return 0
+
+
+def _failed(message: object, status: int) -> int:
+    """Say what went wrong on stderr; `status` is the command's exit status."""
+    print(f"error: {message}", file=sys.stderr)
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,14 +180,9 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         state = asyncio.run(_inspect_url(store, args, _scope(args.scope)))
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _failed(exc, 2)
     except Exception as exc:  # the store is unreachable or answered an error
-        print(
-            f"error: could not read the store at {store.address}: {describe(exc)}",
-            file=sys.stderr,
-        )
-        return 1
+        return _failed(f"could not read the store at {store.address}: {describe(exc)}", 1)
     print(json.dumps(state.as_dict(), indent=2) if args.json else format_state(state))
     return 0
 
@@ -253,30 +253,25 @@ def _forget(args: argparse.Namespace) -> int:
     # The store cannot tell whether the app keeps SQL records: forgetting it alone there
     # would print "forgotten" while the record goes on answering the key.
     if args.store_only and args.database_url:
-        print("error: give either --database-url or --store-only, not both", file=sys.stderr)
-        return 2
+        return _failed("give either --database-url or --store-only, not both", 2)
     if not args.store_only and not args.database_url:
-        print(
-            "error: give --database-url (or set DATABASE_URL) so that the key's SQL record "
-            "goes too, or --store-only if the app keeps no SQL records: with records, the "
-            "store alone forgotten leaves the record answering the key. Nothing was removed",
-            file=sys.stderr,
+        return _failed(
+            "give --database-url (or set DATABASE_URL) so that the key's SQL record goes "
+            "too, or --store-only if the app keeps no SQL records: with records, the store "
+            "alone forgotten leaves the record answering the key. Nothing was removed",
+            2,
         )
-        return 2
     store = _store_of(args)
     if store is None:
         return 2
     try:
         removed = asyncio.run(_forget_url(store, args, _scope(args.scope)))
     except (ImportError, TypeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _failed(exc, 2)
     except InFlightError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _failed(exc, 1)
     except Exception as exc:  # the store or the database is unreachable, or refused
-        print(f"error: could not forget the key: {describe(exc)}", file=sys.stderr)
-        return 1
+        return _failed(f"could not forget the key: {describe(exc)}", 1)
     print("forgotten" if removed else "nothing was stored for this key")
     return 0
 
@@ -300,13 +295,11 @@ def _add_sql(subparsers: Any) -> None:
 
 def _purge(args: argparse.Namespace) -> int:
     if args.database_url is None:
-        print("error: give --url (or set DATABASE_URL)", file=sys.stderr)
-        return 2
+        return _failed("give --url (or set DATABASE_URL)", 2)
     try:
         records = _records(args)
     except (ImportError, TypeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _failed(exc, 2)
 
     async def purge() -> int:
         try:
@@ -318,8 +311,7 @@ def _purge(args: argparse.Namespace) -> int:
     try:
         deleted = asyncio.run(purge())
     except Exception as exc:
-        print(f"error: {describe(exc)}", file=sys.stderr)
-        return 1
+        return _failed(describe(exc), 1)
     print(deleted)
     return 0
 
@@ -342,6 +334,5 @@ def _postgres_ddl(args: argparse.Namespace) -> int:
     try:
         print(ddl(args.table), end="")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _failed(exc, 2)
     return 0
