@@ -14,13 +14,7 @@ reads both keys and their TTLs, and says which state the key is in:
   reads, a sealed record that the configured keys do not open, or (``--require-sealed``)
   a record in the clear; the middleware answers such a key with 503 and never runs it again.
 
-A key of a `once` function (``--namespace once --scope <its name>``) holds the function's
-return value instead of a response: shown as completed, with the value's size (never the
-value), or as unreadable if the configured keys do not open it.
-
-Every record shows its format version; a sealed one also the id of the key that sealed it
-and whether the configured keys (``$GOBLIN_IDEM_ENCRYPTION_KEYS``) open it. A sealed
-record's headers are shown only when asked (``--reveal``); its body never is.
+What it shows of a `once` function's value and of a sealed record: docs/operating/inspect.md.
 
 The reads are four plain GET/PTTL commands, not one atomic snapshot: a key that changes
 state while it is being inspected can show a mix of both states.
@@ -156,14 +150,8 @@ async def inspect_key(
     reveal: bool = False,
     require_sealed: bool = False,
 ) -> KeyState:
-    """Read the state of `key` as the middleware sees it for callers in `scope`.
-
-    `scope` is what the middleware scoped the key by: by default the request's
-    Authorization header value (empty for anonymous callers). Give `names` instead of a
-    key to inspect a key hash taken from a log line (see `names_for_hash`). A sealed record
-    is opened with `sealer`; its headers are shown only if `reveal`. With `require_sealed`,
-    a record in the clear is shown as unreadable, as such a middleware answers it.
-    """
+    """Read the state of `key` as the middleware sees it for callers in `scope` (by default
+    the request's Authorization header value, empty for anonymous callers)."""
     names = names_given(key, scope, namespace, names)
     token = await store.get(names.claim)
     claim_ttl = await _ttl(store, names.claim) if token is not None else None
@@ -224,23 +212,17 @@ def _completed(
     its own, shown by its size), or why it cannot be read."""
     once_value = data[: len(codecs.MAGIC)] == codecs.MAGIC
     fmt: Format | None = None
+
+    def state(kind: str, **found: Any) -> KeyState:
+        return KeyState(names, kind, token, claim_ttl, result_ttl, len(data), format=fmt, **found)
+
     try:
         if once_value:
             fmt = codecs.stored_format(data)
             value = codecs.from_stored(
                 _Payload(), data, sealer, names.result, require_sealed=require_sealed
             )
-            return KeyState(
-                names,
-                COMPLETED,
-                token,
-                claim_ttl,
-                result_ttl,
-                len(data),
-                value_bytes=len(value),
-                note=_ONCE_VALUE,
-                format=fmt,
-            )
+            return state(COMPLETED, value_bytes=len(value), note=_ONCE_VALUE)
         fmt = _format_or_none(data)
         record = decode(data, sealer=sealer, name=names.result, require_sealed=require_sealed)
     except RecordError as exc:
@@ -250,26 +232,10 @@ def _completed(
             note = "the middleware answers requests with this key with 503 and never runs them"
         if fmt is not None and fmt.sealed and sealer is None:
             note += "; set $GOBLIN_IDEM_ENCRYPTION_KEYS to check whether your keys open it"
-        return KeyState(
-            names,
-            UNREADABLE,
-            token,
-            claim_ttl,
-            result_ttl,
-            len(data),
-            error=str(exc),
-            note=note,
-            format=fmt,
-        )
-    return KeyState(
-        names,
+        return state(UNREADABLE, error=str(exc), note=note)
+    return state(
         COMPLETED if record.replayable else NOT_REPLAYABLE,
-        token,
-        claim_ttl,
-        result_ttl,
-        len(data),
-        record,
-        format=fmt,
+        record=record,
         revealed=reveal or not (fmt is not None and fmt.sealed),
     )
 
