@@ -16,7 +16,6 @@ commit, nor a commit that does not check.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
@@ -33,7 +32,6 @@ R = TypeVar("R")
 AsyncDecorator = Callable[
     [Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]
 ]
-_exchange: contextvars.ContextVar[Exchange] = contextvars.ContextVar("goblin_idem_exchange")
 
 
 def in_callers_thread(decorate: AsyncDecorator[P, R], func: Callable[P, R]) -> Callable[P, R]:
@@ -41,7 +39,9 @@ def in_callers_thread(decorate: AsyncDecorator[P, R], func: Callable[P, R]) -> C
 
     async def call_back(*args: P.args, **kwargs: P.kwargs) -> R:
         holder = for_sync_code(current.get())
-        result: R = await _exchange.get().call(_call, holder, func, args, kwargs)
+        exchange = Exchange.running()
+        assert exchange is not None  # the run is the coroutine of `wrapper`'s exchange
+        result: R = await exchange.call(_call, holder, func, args, kwargs)
         return result
 
     # The function's module, name and annotations: the same keys, the same codec.
@@ -50,16 +50,11 @@ def in_callers_thread(decorate: AsyncDecorator[P, R], func: Callable[P, R]) -> C
     @functools.wraps(func)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         exchange = Exchange(loop_thread())
-        exchange.start(_served(exchange, run(*args, **kwargs)))
+        exchange.start(run(*args, **kwargs))
         result: R = exchange.wait()
         return result
 
     return wrapper
-
-
-async def _served(exchange: Exchange, coro: Coroutine[Any, Any, R]) -> R:
-    _exchange.set(exchange)  # in this task's context: the run's call back sees it
-    return await coro
 
 
 def _call(
