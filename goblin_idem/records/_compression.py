@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CODECS", "IDENTITY", "ZLIB", "ZSTD", "Compressor", "compressor", "decompress"]
+__all__ = ["IDENTITY", "ZLIB", "ZSTD", "Compressor", "compressor", "decompress"]
 
 IDENTITY = 0
 ZLIB = 1
@@ -29,7 +29,6 @@ class Compressor:
     """A body compression the record names by `id` (its codec byte)."""
 
     id: int
-    name: str
     compress: Callable[[bytes], bytes]
 
 
@@ -50,7 +49,7 @@ def _is_zstandard(module: Any) -> bool:
 
 def compressor(name: str) -> Compressor:
     if name == "zlib":
-        return Compressor(ZLIB, "zlib", lambda data: zlib.compress(data, ZLIB_LEVEL))
+        return Compressor(ZLIB, lambda data: zlib.compress(data, ZLIB_LEVEL))
     if name == "zstd":
         module = _zstd()
         if module is None:
@@ -59,12 +58,9 @@ def compressor(name: str) -> Compressor:
                 "(pip install zstandard); or use compression='zlib'"
             )
         if _is_zstandard(module):
-            return Compressor(ZSTD, "zstd", module.ZstdCompressor(level=ZSTD_LEVEL).compress)
-        return Compressor(ZSTD, "zstd", lambda data: module.compress(data, level=ZSTD_LEVEL))
+            return Compressor(ZSTD, module.ZstdCompressor(level=ZSTD_LEVEL).compress)
+        return Compressor(ZSTD, lambda data: module.compress(data, level=ZSTD_LEVEL))
     raise ValueError(f"compression must be 'zlib', 'zstd' or None, not {name!r}")
-
-
-CODECS = {IDENTITY: "identity", ZLIB: "zlib", ZSTD: "zstd"}
 
 
 def decompress(codec_id: int, data: bytes, size: int) -> bytes:
