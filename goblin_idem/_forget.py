@@ -48,13 +48,9 @@ async def forget(
     records: Records | None = None,
 ) -> bool:
     """Remove `key`'s claim, stored result and (with `records`) SQL record, so that the next
-    request with it runs the handler again; True if anything was removed.
-
-    The key is named as the middleware names it: in `scope` (by default the request's
-    Authorization header value, empty for anonymous callers) and `namespace`; a `once`
-    function's key in namespace ``"once"`` with the function's name as the scope. Give
-    `names` instead (`goblin_idem.inspection.names_for_hash`) for a key hash a log line
-    shows. Raises InFlightError, removing nothing, while a run holds the key.
+    request with it runs the handler again; True if anything was removed. Raises
+    InFlightError, removing nothing, while a run holds the key. A `once` function's key is
+    in namespace ``"once"``, with the function's name as the scope.
     """
     store = options.store(store)
     records = options.records(outside_requests(records))

@@ -32,14 +32,10 @@ _SECONDS = re.compile(r"\d+(?:\.\d+)?")
 
 @dataclass(frozen=True, slots=True)
 class RetryBudget:
-    """How many retries one transport may make, as a token bucket shared by all its calls.
-
-    A retry takes one token; when none is left, the failed attempt's response or error is
-    returned at once. Tokens come back at `per_second`, and `per_success` with each call
-    that ends in an answer that is not a retryable failure. Under a sustained outage a
-    transport therefore adds at most `capacity` retries, then `per_second`, on top of the
-    calls themselves; while most calls succeed, retries stay near `per_success` of them.
-    """
+    """How many retries one transport may make, as a token bucket shared by all its calls
+    (its rules and each field: docs/client.md). Under a sustained outage a transport adds
+    at most `capacity` retries, then `per_second`, on top of the calls themselves; while
+    most calls succeed, retries stay near `per_success` of them."""
 
     capacity: float = 20.0
     per_second: float = 1.0
@@ -56,18 +52,8 @@ class RetryBudget:
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """When a call is retried, and how long it waits.
-
-    - `max_attempts`: attempts per call, the first included (5: four retries ride out a
-      blip of several seconds with backoff);
-    - `base_delay`, `max_delay`: the backoff is a random wait in [0, min(max_delay,
-      base_delay * 2 ** (retry - 1))] ("full jitter", so callers that failed together do not
-      retry together); `max_delay` also caps a `Retry-After` wait;
-    - `deadline`: seconds for the whole call, waits and attempts included: no wait reaches
-      past it, and each attempt's timeouts are cut to what is left (None: no deadline);
-    - `retry_statuses`: the statuses that may be retried (see `DEFAULT_RETRY_STATUSES`);
-    - `budget`: the transport's retry budget (None: unlimited).
-    """
+    """When a call is retried, and how long it waits (each field, and the backoff's full
+    jitter: docs/client.md)."""
 
     max_attempts: int = 5
     base_delay: float = 0.5

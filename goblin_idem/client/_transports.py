@@ -59,14 +59,8 @@ class IdempotentTransport(_Wrapper[httpx.BaseTransport], httpx.BaseTransport):
 
     It wraps `transport` (default: a new `httpx.HTTPTransport()`; pass your own to set
     ``verify``, ``http2``, ``limits`` and so on, since a client given a transport does not
-    build one). Requests of other methods pass through untouched.
-
-    A request without a key gets a random one, or, inside a claimed run (a handler the
-    middleware runs for a keyed request, a `once` function), one derived from the run's
-    claim: the same on a re-run, so the next API does the work once. Such a call is named
-    by its ``idempotency_label`` request extension, which it must carry (a run's unlabelled
-    call raises TypeError before it is sent; `goblin_idem._derived`). ``derived_keys=False``
-    draws random keys always; ``key_secret`` mixes an app's own secret into derived keys.
+    build one). Requests of other methods pass through untouched. A request without a key
+    gets a random one, or inside a claimed run one derived from the run's claim (`_new_key`).
     """
 
     _wraps = httpx.BaseTransport

@@ -27,13 +27,9 @@ URL_SCHEMES = ("redis://", "rediss://", "unix://")
 class Idempotency:
     """Makes a Flask app's POST/PATCH views safe to retry with an ``Idempotency-Key``
     header; `options` are goblin_idem.IdempotencyMiddleware's, checked (with the store)
-    when the app is given, so a wrong one stops the app's startup.
-
-    As other Flask extensions do, the options may come from the constructor, from
-    ``init_app(app, ...)`` (an app factory's), and from the app's config as
-    ``GOBLIN_IDEM_<OPTION>`` keys (``GOBLIN_IDEM_STORE`` a store, or a ``redis://``,
-    ``rediss://`` or ``unix://`` URL, or ``"memory"``). For each option, ``init_app``'s
-    argument wins over the constructor's, which wins over the config."""
+    when the app is given, so a wrong one stops the app's startup. Where they may come
+    from (the constructor, ``init_app``, ``GOBLIN_IDEM_<OPTION>`` config keys), and which
+    wins: docs/sync.md."""
 
     def __init__(
         self, app: Flask | None = None, *, store: Store | None = None, **options: Any

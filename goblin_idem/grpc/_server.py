@@ -71,17 +71,8 @@ class _Interceptor:
         require_sealed: bool = False,
         on_event: Callable[[str, str], None] | None = None,
     ) -> None:
-        """Every option is checked here, once (a wrong one raises, saying what to pass).
-
-        `key_field` / `key_metadata`: where the key is read; `methods`: the full method
-        names covered (None: all); `outcome`: the statuses kept (`DEFINITIVE` by default);
-        `scope`: the caller's identity from the call's context (default: its
-        ``authorization`` metadata); `wait_seconds`: how long a duplicate waits for the
-        first call's answer before ABORTED; `retry_after_seconds`: the ``retry-after`` it
-        names; `max_response_bytes`: the responses kept for a replay; `records`: SQL
-        records (`_records`); `encryption_keys` / `require_sealed`:
-        sealing, as the middleware's; `on_event`: (event, key hash) on every count.
-        """
+        """Every option is checked here, once (a wrong one raises, saying what to pass);
+        what each does: docs/grpc.md."""
         self._door = Door(
             store,
             records=self._records(records),
@@ -466,9 +457,7 @@ class IdempotencyInterceptor(_Interceptor, grpc.ServerInterceptor):
     handler ran is not kept (the key released, the records rolled back) once the handler
     returns. A server stream's responses are sent once the call's outcome is kept.
 
-    With `records` (``SyncSqlRecords`` on a sync Engine, or `goblin_idem.django.DjangoRecords`
-    in a Django project), the handler's writes through ``goblin_idem.sql.sync``'s
-    ``connection()`` / ``session()`` (or Django's ORM) are the run's transaction in the
+    With `records` (docs/grpc.md), the handler's writes are the run's transaction in the
     handler's thread, committed with the outcome, as a WSGI view's are (`_threads._records`).
     """
 

@@ -135,29 +135,12 @@ def once(
     records: Records | None = None,
     fingerprint: bool | Callable[..., Any] = True,
 ) -> Decorator:
-    """Run the decorated function at most once per key (see the module docstring).
+    """Run the decorated function at most once per key (see the module docstring; each
+    option, its keys, codecs and fingerprints: docs/beyond-http.md).
 
     `key` is called with the function's arguments and returns the work's identity (an
-    event or message id) as str, bytes or int (``1`` and ``"1"`` are the same key). Store
-    keys are ``<namespace>:{<hash>}:c`` and ``:r``, the hash over `name` (default: the
-    function's module and qualified name; pass it to keep the keys across a rename) and the
-    key, so two functions never share a claim. The return value is stored with `codec`
-    (default: by the return annotation, see goblin_idem.codecs), sealed and bound to its
-    store key as the middleware's records are when `encryption_keys` (or
-    ``$GOBLIN_IDEM_ENCRYPTION_KEYS``) gives keys; with `require_sealed`, a stored value in
-    the clear raises RecordError instead of being returned (docs/operating/encryption.md).
-
-    With `records` (``goblin_idem.sql.SqlRecords``), the function's writes through
-    ``goblin_idem.sql.connection()`` commit together with its stored value, in the app's
-    database, which wins over a store that lost the value.
-
-    The value is stored with a fingerprint of the call's arguments, and a later call with
-    the same key and other arguments raises KeyReusedError instead of returning it (a key
-    reused for other work is a bug, as with HTTP's 422); an argument it cannot compare by
-    value raises TypeError at the call (`_arguments`). ``fingerprint=`` a function of the
-    arguments: what it returns is compared instead (``lambda order, session: order``).
-    ``fingerprint=False``: any call with the key gets the value, whatever its arguments (for
-    a function whose arguments carry more than the work, such as a delivery attempt's number).
+    event or message id) as str, bytes or int (``1`` and ``"1"`` are the same key). The
+    store keys hash it with `name`, so two functions never share a claim.
     """
     the_store = _checked(store, key, codec, wait_seconds, name)
     ttl = options.seconds("ttl_seconds", ttl_seconds, minimum=1)
