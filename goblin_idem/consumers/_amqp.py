@@ -4,19 +4,15 @@
 ``queue.consume(...)`` (without ``no_ack``). Per delivery (`MessageRun`):
 
 - ACK: ``message.ack()``, after the result is kept (with records, after the commit);
-- RETRY: ``message.nack(requeue=True)`` after `requeue_delay_seconds`: in flight in another
-  delivery (which acks it when it ends), the handler raised, or the store or database
-  failed. The delay keeps a requeued message from coming straight back while the cause
-  lasts (RabbitMQ requeues at the head of the queue);
+- RETRY: ``message.nack(requeue=True)`` after `requeue_delay_seconds`, which keeps a
+  requeued message from coming straight back while the cause lasts (RabbitMQ requeues at
+  the head of the queue);
 - DEAD: ``message.reject(requeue=False)``: the queue's dead-letter exchange gets it (with
   none configured, RabbitMQ drops it: the error log line is then its only trace, so give
   the queue an ``x-dead-letter-exchange``).
 
-RabbitMQ's ``redelivered`` flag says whether to read the key's failure count (it is a
-boolean, so the count is kept in the store). The default key is the message's
-``message_id`` property: a producer must set a stable one for its own retries to be caught
-(aio-pika fills a random id when the producer gives none, which still catches the broker's
-redeliveries); `key` takes a business id from the headers or body instead.
+The default key is the message's ``message_id`` property, which a producer must set
+(docs/consumers.md says why); `key` takes a business id from the headers or body instead.
 """
 
 from __future__ import annotations

@@ -5,16 +5,13 @@ callback (`subscribe`, which also checks the consumer) or what a pull subscripti
 awaits for each fetched message (after `pull_subscribe`). Per delivery (`MessageRun`):
 
 - ACK: ``msg.ack()`` (``ack_sync()`` with `ack_sync`: the server confirmed it);
-- RETRY: ``msg.nak(delay=requeue_delay_seconds)``: in flight in another delivery (which
-  acks it when it ends), the handler raised, or the store or database failed;
+- RETRY: ``msg.nak(delay=requeue_delay_seconds)``;
 - DEAD: ``msg.term()``, with the log line naming the message and why (JetStream has no
   dead letter of its own: its ``MSG_TERMINATED`` advisory is the place to collect them).
 
-While the run works, ``msg.in_progress()`` is sent every third of the shorter of the lease
-and the consumer's ``ack_wait``, so the server does not redeliver a message whose run is
-alive (the lease watchdog's twin). A consumer whose ``max_deliver`` is not above
-`max_deliveries` is refused when subscribed: the server would stop delivering before the
-message reached the dead letter, dropping it silently.
+While the run works, ``msg.in_progress()`` keeps the server from redelivering its message
+(`_in_progress`, the lease watchdog's twin); a consumer that would stop delivering before
+the message reached the dead letter is refused when subscribed (`check`).
 """
 
 from __future__ import annotations

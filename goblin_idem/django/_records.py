@@ -23,10 +23,8 @@ Begun inside an atomic block of the caller's (django.test.TestCase wraps each te
 one), the run's block is a savepoint, released at its commit: that block commits it, or
 rolls it back, and its on_commit callbacks run (or not) as that block decides.
 
-Whatever ends the request (an error, a 5xx, the client gone), the atomic block is left
-rolling back, in the request's thread (`Exchange.at_end`), so the thread's connection is
-never left in a transaction for its next request. A request without a claimed key gets
-no work at all: Django's own behaviour (autocommit, or ``ATOMIC_REQUESTS``).
+Whatever ends the request, the atomic block is left rolling back in the request's thread
+(`goblin_idem._threads._records`); a request without a claimed key gets none (`Unrecorded`).
 
 No silent gap: while a run is under way, a write through another connection to the same
 database in the request's thread (another alias naming it, or a connection the app made
@@ -238,9 +236,8 @@ class DjangoRecords:
         return bytes(row[0]), max(1, int((expires - now).total_seconds() * 1000))
 
     def sql(self) -> Statements:
-        """The lookup, and the upsert: INSERT ... ON CONFLICT (key) DO UPDATE ... WHERE the
-        row has expired, RETURNING key (a row only if the key had none, or an expired one,
-        as goblin_idem.sql's); quoted for the alias's database, built once."""
+        """The lookup, and the upsert of the module docstring, quoted for the alias's
+        database; built once."""
         if self._sql is None:
             from .models import TABLE
 
@@ -402,11 +399,8 @@ class DjangoWork:
         _current.reset(token)  # type: ignore[arg-type]
 
     def commit(self, row: RecordRow) -> bytes | None:
-        """`row` inserted in the run's transaction, then the atomic block left: the
-        view's writes and the row commit together, and the app's on_commit callbacks run
-        after. The record another run committed first if the key's unexpired row exists
-        (this run rolled back); DatabaseUnavailableError, or the database's error, if
-        nothing committed."""
+        """`ThreadWork.commit`: `row` inserted in the run's transaction, then the atomic
+        block left (the app's on_commit callbacks run after the COMMIT)."""
         if self.ended:
             raise RuntimeError("the run's transaction has ended: nothing of it can commit")
         conn = connections[self.records.using]

@@ -4,13 +4,12 @@
 ``postgresql://...``: PostgresStore.from_url), ``"postgres"`` (a PostgresStore on the
 project's ``default`` database, its table made by this app's migration), the dotted path
 of a function that returns a store (``"myproject.idem.store"``, called with no arguments),
-or a store itself; ``"memory"``, or no STORE, is a MemoryStore (one per
-process). ``"SCOPE"``,
-``"ON_EVENT"`` and ``"OUTCOME"`` take a function or its dotted path (``"OUTCOME"`` also a
-list of statuses); ``"KEY_PATTERN"`` a regular expression
-(a str, compiled to match bytes) or a function. Every other key is the option of the same
-name, lowercased. A value refused raises ImproperlyConfigured naming the key and what to
-change, when Django loads its middleware (at startup).
+or a store itself; ``"memory"``, or no STORE, is a MemoryStore (one per process).
+``"SCOPE"``, ``"ON_EVENT"`` and ``"OUTCOME"`` take a function or its dotted path
+(``"OUTCOME"`` also a list of statuses); ``"KEY_PATTERN"`` a regular expression (a str,
+compiled to match bytes) or a function. Every other key is the option of the same name,
+lowercased. A value refused raises ImproperlyConfigured naming the key and what to change,
+when Django loads its middleware (at startup).
 
 Stores are made once per process and setting, so every middleware built from the same
 settings (the test client builds one per client) shares one store and its watchdog.

@@ -3,13 +3,9 @@
 A unary call (unary-unary, or a client stream) whose request has an empty `key_field` gets
 one (a copy of the request: the caller's message is left as it is); a request type without
 that field gets the `key_metadata` metadata instead, unless the caller sent one. The key
-is a random UUID4, or inside a claimed run (a handler that the server interceptors, the
-HTTP middleware or `once` runs) one derived from the run's claim, the method and the call's
-label, the ``idempotency-label`` metadata (`Claim._key_for_call`, as the httpx transports'
-keys): a re-run of the calling service sends the called one the same key, so the called one
-does its work once. An unlabelled call inside a run is refused before it is sent, as the
-transports refuse one: a key by the method alone would hand a second call to the method the
-first one's answer.
+is a random UUID4, or inside a claimed run one derived from the run's claim, the method and
+the call's ``idempotency-label`` metadata (`Claim._key_for_call`, as the httpx transports'
+keys); an unlabelled call inside a run is refused before it is sent (docs/grpc.md says why).
 
 Retried with the same key, up to the policy's attempts, with its backoff and within its
 deadline: UNAVAILABLE (the server, or its idempotency store, could not take the call), and

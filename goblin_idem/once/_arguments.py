@@ -7,17 +7,11 @@ applied (so ``f(1)``, ``f(1, b=2)`` with ``b=2`` the default and ``f(a=1, b=2)``
 same call), and hashed by value, in a form a JSON round trip keeps (a message broker's): a
 tuple as a list, a dict whatever its order, a whole number of any type as the int.
 
-Everything with a value is hashed by it: None, bool, str, bytes; numbers by their exact
-value (`numbers.Number`, ``__index__``, ``__float__``: ``500``, ``500.0``, ``np.int64(500)``
-and ``Decimal("500.00")`` are one value, ``0.5`` and ``Fraction(1, 2)`` another); lists,
-tuples, dicts, sets; dataclasses, attrs classes and pydantic models by their fields; enums
-by their value; UUIDs, dates, times, paths and IP addresses by their text; numpy arrays by
-dtype, shape and bytes; classes and module-level functions by their qualified name; any
-other object by the state pickle would save of it (its ``__dict__`` and ``__slots__``, or
-its own ``__reduce__``). An argument none of these can compare (a lock, a socket, a
-generator, a client or session that holds one, an object that refers to itself) raises
-TypeError at the call, before anything is claimed, naming ``fingerprint=``: hashing it by
-its type alone would call two different pieces of work the same.
+Everything with a value is hashed by it (`_feed`; each kind is listed in
+docs/beyond-http.md, "Arguments"). An argument none of them can compare (a lock, a socket,
+an object that refers to itself) raises TypeError at the call, before anything is claimed,
+naming ``fingerprint=``: hashing it by its type alone would call two different pieces of
+work the same.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """GitHub: ``X-Hub-Signature-256: sha256=<hex>``, HMAC-SHA256 of the body under the hook's
 secret.
 
-The signature covers the body and nothing else: ``X-GitHub-Delivery`` and
-``X-GitHub-Hook-ID`` are not signed, and anyone holding one genuine body (a log line, a
-proxy's capture) could re-send it under new ids, or under the id of an event still to come.
-So the key is the body's digest (`body_id`) within the provider and the route, and the
-delivery id is not read. A redelivery from GitHub's settings page (the same body under a new
-delivery id) is the same delivery, answered from the store.
+The signature covers the body and nothing else (``X-GitHub-Delivery`` and
+``X-GitHub-Hook-ID`` are not signed), so the key is the body's digest (`body_id`, which
+says why) within the provider and the route, and the delivery id is not read.
 
 The hook id counts only where it is checked: with ``hooks={hook_id: [secret]}`` each hook
 has a secret of its own, a delivery verifies only with the secrets of the hook it names,

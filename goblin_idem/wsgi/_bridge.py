@@ -21,10 +21,8 @@ On the way:
   message, after the app's iterable has been drained and closed, so the claim's publish
   comes before the client has the whole body; `close()` is called on the app's iterable
   in every case, in the request's thread. The last message reaches the request's thread
-  with the middleware's end, in one hand-over (`Exchange.post`): by then the middleware
-  has nothing left to wait for (its closing step, the publish or the release, came before
-  that message), and a body in one piece went to the server only once the middleware had
-  ended anyway;
+  with the middleware's end, in one hand-over (`Exchange.post`'s `last`): the middleware's
+  closing step, the publish or the release, came before that message;
 - a client that disconnects (the server closes the outer iterable early): the middleware's
   next send raises `ClientGone`, an OSError as an ASGI server's would, so the app's
   iterable is closed and the key released;
