@@ -74,9 +74,6 @@ class Keyed:
         outcome (it ran here), else the replay a duplicate gets."""
         return None if self.ran else self.door.replay(outcome, self.names, self.method)
 
-    def failed(self, exc: BaseException) -> Outcome | None:
-        return self.door.failed(exc, self)
-
 
 class Door:
     """The options of one interceptor, checked once; the runs of its methods."""

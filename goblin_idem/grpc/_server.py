@@ -221,7 +221,7 @@ class _AsyncCall(_Method):
         try:
             outcome: Outcome = await self.run.call(keyed.names, keyed.fp, (work,), {})
         except BaseException as exc:
-            answer = keyed.failed(exc)
+            answer = self.door.failed(exc, keyed)
             if answer is None:
                 raise
             return answer, None
@@ -385,7 +385,7 @@ class _SyncCall(_Method):
         try:
             outcome: Outcome = self.keyed_run(keyed, work)
         except BaseException as exc:
-            answer = keyed.failed(exc)
+            answer = self.door.failed(exc, keyed)
             if answer is None:
                 raise
             return answer, None
