@@ -596,6 +596,7 @@ def labels(primaries: int = 3) -> dict[str, str]:
         "goblin-native": "goblin-idem, Redis native mode",
         "goblin-native-direct": "goblin-idem, Redis native, autopipeline=False",
         "goblin-native-cache": "goblin-idem, Redis native, replay cache (4 MiB)",
+        "goblin-native-nocache": "goblin-idem, Redis native, replay cache off",
         "goblin-sql": "goblin-idem, Redis native mode, SQL records (records=)",
         "goblin-cluster-native": f"goblin-idem, Redis Cluster ({primaries} primaries), native mode",
         "goblin-cluster-script": f"goblin-idem, Redis Cluster ({primaries} primaries), script mode",

@@ -305,7 +305,11 @@ def main() -> None:
         for v in variants:  # a server of its own for each Redis variant
             if v.removesuffix(BASELINE) == "goblin-script":
                 servers[v] = start_server("redis")
-            elif v.removesuffix(BASELINE) in ("goblin-native", "goblin-native-cache"):
+            elif v.removesuffix(BASELINE) in (
+                "goblin-native",
+                "goblin-native-cache",
+                "goblin-native-nocache",
+            ):
                 servers[v] = start_server("redis", modules=[str(build_module())])
         for v in variants:
             if v.endswith(BASELINE) and args.baseline is None:

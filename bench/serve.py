@@ -48,20 +48,32 @@ SQL_VARIANTS = ("goblin-sql",)
 # with the replay cache on (replay_cache_bytes 4 MiB), so that one run shows what the cache
 # changes (name them in --variants).
 CACHE_VARIANTS = ("goblin-native-cache", "goblin-cluster-native-cache")
+# goblin-native-nocache: goblin-native with the replay cache off (replay_cache_bytes=0; the
+# others keep the default budget, 1 MiB).
+NOCACHE_VARIANTS = ("goblin-native-nocache",)
 # answer-only: no idempotency at all, a middleware that answers every request with a key
 # with a fixed 201 once it has read the body: the least a replay can cost in this app (its
 # outer layers, FastAPI's and Starlette's error middleware, and the server), a floor for
 # any middleware's replay (name it in --variants).
 FLOOR_VARIANTS = ("answer-only",)
 ALL_VARIANTS = tuple(
-    dict.fromkeys((*VARIANTS, *CLUSTER_VARIANTS, *SQL_VARIANTS, *CACHE_VARIANTS, *FLOOR_VARIANTS))
+    dict.fromkeys(
+        (
+            *VARIANTS,
+            *CLUSTER_VARIANTS,
+            *SQL_VARIANTS,
+            *CACHE_VARIANTS,
+            *NOCACHE_VARIANTS,
+            *FLOOR_VARIANTS,
+        )
+    )
 )
 REDIS_VARIANTS = frozenset(
     {"goblin-script", "goblin-native", "goblin-native-direct", "asgi-idempotency-header"}
-) | frozenset((*CLUSTER_VARIANTS, *SQL_VARIANTS, *CACHE_VARIANTS))
+) | frozenset((*CLUSTER_VARIANTS, *SQL_VARIANTS, *CACHE_VARIANTS, *NOCACHE_VARIANTS))
 NATIVE_VARIANTS = frozenset(
     {"goblin-native", "goblin-native-direct", "goblin-cluster-native", "goblin-cluster-direct"}
-) | frozenset((*SQL_VARIANTS, *CACHE_VARIANTS))
+) | frozenset((*SQL_VARIANTS, *CACHE_VARIANTS, *NOCACHE_VARIANTS))
 
 # What the handler does and how the middleware is set up, from the command line (main):
 # `--body-bytes N` answers N bytes instead of the small JSON; `--handler pg` inserts one row
@@ -203,6 +215,7 @@ def goblin(variant: str, url: str, no_hiredis: bool) -> tuple[list[Any], Prepare
             cluster=variant.startswith("goblin-cluster-"),
             **redis_kwargs(no_hiredis),
             **({"replay_cache_bytes": 4 << 20} if variant in CACHE_VARIANTS else {}),
+            **({"replay_cache_bytes": 0} if variant in NOCACHE_VARIANTS else {}),
         )
         count_store_calls(store)
 

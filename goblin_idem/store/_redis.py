@@ -74,7 +74,7 @@ class _StoreConnection:
         wait_timeout_seconds: float = 1.0,
         autopipeline: bool = True,
         wait_timeout_ms: int | None = None,
-        replay_cache_bytes: int = 0,
+        replay_cache_bytes: int = DEFAULT_REPLAY_CACHE_BYTES,
     ) -> None:
         _check_client(client)
         wait_timeout = renamed_ms(
@@ -135,7 +135,7 @@ class _StoreConnection:
         wait_timeout_seconds: float = 1.0,
         autopipeline: bool = True,
         wait_timeout_ms: int | None = None,
-        replay_cache_bytes: int = 0,
+        replay_cache_bytes: int = DEFAULT_REPLAY_CACHE_BYTES,
         **kwargs: Any,
     ) -> _S:
         """A store that owns its client (closed by `aclose`).
@@ -479,7 +479,7 @@ class RedisStore(_StoreCommands):
     redis-py) for TLS, a credential provider, a custom connection class, or without
     hiredis. Plain commands and mode detection always use the client.
 
-    Replay cache (``replay_cache_bytes``, 0 by default: off): with a budget, each event
+    Replay cache (``replay_cache_bytes``, 1 MiB by default; 0: off): with a budget, each event
     loop's shared connection keeps in memory the results a duplicate read from the store,
     and answers later duplicates from there (a first run tracks nothing), kept coherent by
     the server's invalidations (RESP3 client
@@ -733,8 +733,8 @@ def _check_replay_cache(replay_cache_bytes: object) -> None:
         raise TypeError("replay_cache_bytes must be an int (0 turns the replay cache off)")
     if replay_cache_bytes < 0:
         raise ValueError(
-            "replay_cache_bytes must be 0 (off, the default) or a budget in bytes "
-            f"(for example {DEFAULT_REPLAY_CACHE_BYTES}), not {replay_cache_bytes}"
+            "replay_cache_bytes must be 0 (off) or a budget in bytes "
+            f"(the default: {DEFAULT_REPLAY_CACHE_BYTES}), not {replay_cache_bytes}"
         )
 
 

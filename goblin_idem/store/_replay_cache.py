@@ -44,9 +44,9 @@ from typing import Any, Final
 
 __all__ = ["DEFAULT_REPLAY_CACHE_BYTES", "ENTRY_OVERHEAD", "ReplayCache"]
 
-#: A budget for each shared connection's cache, as the docs suggest (the cache is off
-#: unless `RedisStore` is given one).
-DEFAULT_REPLAY_CACHE_BYTES: Final = 4 * 1024 * 1024
+#: `RedisStore`'s budget for each shared connection's cache unless given another (0: off):
+#: a few thousand typical responses, for a small service's duplicates.
+DEFAULT_REPLAY_CACHE_BYTES: Final = 1024 * 1024
 #: What an entry costs beside its key and value (the dict slot, the tuple, two objects).
 ENTRY_OVERHEAD: Final = 160
 

@@ -16,7 +16,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from goblin_idem import CLAIMED, RedisStore
-from goblin_idem.store import Published
+from goblin_idem.store import Published, _autopipeline
 from goblin_idem.store._autopipeline import AutoPipeline
 from goblin_idem.store._cluster import ClusterPipelined
 from goblin_idem.store._redis_compat import slots_stale
@@ -39,6 +39,13 @@ def store_on(cluster: Cluster, mode: str) -> RedisStore:
         mode=mode,  # type: ignore[arg-type]
         replay_cache_bytes=BUDGET,
     )
+
+
+@pytest.fixture(autouse=True)
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caches that stay served through a loaded machine's pauses: these tests count what
+    reaches the nodes, and the silence rule has its own tests (test_replay_cache.py)."""
+    monkeypatch.setattr(_autopipeline, "HEARD_SECONDS", 60.0)
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import pytest
 
 from goblin_idem import CLAIMED, MemoryStore, RedisStore, forget
 from goblin_idem._keys import key_names
-from goblin_idem.store import Published
+from goblin_idem.store import Published, _autopipeline
 from goblin_idem.store._autopipeline import HEARD_SECONDS, AutoPipeline
-from goblin_idem.store._replay_cache import ENTRY_OVERHEAD, ReplayCache
+from goblin_idem.store._replay_cache import DEFAULT_REPLAY_CACHE_BYTES, ENTRY_OVERHEAD, ReplayCache
 from tests.support.procs import in_child
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_server
@@ -220,9 +220,24 @@ async def test_a_restarted_server_is_never_answered_from_memory(own_redis: Serve
         await store.aclose()
 
 
-async def test_the_cache_is_off_by_default_and_nothing_is_tracked(server: Server) -> None:
+async def test_the_cache_is_on_by_default_with_a_small_budget(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_autopipeline, "HEARD_SECONDS", 60.0)  # a loaded machine's pauses
+    store = RedisStore.from_url(server.url)
+    try:
+        assert store.replay_cache_bytes == DEFAULT_REPLAY_CACHE_BYTES == 1024 * 1024
+        r = await completed(store)  # its first duplicate read it, and the cache kept it
+        before = commands_served(server)
+        assert await store.claim_unless_done(claim_key(r), r, "u", 30) == b"done"
+        assert commands_served(server) == before
+    finally:
+        await store.aclose()
+
+
+async def test_a_budget_of_0_turns_the_cache_off_and_nothing_is_tracked(server: Server) -> None:
     name = f"off-{secrets.token_hex(4)}"
-    store = RedisStore.from_url(server.url, client_name=name)  # off by default
+    store = RedisStore.from_url(server.url, client_name=name, replay_cache_bytes=0)
     try:
         r = await completed(store, duplicated=False)
         assert store._executor.replays is None
@@ -239,7 +254,7 @@ async def test_the_cache_is_off_by_default_and_nothing_is_tracked(server: Server
 def test_a_bad_budget_says_what_to_pass(redis_server: Server) -> None:
     with pytest.raises(TypeError, match="replay_cache_bytes must be an int"):
         RedisStore.from_url(redis_server.url, replay_cache_bytes=1.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="replay_cache_bytes must be 0 \\(off, the default\\)"):
+    with pytest.raises(ValueError, match="replay_cache_bytes must be 0 \\(off\\) or a budget"):
         RedisStore.from_url(redis_server.url, replay_cache_bytes=-1)
 
 

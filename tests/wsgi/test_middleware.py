@@ -633,7 +633,8 @@ def test_a_replay_kept_in_memory_is_answered_in_the_request_thread_as_the_store_
     """No round trip, no hand-over to the loop thread; the same status line, headers and
     body as a replay read from the store by a process without the cache, and as the ASGI
     middleware's; counted and told to on_event as a replay."""
-    store, plain = cached_store(redis_server), RedisStore.from_url(redis_server.url)
+    store = cached_store(redis_server)
+    plain = RedisStore.from_url(redis_server.url, replay_cache_bytes=0)
     seen, app = Seen(), App()
     mw = IdempotencyMiddleware(app, store=store, on_event=seen)
     assert (
