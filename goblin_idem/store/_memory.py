@@ -133,16 +133,28 @@ class _Keyspace:
             width = _WIDTHS[-1]
         else:
             width = _WIDTHS[int(ttl * 128).bit_length()] if ttl > 0 else _WIDTHS[0]
-        due = (deadline // width + 1) * width
-        end = self._filling.get(due, due)
+        end = (deadline // width + 1) * width
         bucket = self._buckets.get(end)
+        if bucket is None:
+            self._buckets[end] = {key: None}
+            heapq.heappush(self._ends, end)
+        elif len(bucket) < _BUCKET_KEYS:
+            bucket[key] = None
+        else:
+            self._file_beyond(key, end)
+
+    def _file_beyond(self, key: bytes, end: float) -> None:
+        """File `key` in the continuation of the full bucket ending at `end`: the next float
+        above it, or above the last continuation if that is full too."""
+        last = self._filling.get(end, end)
+        bucket = self._buckets.get(last)
         if bucket is not None and len(bucket) < _BUCKET_KEYS:
             bucket[key] = None
             return
-        if bucket is not None:  # full: continued just after, where its sweep comes next
-            self._filling[due] = end = math.nextafter(end, math.inf)
-        self._buckets[end] = {key: None}
-        heapq.heappush(self._ends, end)
+        if bucket is not None:
+            self._filling[end] = last = math.nextafter(last, math.inf)
+        self._buckets[last] = {key: None}
+        heapq.heappush(self._ends, last)
 
     def _evict(self) -> None:
         """Drop up to a few entries whose deadline passed, from the buckets that ended (a
@@ -160,7 +172,7 @@ class _Keyspace:
                     return
                 budget -= 1
                 key = bucket.popitem()[0]
-                deadline = self._deadline(key)
+                deadline = self._deadlines[hash(key) % _SHARDS].get(key)
                 if deadline is not None and deadline <= now:
                     self._drop(key)
             end = heapq.heappop(ends)
