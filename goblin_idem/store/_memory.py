@@ -52,10 +52,10 @@ _WIDEST_FROM = 4096.0
 # No single write may do work in proportion to the keyspace. A dict that outgrows its table
 # copies every entry into a new one in the write that grows it (and, as expired keys are
 # deleted and new ones written, again every so often at the same size): with a million keys
-# in one dict that one write took tens of milliseconds, during which every request of the
-# process waited. So the keys are spread over `_SHARDS` dicts by their hash, and a bucket
+# in one dict that one write took a hundred milliseconds or more, during which every request
+# of the process waited. So the keys are spread over `_SHARDS` dicts by their hash, and a bucket
 # holds at most `_BUCKET_KEYS` keys (a full one is continued under the next float above its
-# end, `_filling` names where): a write copies at most a shard or one bucket's keys.
+# end, `_open` holds the one being filled): a write copies at most a shard or one bucket.
 _SHARDS = 256
 _BUCKET_KEYS = 4096
 
@@ -76,7 +76,7 @@ class _Keyspace:
         self._data: tuple[dict[bytes, _Entry], ...] = tuple({} for _ in range(_SHARDS))
         self._deadlines: tuple[dict[bytes, float], ...] = tuple({} for _ in range(_SHARDS))
         self._buckets: dict[float, dict[bytes, None]] = {}
-        self._filling: dict[float, float] = {}  # a bucket's end -> where it continues
+        self._open: dict[float, dict[bytes, None]] = {}  # an end -> its bucket being filled
         self._ends: list[float] = []  # a heap of the buckets' ends (or continuations)
 
     def __len__(self) -> int:
@@ -88,7 +88,7 @@ class _Keyspace:
             values.clear()
             deadlines.clear()
         self._buckets.clear()
-        self._filling.clear()
+        self._open.clear()
         self._ends.clear()
 
     def _deadline(self, key: bytes) -> float | None:
@@ -134,27 +134,21 @@ class _Keyspace:
         else:
             width = _WIDTHS[int(ttl * 128).bit_length()] if ttl > 0 else _WIDTHS[0]
         end = (deadline // width + 1) * width
-        bucket = self._buckets.get(end)
-        if bucket is None:
-            self._buckets[end] = {key: None}
-            heapq.heappush(self._ends, end)
-        elif len(bucket) < _BUCKET_KEYS:
-            bucket[key] = None
-        else:
-            self._file_beyond(key, end)
-
-    def _file_beyond(self, key: bytes, end: float) -> None:
-        """File `key` in the continuation of the full bucket ending at `end`: the next float
-        above it, or above the last continuation if that is full too."""
-        last = self._filling.get(end, end)
-        bucket = self._buckets.get(last)
+        bucket = self._open.get(end)
         if bucket is not None and len(bucket) < _BUCKET_KEYS:
             bucket[key] = None
-            return
-        if bucket is not None:
-            self._filling[end] = last = math.nextafter(last, math.inf)
-        self._buckets[last] = {key: None}
-        heapq.heappush(self._ends, last)
+        else:
+            self._open_bucket(key, end)
+
+    def _open_bucket(self, key: bytes, end: float) -> None:
+        """A new bucket for the keys due by `end`, `key` first: at `end`, or past a full one
+        at the first float above it that no bucket has (a continuation, later than `end`,
+        so never before the key's deadline)."""
+        at = end
+        while at in self._buckets:
+            at = math.nextafter(at, math.inf)
+        self._buckets[at] = self._open[end] = {key: None}
+        heapq.heappush(self._ends, at)
 
     def _evict(self) -> None:
         """Drop up to a few entries whose deadline passed, from the buckets that ended (a
@@ -177,7 +171,7 @@ class _Keyspace:
                     self._drop(key)
             end = heapq.heappop(ends)
             del self._buckets[end]
-            self._filling.pop(end, None)
+            self._open.pop(end, None)
 
 
 class MemoryStore(_Keyspace):

@@ -487,7 +487,7 @@ async def test_memory_store_full_buckets_continue_and_are_all_swept(clock: _Cloc
         await store.set(f"live{writes}", "v", px=60_000)
         writes += 1
     assert writes <= due // _memory._EVICT_PER_WRITE + 2
-    assert len(store._buckets) == len(store._ends) == 1 and not store._filling
+    assert len(store._buckets) == len(store._ends) == len(store._open) == 1
     assert await store.get("live0") == b"v"
 
 
