@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import os
 import threading
 import time
@@ -36,9 +37,10 @@ _EVICT_PER_WRITE = 64
 # held by a tracked container, so per-entry objects (or a list of a million deadlines) would
 # lengthen every full collection of the process by tens of milliseconds per million keys.
 # A dict whose keys and values are all bytes, floats or None is not tracked. So a string is
-# `_data[key] = value` (bytes); its deadline, if it has a TTL, `_deadlines[key] = seconds`
-# (time.monotonic()); and expiry goes by buckets, the keys due by a bucket's end,
-# `_buckets[end] = {key: None, ...}` (untracked), with the ends in a small heap of floats.
+# `value` (bytes) in its shard of `_data`; its deadline, if it has a TTL, `seconds`
+# (time.monotonic()) in the same shard of `_deadlines`; and expiry goes by buckets, the keys
+# due by a bucket's end, `_buckets[end] = {key: None, ...}` (untracked), with the ends in a
+# small heap of floats.
 # A bucket's width is a power of two seconds, 1/64 to 1/128 of the TTL it was written with
 # (1/64 s to 64 s), so a key is reclaimed at most that long after its deadline, and a
 # day-long TTL adds one bucket per minute, not one entry per key.
@@ -46,6 +48,16 @@ _EVICT_PER_WRITE = 64
 # n bits, and a bucket 2**(n-14) seconds wide, within 2**-6 and 2**6 (from 4096 s on).
 _WIDTHS = tuple(2.0 ** min(6, max(-6, n - 14)) for n in range(21))
 _WIDEST_FROM = 4096.0
+
+# No single write may do work in proportion to the keyspace. A dict that outgrows its table
+# copies every entry into a new one in the write that grows it (and, as expired keys are
+# deleted and new ones written, again every so often at the same size): with a million keys
+# in one dict that one write took a hundred milliseconds or more, during which every request
+# of the process waited. So the keys are spread over `_SHARDS` dicts by their hash, and a bucket
+# holds at most `_BUCKET_KEYS` keys (a full one is continued under the next float above its
+# end, `_open` holds the one being filled): a write copies at most a shard or one bucket.
+_SHARDS = 256
+_BUCKET_KEYS = 4096
 
 
 class _OtherType(Protocol):
@@ -57,23 +69,36 @@ _Entry: TypeAlias = "bytes | _OtherType"
 
 
 class _Keyspace:
-    """String keys with deadlines, laid out as the comment above says: a key past its
+    """String keys with deadlines, laid out as the comments above say: a key past its
     deadline reads as absent (`_live`), and `_evict` reclaims a few at a time."""
 
     def __init__(self) -> None:
-        self._data: dict[bytes, _Entry] = {}
-        self._deadlines: dict[bytes, float] = {}
+        self._data: tuple[dict[bytes, _Entry], ...] = tuple({} for _ in range(_SHARDS))
+        self._deadlines: tuple[dict[bytes, float], ...] = tuple({} for _ in range(_SHARDS))
         self._buckets: dict[float, dict[bytes, None]] = {}
-        self._ends: list[float] = []  # a heap of the buckets' ends
+        self._open: dict[float, dict[bytes, None]] = {}  # an end -> its bucket being filled
+        self._ends: list[float] = []  # a heap of the buckets' ends (or continuations)
 
     def __len__(self) -> int:
         """Entries held, including expired ones not reclaimed yet."""
-        return len(self._data)
+        return sum(map(len, self._data))
+
+    def _clear(self) -> None:
+        for values, deadlines in zip(self._data, self._deadlines, strict=True):
+            values.clear()
+            deadlines.clear()
+        self._buckets.clear()
+        self._open.clear()
+        self._ends.clear()
+
+    def _deadline(self, key: bytes) -> float | None:
+        return self._deadlines[hash(key) % _SHARDS].get(key)
 
     def _live(self, key: bytes) -> _Entry | None:
-        entry = self._data.get(key)
+        shard = hash(key) % _SHARDS
+        entry = self._data[shard].get(key)
         if entry is not None:
-            deadline = self._deadlines.get(key)
+            deadline = self._deadlines[shard].get(key)
             if deadline is not None and deadline <= time.monotonic():
                 self._drop(key)
                 return None
@@ -87,28 +112,43 @@ class _Keyspace:
 
     def _drop(self, key: bytes) -> None:
         """Forget a key (a bucket may still name it: the sweep skips it then)."""
-        del self._data[key]
-        self._deadlines.pop(key, None)
+        shard = hash(key) % _SHARDS
+        del self._data[shard][key]
+        self._deadlines[shard].pop(key, None)
+
+    def _replace(self, key: bytes, entry: _Entry) -> None:
+        """A new value under `key`, its deadline (its TTL) kept."""
+        self._data[hash(key) % _SHARDS][key] = entry
 
     def _store(self, key: bytes, value: bytes, deadline: float | None) -> None:
-        self._data[key] = value
+        shard = hash(key) % _SHARDS
+        self._data[shard][key] = value
         if deadline is None:
-            self._deadlines.pop(key, None)
+            self._deadlines[shard].pop(key, None)
             return
         # Set the key's deadline, and file it in the bucket that ends just after it.
-        self._deadlines[key] = deadline
+        self._deadlines[shard][key] = deadline
         ttl = deadline - time.monotonic()
         if ttl >= _WIDEST_FROM:
             width = _WIDTHS[-1]
         else:
             width = _WIDTHS[int(ttl * 128).bit_length()] if ttl > 0 else _WIDTHS[0]
         end = (deadline // width + 1) * width
-        bucket = self._buckets.get(end)
-        if bucket is None:
-            self._buckets[end] = {key: None}
-            heapq.heappush(self._ends, end)
-        else:
+        bucket = self._open.get(end)
+        if bucket is not None and len(bucket) < _BUCKET_KEYS:
             bucket[key] = None
+        else:
+            self._open_bucket(key, end)
+
+    def _open_bucket(self, key: bytes, end: float) -> None:
+        """A new bucket for the keys due by `end`, `key` first: at `end`, or past a full one
+        at the first float above it that no bucket has (a continuation, later than `end`,
+        so never before the key's deadline)."""
+        at = end
+        while at in self._buckets:
+            at = math.nextafter(at, math.inf)
+        self._buckets[at] = self._open[end] = {key: None}
+        heapq.heappush(self._ends, at)
 
     def _evict(self) -> None:
         """Drop up to a few entries whose deadline passed, from the buckets that ended (a
@@ -126,10 +166,12 @@ class _Keyspace:
                     return
                 budget -= 1
                 key = bucket.popitem()[0]
-                deadline = self._deadlines.get(key)
+                deadline = self._deadlines[hash(key) % _SHARDS].get(key)
                 if deadline is not None and deadline <= now:
                     self._drop(key)
-            del self._buckets[heapq.heappop(ends)]
+            end = heapq.heappop(ends)
+            del self._buckets[end]
+            self._open.pop(end, None)
 
 
 class MemoryStore(_Keyspace):
@@ -160,10 +202,7 @@ class MemoryStore(_Keyspace):
 
     async def aclose(self) -> None:
         with self._lock:
-            self._data.clear()
-            self._deadlines.clear()
-            self._buckets.clear()
-            self._ends.clear()
+            self._clear()
 
     def _put(self, key: bytes, value: bytes, deadline: float | None) -> None:
         self._evict()
@@ -205,7 +244,7 @@ class MemoryStore(_Keyspace):
                 return CLAIMED
             value = self._live_string(rk)  # WRONGTYPE for a non-string, as GET on a server
             lease_end = time.monotonic() + claim_seconds(seconds)
-            kept = self._deadlines.get(rk)
+            kept = self._deadline(rk)
             keep = lease_end if kept is None else max(kept, lease_end)
             self._store(ck, as_bytes(token, "token"), keep)
             return value
@@ -231,7 +270,7 @@ class MemoryStore(_Keyspace):
             n = check_size(as_bytes(new, "new"), self.max_value_bytes)
             if self._live_string(k) != e:
                 return False
-            self._data[k] = n  # the deadline, its TTL, stays as it was
+            self._replace(k, n)  # the deadline, its TTL, stays as it was
             return True
 
     async def cad(self, key: KeyT, expected: KeyT) -> int:
@@ -258,7 +297,7 @@ class MemoryStore(_Keyspace):
             renewed = self._caexpire(claim_key, token, ttl)
             if written or self._live_string(rk) == v:
                 return WRITTEN[renewed]
-            deadline = self._deadlines.get(rk)
+            deadline = self._deadline(rk)
             if renewed and deadline is not None:  # the claim lasts no longer than the result
                 self._store(as_bytes(claim_key), as_bytes(token, "token"), deadline)
             return Published.SUPERSEDED
@@ -322,7 +361,7 @@ class MemoryStore(_Keyspace):
             entry = self._live(as_bytes(key))
             if entry is None:
                 return -2
-            deadline = self._deadlines.get(as_bytes(key))
+            deadline = self._deadline(as_bytes(key))
             if deadline is None:
                 return -1
             return max(0, round((deadline - time.monotonic()) * 1000))

@@ -20,7 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
 
 from goblin_idem import CLAIMED, Lock, MemoryStore, NotReplicatedError, RedisStore, Store
-from goblin_idem.store import Published
+from goblin_idem.store import Published, _memory
 from goblin_idem.store._scripts import ALL as ALL_SCRIPTS
 from goblin_idem.store._scripts import GOBLIN as GOBLIN_SCRIPTS
 from goblin_idem.store._server_errors import NOT_INTEGER, VALUE_TOO_LARGE, WRONGTYPE
@@ -403,7 +403,7 @@ async def test_memory_store_renewals_do_not_leak() -> None:
     for i in range(5):
         await store.set(f"x{i}", "v")
     assert await store.get("lease") is None
-    assert not store._deadlines and not store._buckets  # the renewals' buckets went too
+    assert not any(store._deadlines) and not store._buckets  # the renewals' buckets went too
 
 
 async def test_memory_store_entries_add_nothing_for_the_garbage_collector() -> None:
@@ -433,10 +433,62 @@ async def test_memory_store_holds_nothing_the_collector_tracks() -> None:
         assert await store.publish(f"r{i}", b"result", 86_400_000, f"c{i}", "tok") == 1
     await store.set("plain", "v")
     gc.collect()
-    assert not any(map(gc.is_tracked, (store._data, store._deadlines)))
+    assert not any(map(gc.is_tracked, (*store._data, *store._deadlines)))
     assert not any(map(gc.is_tracked, store._buckets.values()))
     assert len(store._buckets) == len(store._ends) < 10
     assert await store.pttl("c7") > 86_000_000 and await store.pttl("plain") == -1
+
+
+class _Clock:
+    """MemoryStore's time.monotonic, moved by the test instead of waited for."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(_memory, "time", fake)
+    return fake
+
+
+async def test_memory_store_no_table_holds_the_whole_keyspace() -> None:
+    """A dict that outgrows its table copies all of it in one write: the keys are spread
+    over shards and a bucket is bounded, so the largest copy is not the keyspace's."""
+    store = MemoryStore()
+    for i in range(20_000):
+        await store.set(f"k{i}", "v", px=60_000)
+    assert len(store) == 20_000
+    tables = [*store._data, *store._deadlines, *store._buckets.values()]
+    assert all(type(t) is dict for t in tables)
+    assert max(map(len, tables)) <= max(_memory._BUCKET_KEYS, 2 * 20_000 // _memory._SHARDS)
+    assert await store.get("k19999") == b"v" and await store.pttl("k7") > 0
+
+
+async def test_memory_store_full_buckets_continue_and_are_all_swept(clock: _Clock) -> None:
+    """Keys due in the same bucket beyond its bound go to continuations; every one is
+    absent at its deadline, and the writes after it reclaim them all."""
+    store = MemoryStore()
+    due = 3 * _memory._BUCKET_KEYS + 5
+    for i in range(due):
+        await store.set(f"k{i}", "v", px=1000)
+    assert len(store._buckets) == len(store._ends) == 4
+    assert max(map(len, store._buckets.values())) == _memory._BUCKET_KEYS
+    assert await store.get(f"k{due - 1}") == b"v"
+    clock.now += 1.5
+    assert await store.get("k0") is None and await store.get(f"k{due - 1}") is None
+    assert await store.pttl("k5000") == -2 and len(store) == due - 3  # lazy: read, dropped
+    writes = 0
+    while len(store) > writes:  # each write reclaims a bounded batch
+        await store.set(f"live{writes}", "v", px=60_000)
+        writes += 1
+    assert writes <= due // _memory._EVICT_PER_WRITE + 2
+    assert len(store._buckets) == len(store._ends) == len(store._open) == 1
+    assert await store.get("live0") == b"v"
 
 
 async def test_memory_store_set_options() -> None:

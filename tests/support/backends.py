@@ -84,7 +84,7 @@ class TypedMemoryStore(MemoryStore):
         entry = self._live(key)
         if entry is not None and (not isinstance(entry, _Typed) or entry.kind != kind):
             raise ResponseError(WRONGTYPE)
-        self._data[key] = entry or _Typed(kind)
+        self._replace(key, entry or _Typed(kind))
         return int(entry is None)
 
 
@@ -160,7 +160,8 @@ async def stored_items(store: Store, match: bytes = b"*") -> list[tuple[bytes, b
     if isinstance(store, MemoryStore):
         return [
             (k, e)
-            for k, e in store._data.items()
+            for shard in store._data
+            for k, e in shard.items()
             if isinstance(e, bytes) and fnmatch.fnmatchcase(k.decode("latin-1"), match.decode())
         ]
     if isinstance(store, PostgresStore):  # the table's live rows, as a SELECT would see them
