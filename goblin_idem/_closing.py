@@ -24,7 +24,14 @@ from ._lease import Lease
 from ._log import describe
 from .store import Published, Store
 
-__all__ = ["ClosingStep", "free_claim", "publish_deadline", "publish_retried", "run_to_end"]
+__all__ = [
+    "ClosingStep",
+    "free_claim",
+    "publish_deadline",
+    "publish_retried",
+    "run_to_end",
+    "start_again",
+]
 
 logger = logging.getLogger("goblin_idem.claim")
 
@@ -56,22 +63,31 @@ def publish_deadline(lease: Lease) -> float:
 
 
 async def publish_retried(
-    store: Store, names: KeyNames, data: bytes, ttl_ms: int, lease: Lease
+    store: Store,
+    names: KeyNames,
+    data: bytes,
+    ttl_ms: int,
+    lease: Lease,
+    failed: Exception | None = None,
 ) -> Published:
     """`store.publish` (the result and the claim's new TTL in one MULTI/EXEC), sent again
     after an error a retry can fix (`_worth_retrying`), after pauses of 50 ms doubling up to
     200 ms, while the next attempt would start before `publish_deadline`; the last error
     propagates. Every attempt is bounded by the store's socket timeout, and a repeat is
     safe: SET NX writes nothing over an earlier attempt that landed, which the store tells
-    apart from another run's result."""
+    apart from another run's result. `failed`: the error of a first attempt the caller
+    made itself (inline, so that a publish that lands at once costs no coroutine here)."""
     deadline = publish_deadline(lease)
     pause = PUBLISH_FIRST_PAUSE
     while True:
-        try:
-            return await store.publish(names.result, data, ttl_ms, names.claim, lease.token)
-        except Exception as exc:
-            if not _worth_retrying(exc) or time.monotonic() + pause >= deadline:
-                raise
+        if failed is None:
+            try:
+                return await store.publish(names.result, data, ttl_ms, names.claim, lease.token)
+            except Exception as exc:
+                failed = exc
+        if not _worth_retrying(failed) or time.monotonic() + pause >= deadline:
+            raise failed
+        failed = None
         await asyncio.sleep(pause)
         pause = min(2 * pause, PUBLISH_MAX_PAUSE)
 
@@ -113,7 +129,13 @@ async def run_to_end(step: ClosingStep, background: set[asyncio.Task[Any]]) -> N
     try:
         await step()
     except asyncio.CancelledError:
-        task = asyncio.ensure_future(step())
-        background.add(task)
-        task.add_done_callback(background.discard)
+        start_again(step, background)
         raise
+
+
+def start_again(step: ClosingStep, background: set[asyncio.Task[Any]]) -> None:
+    """`step`, cut short by a cancel, started again in a task of its own (`run_to_end`):
+    for a caller that runs the step inline itself, without `run_to_end`'s coroutine."""
+    task = asyncio.ensure_future(step())
+    background.add(task)
+    task.add_done_callback(background.discard)

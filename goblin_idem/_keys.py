@@ -35,6 +35,7 @@ __all__ = [
     "cookie_scope",
     "credential_header",
     "credentials_scope",
+    "default_scope",
     "failures_key",
     "header_key",
     "header_scope",
@@ -128,6 +129,24 @@ def credential_header(headers: list[tuple[bytes, bytes]]) -> bytes | None:
         if name in CREDENTIAL_HEADERS:
             return name
     return None
+
+
+_SCOPE_HEADERS = CREDENTIAL_HEADERS | {b"authorization"}
+
+
+def default_scope(headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bytes | None]:
+    """`credentials_scope`, and for an empty one `credential_header`, in one pass over the
+    headers (this runs for every keyed request)."""
+    credential = caller = None
+    for name, value in headers:
+        if name in _SCOPE_HEADERS:
+            if name != b"authorization":
+                credential = credential or name
+            elif caller is None:  # the first one's value
+                if value:
+                    return value, None
+                caller = value
+    return b"", credential
 
 
 def header_scope(name: str) -> Callable[[Scope], bytes]:

@@ -42,6 +42,7 @@ class Lease:
     # taken or deleted. (Held is just after the claim's reply, later than its sending by
     # a round trip.)
     renewed_at: float = 0.0
+    renewals: _Renewals | None = field(default=None, repr=False)  # where it is held
 
     def schedule(self, now: float) -> None:
         self.due = now + self.ms / 3000
@@ -99,10 +100,10 @@ class Watchdog:
         label: str = "",
         on_lost: Callable[[Lease], None] | None = None,
     ) -> Lease:
-        lease = Lease(as_bytes(key), as_bytes(token), ms, label, on_lost)
+        renewals = self._here()
+        lease = Lease(as_bytes(key), as_bytes(token), ms, label, on_lost, renewals=renewals)
         lease.renewed_at = time.monotonic()
         lease.schedule(lease.renewed_at)
-        renewals = self._here()
         renewals.leases.add(lease)
         task = renewals.task
         if task is None or task.done():
@@ -117,10 +118,17 @@ class Watchdog:
         A caller about to give the key a longer TTL (publishing a result) must not have a
         late lease-length renewal land after it and cut that TTL short again.
         """
-        renewals = self._here()
+        if self.stop(lease):
+            renewals = lease.renewals or self._here()
+            while lease in renewals.renewing and renewals.batch_done is not None:
+                await renewals.batch_done.wait()
+
+    def stop(self, lease: Lease) -> bool:
+        """Stop renewing `lease`: whether a renewal of it is still in flight, which `release`
+        waits for (no coroutine when none is, the common case)."""
+        renewals = lease.renewals or self._here()
         renewals.leases.discard(lease)
-        while lease in renewals.renewing and renewals.batch_done is not None:
-            await renewals.batch_done.wait()
+        return lease in renewals.renewing and renewals.batch_done is not None
 
     def _here(self) -> _Renewals:
         """The running loop's renewals; a loop's first lease drops those of closed loops."""

@@ -78,6 +78,7 @@ class Held:
     lease: Lease = field(init=False)
     tx: RunTransaction | None = field(default=None, init=False)  # with records: the run's
     refused: bool = field(default=False, init=False)  # the commit found another run's row
+    data: bytes = field(default=b"", init=False)  # the result `publish` stores by default
     _claim: contextvars.Token[ClaimHolder | None] = field(init=False)
     _in_sql: contextvars.Token[object] = field(init=False)
 
@@ -142,27 +143,41 @@ class Held:
         stopped, the claim freed if it still holds this run's token."""
         await self.rollback()
         await self.releasing()
-        await self.core.watchdog.release(self.lease)
+        if self.core.watchdog.stop(self.lease):
+            await self.core.watchdog.release(self.lease)
         await free_claim(self.core.store, self.names, self.token)
 
-    async def publish(self, data: bytes) -> None:
-        """Store `data` and give the claim the result's TTL, together (one MULTI/EXEC),
-        retried while the claim keeps duplicates out (`publish_retried`).
+    async def publish(self, data: bytes | None = None) -> None:
+        """Store `data` (by default the run's `data`) and give the claim the result's TTL,
+        together (one MULTI/EXEC), retried while the claim keeps duplicates out
+        (`publish_retried`; the first attempt is made here, inline).
 
         If it never lands, the work is done but not recorded: the claim expires a lease
         later and a retry runs it again, which the door logs (`unpublished`), unless it
         stores something else `instead`. A result stored first by another run (which took
         the key after this run's claim lapsed or was lost) stands (`superseded`). A
         publish that found the claim lapsed stored the result (`lapsed`)."""
-        core, names = self.core, self.names
-        await core.watchdog.release(self.lease)
+        core, names, lease = self.core, self.names, self.lease
+        if core.watchdog.stop(lease):  # a renewal in flight lands first
+            await core.watchdog.release(lease)
+        data = self.data if data is None else data
+        failed = None
         try:
-            published = await publish_retried(core.store, names, data, self.ttl_ms, self.lease)
+            published = await core.store.publish(
+                names.result, data, self.ttl_ms, names.claim, self.token
+            )
         except Exception as exc:
-            if not await self.instead(exc):
-                core.report("publish_errors", names.hash)
-                self.unpublished(exc)
-            return
+            failed = exc
+        if failed is not None:
+            try:
+                published = await publish_retried(
+                    core.store, names, data, self.ttl_ms, lease, failed
+                )
+            except Exception as exc:
+                if not await self.instead(exc):
+                    core.report("publish_errors", names.hash)
+                    self.unpublished(exc)
+                return
         if published == Published.SUPERSEDED:
             core.report("superseded", names.hash)
             self.superseded()

@@ -1,7 +1,7 @@
 """The ASGI middleware: `IdempotencyMiddleware` and the `@idempotent` route marks.
 
 - `_middleware`: options checked once, `__call__` routes; `_covered`: a covered
-  request, from its key to its answer (`with_key` decides).
+  request, from its key to its answer (`request` decides).
 - `_request`: the body read whole, the key's store names and the fingerprint.
 - `_responses`: every response the middleware writes itself, and the replay.
 - `_run`: the one run of the app under a won claim, and its closing step.

@@ -54,75 +54,43 @@ class Covered:
     store: Store  # as the application gave it, for the log lines (not the timed one)
     unkeyed: ASGIApp  # what runs unprotected with `fail_open`
 
-    async def with_key(
+    async def request(
         self,
         scope: Scope,
         receive: Receive,
         send: Send,
         settings: Settings,
-        key: bytes,
+        key: bytes | None,
         keys: int,
         content_length: bytes | None,
     ) -> None:
-        """A covered request with a key: the key checked, the body read, the key claimed;
-        then the one run, or an answer from the claim step's reply."""
-        checked = header_key(key)
-        if keys > 1 or checked is None or not valid_key(checked, self.key_pattern):
-            await self.answers.invalid_key(send, malformed=keys == 1 and checked is None)
-            return
-        body = await self._body(receive, send, content_length)
-        if body is None:
-            return
-        names, fp = self.identity.identify(scope, checked, body)
-        await self._claimed(scope, receive, send, settings, names, fp, body)
-
-    async def delivery(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        settings: Settings,
-        provider: Provider,
-        content_length: bytes | None,
-    ) -> None:
-        """A webhook delivery: the body read (within the size limit), the provider's
-        verification of it, then the claim of its delivery id. Nothing unverified reaches
-        the store, so a forged request naming a genuine id cannot hold, delay or answer
-        the genuine delivery of that id."""
-        body = await self._body(receive, send, content_length)
-        if body is None:
-            return
-        try:
-            delivery = provider.verify(self.identity.header_map(scope), body)
-        except WebhookRefusedError as exc:
-            await self.answers.webhook_refused(send, provider.name, scope["path"], exc)
-            return
-        names, fp = self.identity.delivery(scope, provider.name, delivery, body)
-        await self._claimed(scope, receive, send, settings, names, fp, body)
-
-    async def _body(
-        self, receive: Receive, send: Send, content_length: bytes | None
-    ) -> bytes | None:
-        """The whole body; None if the client left, or after answering 413 past the limit
-        (before anything else reads it: a webhook's signature is checked after)."""
-        try:
-            return await read_body(receive, content_length, self.max_body_bytes)
+        """A covered request with a key, or a webhook delivery (`settings.webhook`): the key
+        checked, the body read (a delivery verified: `_verified`), the key claimed; then the
+        one run, or an answer from the claim step's reply. One coroutine, from the key to
+        the answer: each layer more is an object every request keeps across its store round
+        trips, and a step more each time it resumes."""
+        provider = settings.webhook
+        checked = None
+        if provider is None:
+            checked = None if key is None else header_key(key)
+            if keys > 1 or checked is None or not valid_key(checked, self.key_pattern):
+                await self.answers.invalid_key(send, malformed=keys == 1 and checked is None)
+                return
+        try:  # the whole body, before anything else reads it (a signature is checked after)
+            body = await read_body(receive, content_length, self.max_body_bytes)
         except BodyTooLarge:
             await self.answers.body_too_large(send)
-            return None
-
-    async def _claimed(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        settings: Settings,
-        names: KeyNames,
-        fp: bytes,
-        body: bytes,
-    ) -> None:
-        """The claim step for a request whose key and body are settled; then the one run,
-        or an answer from the claim step's reply."""
+            return
+        if body is None:
+            return  # the client left: nothing was claimed, nobody to answer
+        if provider is None:
+            assert checked is not None
+            names, fp = self.identity.identify(scope, checked, body)
+        else:
+            verified = await self._verified(scope, send, provider, body)
+            if verified is None:
+                return
+            names, fp = verified
         token = new_token()
         try:
             reply = await self.claim_step(names, token, settings.claim_seconds)
@@ -148,6 +116,20 @@ class Covered:
             await self.answers.in_flight(send, names)
         else:
             await self.answers.stored(reply, fp, send, names)
+
+    async def _verified(
+        self, scope: Scope, send: Send, provider: Provider, body: bytes
+    ) -> tuple[KeyNames, bytes] | None:
+        """A webhook delivery's names and fingerprint, once its provider verified it; None
+        after answering a refusal. Nothing unverified reaches the store, so a forged
+        request naming a genuine id cannot hold, delay or answer the genuine delivery of
+        that id."""
+        try:
+            delivery = provider.verify(self.identity.header_map(scope), body)
+        except WebhookRefusedError as exc:
+            await self.answers.webhook_refused(send, provider.name, scope["path"], exc)
+            return None
+        return self.identity.delivery(scope, provider.name, delivery, body)
 
     async def _store_failed(
         self, exc: BaseException, scope: Scope, receive: Receive, send: Send, names: KeyNames

@@ -313,8 +313,9 @@ class IdempotencyMiddleware:
         key = None
         keys = 0
         content_length = None
+        header = self.header
         for name, value in scope["headers"]:
-            if name == self.header:
+            if name == header:
                 key = value
                 keys += 1
             elif name == b"content-length":
@@ -325,11 +326,8 @@ class IdempotencyMiddleware:
         settings = self.routes.covering(scope, key is not None)
         if settings is None:
             await self._unkeyed(scope, receive, send)
-        elif settings.webhook is not None:
-            webhook = settings.webhook
-            await self.covered.delivery(scope, receive, send, settings, webhook, content_length)
-        elif key is not None:
-            await self.covered.with_key(scope, receive, send, settings, key, keys, content_length)
+        elif key is not None or settings.webhook is not None:  # a webhook's key: its id
+            await self.covered.request(scope, receive, send, settings, key, keys, content_length)
         else:  # a route that requires a key
             await self.answers.missing_key(send, scope["method"], scope["path"])
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope
 
-from .._keys import KeyNames, credential_header, credentials_scope, key_names
+from .._keys import KeyNames, default_scope, key_names
 from ..exceptions import WebhookRefusedError
 from ..records._format import fingerprint
 
@@ -41,11 +41,9 @@ class Identity:
         """The key's store names, scoped by the caller (`scope_of`'s answer, or by default
         the Authorization header), and the request's fingerprint."""
         if self.scope_of is None:
-            caller = credentials_scope(scope["headers"])
-            if not caller and not self._warned:
-                credential = credential_header(scope["headers"])
-                if credential is not None:
-                    self._warn_shared_scope(credential)
+            caller, credential = default_scope(scope["headers"])
+            if credential is not None and not self._warned:
+                self._warn_shared_scope(credential)
         else:
             given = self.scope_of(scope)
             caller = given.encode() if isinstance(given, str) else given
@@ -164,7 +162,7 @@ async def read_body(receive: Receive, content_length: bytes | None, limit: int) 
     if content_length is not None and content_length.isdigit():
         if int(content_length) > limit:
             raise BodyTooLarge
-    chunks = []
+    chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
@@ -174,9 +172,12 @@ async def read_body(receive: Receive, content_length: bytes | None, limit: int) 
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge
-        chunks.append(chunk)
         if not message.get("more_body", False):
+            if not chunks and type(chunk) is bytes:  # the common case: one message
+                return chunk
+            chunks.append(chunk)
             return b"".join(chunks)
+        chunks.append(chunk)
 
 
 class ReplayReceive:

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import _options as options
 from .._claim import Claim
-from .._closing import ClosingStep
+from .._closing import ClosingStep, start_again
 from .._events import log_store_error
 from .._keys import KeyNames, hop_key
 from .._log import describe
@@ -145,7 +145,6 @@ class Run(Held):
     hop: bool = False  # a complete redirect, remembered as the key is released (_hops)
     trailers: list[tuple[bytes, bytes]] | None = None  # None: none declared
     finished: bool = False  # the closing step has started
-    data: bytes = b""  # the record the closing step publishes, encoded
     recorded: Recorded | None = None  # records=: the run's transaction and held response
 
     async def __call__(self, scope: Scope, receive: Receive) -> None:
@@ -204,8 +203,13 @@ class Run(Held):
                 else:
                     self.chunks.clear()
             if not message.get("more_body", False) and self.trailers is None and not self.finished:
-                self.finished = True  # inline, as the hot path: no coroutine for it
-                await self.to_end(self._closing_step())
+                self.finished = True  # inline, as the hot path: no coroutine for it, nor
+                step = self._closing_step()  # run_to_end's (a cancel: started again)
+                try:
+                    await step()
+                except asyncio.CancelledError:
+                    start_again(step, self.core.background)
+                    raise
         else:
             message = await self._other(message)
         if self.recorded is None:
@@ -313,7 +317,7 @@ class Run(Held):
         # Encoded now, kept as bytes (which the garbage collector never tracks): the record,
         # its header list and tuples are freed before the publish waits for the store.
         self.data = config.encoded(record, names.result)
-        return self._publish
+        return self.publish if self.recorded is None else self._publish
 
     async def rollback(self) -> None:
         if self.recorded is not None:
@@ -327,17 +331,18 @@ class Run(Held):
             )
 
     async def _publish(self) -> None:
-        if self.recorded is not None:
-            # The run's writes and its record, committed together before the response goes
-            # out; published is what committed (another run's record, if its row was first).
-            committed = await self.recorded.commit(self.data)
-            if committed is None:  # the effects did not happen: 503, the key released
-                await self.release()
-                return
-            self.data = committed
-            if self.refused:
-                _log_refused(self.names, self.core.records)
-        await self.publish(self.data)
+        """With records: the run's writes and its record, committed together before the
+        response goes out; published is what committed (another run's record, if its row
+        was first)."""
+        assert self.recorded is not None
+        committed = await self.recorded.commit(self.data)
+        if committed is None:  # the effects did not happen: 503, the key released
+            await self.release()
+            return
+        self.data = committed
+        if self.refused:
+            _log_refused(self.names, self.core.records)
+        await self.publish()
 
     async def instead(self, exc: Exception) -> bool:
         if not _too_large(exc) or self.size > self.config.max_response_bytes:
@@ -360,15 +365,8 @@ class Run(Held):
         )
 
     def superseded(self) -> None:
-        if self.refused:
-            return  # the stored response is the one this run answered with (logged)
-        logger.warning(
-            "key %s: a response was already stored when this run published its own "
-            "(another run took the key after this run's claim lapsed or was lost): the "
-            "stored one stands and every duplicate gets it; this run's went to its own "
-            "client only",
-            self.names.hash,
-        )
+        if not self.refused:  # refused: the stored response is the one this run answered
+            _log_superseded(self.names)
 
     async def lapsed(self) -> None:
         try:
@@ -395,6 +393,16 @@ def _joined(records: object) -> str:
     backend kept in the request's thread are its `backend`'s)."""
     joined = getattr(getattr(records, "backend", records), "joined", None)
     return joined or "through goblin_idem.sql's connection() or session()"
+
+
+def _log_superseded(names: KeyNames) -> None:
+    logger.warning(
+        "key %s: a response was already stored when this run published its own "
+        "(another run took the key after this run's claim lapsed or was lost): the "
+        "stored one stands and every duplicate gets it; this run's went to its own "
+        "client only",
+        names.hash,
+    )
 
 
 def _log_refused(names: KeyNames, records: object) -> None:
