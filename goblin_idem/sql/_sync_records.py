@@ -4,9 +4,10 @@ sync ``Engine``.
 They implement `goblin_idem._threads._records.ThreadRecords`: every step runs in the request's
 thread, where the app's writes are, so the app's writes through `goblin_idem.sql.sync`
 (and Flask-SQLAlchemy's ``db.session`` on a keyed route) and the record's row are one
-transaction on one connection (`goblin_idem.sql.sync.SyncRun`). The ASGI middleware and
-`once` refuse them, saying to use an AsyncEngine there; the WSGI and Flask middlewares
-refuse async records, which a sync app cannot write through.
+transaction on one connection (`goblin_idem.sql.sync.SyncRun`): on psycopg, the key's
+lookup's connection, whose transaction the lookup begins (`lookup_for_work`). The ASGI
+middleware and `once` refuse them, saying to use an AsyncEngine there; the WSGI and Flask
+middlewares refuse async records, which a sync app cannot write through.
 """
 
 from __future__ import annotations
