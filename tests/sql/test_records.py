@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import subprocess
 import sys
 
@@ -16,13 +15,10 @@ from starlette.types import Receive, Scope, Send
 from goblin_idem import IdempotencyMiddleware, NotInRunError, once
 from goblin_idem._cli import main
 from goblin_idem._recording import Committed, RecordRow
-from goblin_idem._threads._loop import loop_thread
 from goblin_idem.sql import SqlRecords, connection
-from tests.sql.conftest import Setup, SyncSetup, on_postgres
-from tests.support.apps.sync_sql_app import build_wsgi
+from tests.sql.conftest import FORGED, Setup, on_postgres
 from tests.support.asgi import Handler, request
 from tests.support.procs import ROOT
-from tests.support.wsgi import call
 
 
 async def add_rows(records: SqlRecords, expired: int, live: int) -> None:
@@ -93,10 +89,6 @@ async def test_once_commits_its_writes_with_its_value(setup: Setup) -> None:
     assert runs == 1 and await setup.payment_count("o1") == 1
 
 
-# A key an attacker wrote as SQL: quotes, a statement, a comment.
-FORGED = "o1'); DROP TABLE payments; -- \\' \"; COMMIT; SELECT '"
-
-
 async def test_a_key_written_as_sql_is_only_a_key(setup: Setup) -> None:
     """The one-query lookup and commit write their values into the text: a key an attacker
     chose as SQL is a key like any other, on every driver (quotes, a statement, a comment)."""
@@ -111,26 +103,6 @@ async def test_a_key_written_as_sql_is_only_a_key(setup: Setup) -> None:
     await setup.store.client.flushall()  # type: ignore[union-attr]
     assert await charge(FORGED) == {"ref": FORGED}  # from the database, by that key
     assert await setup.payment_count("forged") == 1  # the table stands, written once
-
-
-def test_a_key_written_as_sql_is_only_a_key_on_a_sync_engine(sync_setup: SyncSetup) -> None:
-    """The same through the sync records (the WSGI middleware), whose lookup and commit on
-    psycopg are one query each too."""
-    store = sync_setup.store()
-    app = build_wsgi(store, sync_setup.records, sync_setup.payments)
-    body = json.dumps({"ref": "forged", "amount": 5}).encode()
-    json_type = [("Content-Type", "application/json")]
-    try:
-        first = call(app, "POST", "/payments", body, json_type, key=FORGED)
-        assert first.code == 201 and len(sync_setup.rows()) == 1
-        with sync_setup.redis.sync_client() as client:
-            client.flushall()
-        again = call(app, "POST", "/payments", body, json_type, key=FORGED)
-        assert again.code == 201 and again.body == first.body  # from the database, by that key
-        assert again.header("idempotent-replayed") == "true"
-        assert sync_setup.payment_count("forged") == 1  # the table stands, written once
-    finally:
-        loop_thread().run(store.aclose())
 
 
 async def test_once_that_raises_leaves_nothing(setup: Setup) -> None:

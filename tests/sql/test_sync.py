@@ -25,7 +25,7 @@ from goblin_idem.flask import Idempotency
 from goblin_idem.sql import SyncSqlRecords
 from goblin_idem.sql import sync as sql_sync
 from goblin_idem.wsgi import IdempotencyMiddleware
-from tests.sql.conftest import SyncSetup, on_sync_postgres
+from tests.sql.conftest import FORGED, SyncSetup, on_sync_postgres
 from tests.support.apps.sync_sql_app import build_flask, build_wsgi
 from tests.support.servers import free_port
 from tests.support.wsgi import Reply, call
@@ -495,3 +495,20 @@ def test_a_record_too_large_for_one_query_commits_through_the_pipeline(
     again = pay(app, "large", key="k-large")
     assert again.body == first.body and replayed(again)
     assert sync_setup.payment_count("large") == 1
+
+
+def test_a_key_written_as_sql_is_only_a_key_on_a_sync_engine(
+    sync_setup: SyncSetup, store: RedisStore
+) -> None:
+    """The sync records' one-query lookup and commit (psycopg) write their values into the
+    text too: a key an attacker chose as SQL is a key like any other."""
+    app = build_wsgi(store, sync_setup.records, sync_setup.payments)
+    body = json.dumps({"ref": "forged", "amount": 5}).encode()
+    first = call(app, "POST", "/payments", body, JSON, key=FORGED)
+    assert first.code == 201 and len(sync_setup.rows()) == 1
+    with sync_setup.redis.sync_client() as client:
+        client.flushall()
+    again = call(app, "POST", "/payments", body, JSON, key=FORGED)
+    assert again.code == 201 and again.body == first.body  # from the database, by that key
+    assert again.header("idempotent-replayed") == "true"
+    assert sync_setup.payment_count("forged") == 1  # the table stands, written once
