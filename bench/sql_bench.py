@@ -1,6 +1,7 @@
 """Round trips of a run's record commit on PostgreSQL, per driver.
 
     python3 bench/sql_bench.py [--latency-ms 20] [--runs 5] [--messages | --instructions]
+                               [--sync]
 
 A throwaway PostgreSQL (tests/support/postgres.py) is reached through the test suite's
 loopback proxy with `latency` added each way, so a round trip costs twice that; a run's
@@ -19,6 +20,13 @@ executed, S a sync), read by a forwarder of its own with no latency.
 `--instructions` counts this process's instructions per new key's whole run, with records
 and without (valgrind's callgrind, in a child process per count: 30 runs, then 130, the
 difference over 100; the server's work is not in them).
+
+`--sync` measures that whole run on a sync Engine instead (psycopg: `SyncSqlRecords`, the
+WSGI, Flask and sync gRPC adapters' records), as those adapters make it: the lookup and
+the INSERT through ``goblin_idem.sql.sync.connection()`` in the request's thread (a
+``session()`` adds its savepoint's two), the steps around them on the loop thread
+(`goblin_idem._threads`), beside the same INSERT in a Session of the app's own that
+commits. With `--messages` or `--instructions` only.
 """
 
 from __future__ import annotations
@@ -40,11 +48,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sqlalchemy import Column, Integer, MetaData, Table, Text, text
+from sqlalchemy import Column, Integer, MetaData, Table, Text, create_engine, text
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
 
 from goblin_idem._recording import RecordRow, kept
-from goblin_idem.sql import SqlRecords
+from goblin_idem._threads._exchange import Exchange
+from goblin_idem._threads._loop import loop_thread
+from goblin_idem._threads._records import ThreadedRecords, ThreadedTransaction
+from goblin_idem.sql import SqlRecords, SyncSqlRecords, sync
 from tests.support.postgres import start_postgres
 from tests.support.proxy import Proxy
 
@@ -127,6 +140,62 @@ async def made(url: str) -> tuple[AsyncEngine, dict[str, Callable[[], Awaitable[
     }
 
 
+def sync_bare_run(engine: Engine) -> None:
+    """The INSERT in a Session of the app's own, which commits."""
+    with Session(engine) as s:
+        s.execute(INSERT).scalar_one()
+        s.commit()
+
+
+def sync_recorded_run(records: ThreadedRecords) -> None:
+    """A new key's run as the sync adapters make it: the loop thread's steps (the lookup,
+    the commit) crossing to this thread, the request's, where the INSERT is written."""
+    key = b"k:" + secrets.token_bytes(8)
+
+    async def steps() -> None:
+        assert await records.lookup(key) is None
+        run = records.transaction(lambda: "POST /orders")
+        await Exchange.running().call(sync_write, run)  # type: ignore[union-attr]
+        await run.commit(RecordRow(key, "ab" * 32, bytes(16), b"GI" * 80, 60_000))
+
+    exchange = Exchange(loop_thread())
+    exchange.start(steps())
+    exchange.wait()
+
+
+def sync_write(run: ThreadedTransaction) -> None:
+    work = run.begin()
+    token = work.enter()
+    try:
+        sync.connection().execute(INSERT).scalar_one()
+    finally:
+        work.leave(token)
+
+
+async def made_sync(url: str) -> tuple[Engine, dict[str, Callable[[], Awaitable[None]]]]:
+    """`made` on a sync Engine: each run in a thread of its own, as a sync server's."""
+    engine = create_engine(url, pool_size=1, max_overflow=0)
+    records = SyncSqlRecords(engine, table=f"bench_{secrets.token_hex(3)}")
+    records.create_table()
+    ORDERS.metadata.create_all(engine)
+    threaded = ThreadedRecords(records)
+    return engine, {
+        "no records": lambda: asyncio.to_thread(sync_bare_run, engine),
+        "records": lambda: asyncio.to_thread(sync_recorded_run, threaded),
+    }
+
+
+async def made_for(url: str, synced: bool) -> tuple[Any, dict[str, Callable[[], Awaitable[None]]]]:
+    """`made`, or `made_sync` for a sync Engine (`synced`); its engine disposed by `disposed`."""
+    return await (made_sync(url) if synced else made(url))
+
+
+async def disposed(engine: Any) -> None:
+    done = engine.dispose()
+    if done is not None:
+        await done
+
+
 async def measure_runs(url: str, runs: int) -> dict[str, list[float]]:
     """Each kind of run `runs` times, after as many (at least 6) to warm up: psycopg
     prepares a statement from its fifth execution on a connection."""
@@ -144,8 +213,8 @@ async def measure_runs(url: str, runs: int) -> dict[str, list[float]]:
     return times
 
 
-async def show_messages(url: str, messages: Messages, driver: str) -> None:
-    engine, kinds = await made(url)
+async def show_messages(url: str, messages: Messages, driver: str, synced: bool) -> None:
+    engine, kinds = await made_for(url, synced)
     for name, run in kinds.items():
         for _ in range(6):  # connected, and psycopg's statements prepared
             await run()
@@ -154,7 +223,7 @@ async def show_messages(url: str, messages: Messages, driver: str) -> None:
         trips = messages.take()
         shown = " | ".join(" ".join(trip) for trip in trips)
         print(f"{driver:8} {name:10} {len(trips)} round trips: {shown}")
-    await engine.dispose()
+    await disposed(engine)
 
 
 class Messages:
@@ -225,12 +294,13 @@ class Messages:
 INSTRUCTION_RUNS = (30, 130)
 
 
-def instructions(url: str, kind: str) -> float:
+def instructions(url: str, kind: str, synced: bool) -> float:
     """Instructions per run of `kind` (callgrind, a child process per count)."""
     totals = []
     for runs in INSTRUCTION_RUNS:
         with tempfile.NamedTemporaryFile(suffix=".callgrind") as out:
             command = [sys.executable, __file__, "--child", url, kind, str(runs)]
+            command += ["--sync"] if synced else []
             subprocess.run(
                 ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out.name}", *command],
                 check=True,
@@ -242,12 +312,12 @@ def instructions(url: str, kind: str) -> float:
     return (totals[1] - totals[0]) / (INSTRUCTION_RUNS[1] - INSTRUCTION_RUNS[0])
 
 
-async def child(url: str, kind: str, runs: int) -> None:
+async def child(url: str, kind: str, runs: int, synced: bool) -> None:
     """`runs` runs of `kind`, after as many as `measure_runs` warms up with."""
-    engine, kinds = await made(url)
+    engine, kinds = await made_for(url, synced)
     for _ in range(6 + runs):
         await kinds[kind]()
-    await engine.dispose()
+    await disposed(engine)
 
 
 async def main() -> None:
@@ -256,28 +326,32 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--messages", action="store_true")
     parser.add_argument("--instructions", action="store_true")
+    parser.add_argument("--sync", action="store_true")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # URL KIND RUNS
     args = parser.parse_args()
     if args.child:
         url, kind, runs = args.child
-        return await child(url, kind, int(runs))
+        return await child(url, kind, int(runs), args.sync)
+    if args.sync and not (args.messages or args.instructions):
+        parser.error("--sync goes with --messages or --instructions")
+    drivers = ("psycopg",) if args.sync else DRIVERS
     one_way = args.latency_ms / 1000
     postgres = start_postgres()
     try:
         database = postgres.new_database()
         if args.instructions:
-            for driver in DRIVERS:
+            for driver in drivers:
                 for kind in ("no records", "records"):
-                    count = instructions(postgres.url(database, driver), kind)
+                    count = instructions(postgres.url(database, driver), kind, args.sync)
                     print(f"{driver:8} {kind:10} {count:,.0f} instructions per new key")
             return
         if args.messages:
             messages = Messages(postgres.port)
-            for driver in DRIVERS:
+            for driver in drivers:
                 url = postgres.url(database, driver).replace(
                     f":{postgres.port}/", f":{messages.port}/"
                 )
-                await show_messages(url, messages, driver)
+                await show_messages(url, messages, driver, args.sync)
             return
         with Proxy(postgres.port) as proxy:
             proxy.latency = (one_way, one_way)

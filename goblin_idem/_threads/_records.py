@@ -153,13 +153,23 @@ class ThreadedRecords(InWorkerThread):
     def __init__(self, backend: ThreadRecords) -> None:
         super().__init__(backend)
         self.where = backend.where
+        self.keeping: Callable[..., tuple[bytes, int] | None] | None = getattr(
+            backend, "lookup_for_work", None
+        )
 
     def __repr__(self) -> str:
         return repr(self.backend)
 
     async def lookup(self, key: bytes) -> tuple[bytes, int] | None:
-        """Asked in the request's thread while the loop thread sends the claim."""
-        return await _in_thread(_exchange("records"), self.backend.lookup, key)
+        """Asked in the request's thread while the loop thread sends the claim; by a
+        backend that keeps the lookup's connection for the request's work
+        (``lookup_for_work(key, at_end)``: `goblin_idem.sql.SyncSqlRecords`), with the
+        request's `Exchange.at_end`, through which it gives the connection back if no work
+        took it."""
+        exchange = _exchange("records")
+        if self.keeping is None:
+            return await _in_thread(exchange, self.backend.lookup, key)
+        return await _in_thread(exchange, self.keeping, key, exchange.at_end)
 
 
 class ThreadedTransaction:

@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncTransaction
 
 from .._recording import RecordRow
 from ._failures import unavailable
+from ._psycopg import begins_nothing, lookup_text, taken
 from ._table import LOOKUP_SQL_PSYCOPG, RecordsTable
 
 __all__ = ["at_once", "begin_looking", "drop_if_broken", "in_one", "pipelined", "pooled"]
@@ -56,55 +57,19 @@ async def begin_looking(
     records: RecordsTable, conn: AsyncConnection, key: bytes, now: datetime.datetime
 ) -> Any:
     """psycopg: the run's transaction begun and `key` looked up in one round trip, one
-    query (`RecordsTable._lookup_begun`), its row or None. psycopg sends its own BEGIN
-    ahead of a connection's first statement and waits for its answer, even in a
-    pipeline: a round trip of its own. So psycopg is told to begin nothing for this one
-    query (its own autocommit flag, set and set back around it: its setter refuses while
-    a transaction is open), whose text leads with the BEGIN it would have sent (the
-    engine's isolation level, read only, deferrable). The connection is then as after
-    psycopg's own BEGIN: the run's statements are in that transaction, and a statement
-    after a rollback begins another. Without that flag (another psycopg), on a connection
-    not idle, or on an engine in autocommit (which begins nothing anyway), the lookup as
-    before: in a pipeline, behind psycopg's own BEGIN if any."""
+    query (`_psycopg.lookup_text`), its row or None. Where psycopg cannot begin so, the
+    lookup as before: in a pipeline, behind psycopg's own BEGIN if any."""
     raw: Any = (await pooled(conn)).driver_connection  # psycopg's own
-    if raw.autocommit or not _can_begin(raw):
+    text = lookup_text(records, conn.dialect, raw, key, now)
+    if text is None:
         async with raw.pipeline():
             cursor = await raw.execute(records._sql(conn, LOOKUP_SQL_PSYCOPG), (key, now))
         return await cursor.fetchone()
-    text = records._lookup_begun(conn.dialect, _begin_statement(raw), key, now)
-    raw._autocommit = True  # as its setter would on an idle connection (`_can_begin`)
-    try:
+    with begins_nothing(raw):
         # Not counted towards preparing: a text made for one key is never seen again.
         cursor = await raw.execute(text, prepare=False)
-    finally:
-        raw._autocommit = False  # what it was: psycopg begins again after a rollback
     cursor.nextset()  # past BEGIN's result, to the SELECT's
     return await cursor.fetchone()
-
-
-def _can_begin(raw: Any) -> bool:
-    """Whether `begin_looking` can send the BEGIN on `raw`: idle, and psycopg's own
-    autocommit flag where this release keeps it."""
-    from psycopg.pq import TransactionStatus
-
-    idle = raw.info.transaction_status == TransactionStatus.IDLE
-    return idle and getattr(raw, "_autocommit", None) is False
-
-
-def _begin_statement(raw: Any) -> str:
-    """The BEGIN psycopg would send on `raw` (its isolation level, read only, deferrable
-    settings, as the engine set them), made of keywords only."""
-    from psycopg import IsolationLevel
-
-    parts = ["BEGIN"]
-    if raw.isolation_level is not None:
-        level = IsolationLevel(raw.isolation_level).name.replace("_", " ")
-        parts.append(f"ISOLATION LEVEL {level}")
-    if raw.read_only is not None:
-        parts.append("READ ONLY" if raw.read_only else "READ WRITE")
-    if raw.deferrable is not None:
-        parts.append("DEFERRABLE" if raw.deferrable else "NOT DEFERRABLE")
-    return " ".join(parts)
 
 
 async def at_once(
@@ -146,14 +111,12 @@ async def _ended(records: RecordsTable, tx: AsyncTransaction, sent: Awaitable[ob
     """Await what ends the server's transaction with COMMIT: False if the insert met an
     unexpired row (which aborted the COMMIT with it), else True once SQLAlchemy's side of
     the transaction is closed too (nothing is sent: the server's has ended)."""
-    from psycopg.errors import UniqueViolation
-
     try:
         await sent
-    except UniqueViolation as exc:
-        if not records._taken(exc):
-            raise
-        return False
+    except Exception as exc:
+        if taken(records, exc):
+            return False
+        raise
     await tx.commit()
     return True
 

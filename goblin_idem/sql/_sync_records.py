@@ -4,14 +4,18 @@ sync ``Engine``.
 They implement `goblin_idem._threads._records.ThreadRecords`: every step runs in the request's
 thread, where the app's writes are, so the app's writes through `goblin_idem.sql.sync`
 (and Flask-SQLAlchemy's ``db.session`` on a keyed route) and the record's row are one
-transaction on one connection (`goblin_idem.sql.sync.SyncRun`). The ASGI middleware and
-`once` refuse them, saying to use an AsyncEngine there; the WSGI and Flask middlewares
-refuse async records, which a sync app cannot write through.
+transaction on one connection (`goblin_idem.sql.sync.SyncRun`): on psycopg, the key's
+lookup's connection, whose transaction the lookup begins (`lookup_for_work`). The ASGI
+middleware and `once` refuse them, saying to use an AsyncEngine there; the WSGI and Flask
+middlewares refuse async records, which a sync app cannot write through.
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,10 +28,13 @@ from .._log import describe
 from .._recording import RecordRow
 from ..exceptions import DatabaseUnavailableError, SqlRecordsError
 from ._failures import connecting, unavailable_as
+from ._psycopg import begins_nothing, lookup_text, taken
 from ._table import DEFAULT_TABLE, PURGE_BATCH, RecordsTable, _shape, _utcnow
-from .sync import SyncRun
+from .sync import RunConnection, SyncRun
 
 __all__ = ["SyncSqlRecords"]
+
+logger = logging.getLogger("goblin_idem.sql")
 
 # The engines of sync records: a forked child gets a new pool in each (below).
 _engines: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -72,6 +79,7 @@ class SyncSqlRecords(RecordsTable):
                 f"URL, not {type(engine).__name__}"
             )
         super().__init__(self._url, table)
+        self._kept = threading.local()  # a lookup's connection for its thread's run
 
     @property
     def engine(self) -> Engine:
@@ -118,38 +126,98 @@ class SyncSqlRecords(RecordsTable):
         # RETURNING, not rowcount: drivers disagree on the rowcount of an upsert.
         return conn.execute(self._upsert(conn.dialect.name), self._row(row)).first() is not None
 
+    def lookup_for_work(
+        self, key: bytes, at_end: Callable[[Callable[[], object]], object]
+    ) -> tuple[bytes, int] | None:
+        """`lookup`, in the request's thread, for the request's run (`ThreadedRecords`): on
+        psycopg, on a connection kept for the run, whose transaction the lookup begins in
+        the same round trip and query (`_psycopg.lookup_text`), as the async records' does;
+        a run under a won claim takes it (`kept_for_work`), `at_end` (the request's) gives
+        it back if none did. Elsewhere, or where psycopg cannot begin so, `lookup`."""
+        if self.engine.dialect.driver != "psycopg":
+            return self.lookup(key)
+        self.let_go()  # this request's earlier lookup's, asked again (after a wait)
+        now = _utcnow()
+        try:
+            conn, row = self._looked_begun(key, now)
+        except Exception as exc:
+            failure = unavailable_as(exc, "for the record's lookup")
+            if failure is None:
+                raise
+            raise failure from exc
+        if conn is None:
+            return self.lookup(key)
+        found = self._found(row, now)
+        if found is not None:
+            _give_back(conn)  # nothing runs
+            return found
+        self._kept.conn = conn
+        at_end(self.let_go)
+        return None
+
+    def _looked_begun(self, key: bytes, now: datetime.datetime) -> tuple[RunConnection | None, Any]:
+        """A connection taken for the run, its transaction begun with `key`'s lookup, and
+        the lookup's row (None: no record); no connection where psycopg cannot begin so."""
+        with connecting("for the record's lookup"):
+            conn = RunConnection(self.engine)
+        try:
+            raw: Any = conn.connection.driver_connection  # psycopg's own
+            text = lookup_text(self, conn.dialect, raw, key, now)
+            if text is None:
+                conn.close()
+                return None, None
+            with begins_nothing(raw):
+                # made for one key: never prepared
+                cursor = raw.execute(text, prepare=False)
+            cursor.nextset()  # past BEGIN's result, to the SELECT's
+            return conn, cursor.fetchone()
+        except BaseException as exc:
+            lost = _lost(conn, exc, "for the record's lookup")
+            _give_back(conn)
+            if lost is not None:
+                raise lost from exc
+            raise
+
+    def kept_for_work(self) -> RunConnection | None:
+        """The connection this thread's lookup kept for its run (`lookup_for_work`), in
+        the run's transaction: the caller's from here on."""
+        conn: RunConnection | None = getattr(self._kept, "conn", None)
+        self._kept.conn = None
+        return conn
+
+    def let_go(self) -> None:
+        """Give back the connection this thread's lookup kept, if no run took it."""
+        conn = self.kept_for_work()
+        if conn is not None:
+            _give_back(conn)
+
     def commit(self, conn: Connection, tx: RootTransaction, row: RecordRow) -> bool:
         """Insert `row` in the run's transaction and commit it, with the work's writes;
         False (nothing committed) if the key's unexpired row exists. On psycopg the insert
-        and the COMMIT go in one round trip (its pipeline, as the async records do);
-        elsewhere one each."""
+        and the COMMIT go in one round trip and query (as the async records'
+        `_drivers.at_once`: a record too large to send as hex, in its pipeline); elsewhere
+        one each."""
         if conn.dialect.driver != "psycopg":
             if not self.insert(conn, row):
                 return False
             tx.commit()
             return True
-        from psycopg.errors import UniqueViolation
-
         raw: Any = conn.connection.driver_connection  # psycopg's own
-        statements = self._pipeline(conn.dialect, row)
+        text = self._in_one(conn.dialect, row)
         try:
-            with raw.pipeline(), raw.cursor() as cursor:
-                for sql, params in statements:
-                    cursor.execute(sql, params)
-        except UniqueViolation as exc:
-            if not self._taken(exc):
-                raise
-            return False
+            if text is not None:
+                raw.execute(text, prepare=False)  # made for one row: never prepared
+            else:
+                with raw.pipeline(), raw.cursor() as cursor:
+                    for sql, params in self._pipeline(conn.dialect, row):
+                        cursor.execute(sql, params)
         except Exception as exc:
-            if not (raw.closed or raw.broken):
+            if taken(self, exc):
+                return False
+            lost = _lost(conn, exc, "at the run's commit")
+            if lost is None:
                 raise
-            # The driver's own call, which SQLAlchemy did not make: it would give the closed
-            # connection back to its pool, so it is invalidated here.
-            conn.invalidate(exc)
-            raise DatabaseUnavailableError(
-                f"the database is unavailable at the run's commit (its connection was lost: "
-                f"{describe(exc)})"
-            ) from exc
+            raise lost from exc
         tx.commit()  # SQLAlchemy's side: the server's has ended, so nothing is sent
         return True
 
@@ -211,3 +279,25 @@ class SyncSqlRecords(RecordsTable):
         """Dispose of the engine's pool (the engine stays usable: it reconnects)."""
         if self._engine is not None:
             self._engine.dispose()
+
+
+def _lost(conn: Connection, exc: BaseException, where: str) -> DatabaseUnavailableError | None:
+    """After psycopg's own call on `conn` failed with `exc`: if its connection is closed or
+    broken, `conn` invalidated (SQLAlchemy, which did not make the call, would give the
+    closed connection back to its pool) and the DatabaseUnavailableError to raise."""
+    raw: Any = conn.connection.driver_connection
+    if not (raw.closed or raw.broken):
+        return None
+    conn.invalidate(exc if isinstance(exc, Exception) else None)
+    return DatabaseUnavailableError(
+        f"the database is unavailable {where} (its connection was lost: {describe(exc)})"
+    )
+
+
+def _give_back(conn: Connection) -> None:
+    """Close `conn`, which rolls back what it began; a connection the database dropped
+    has nothing to undo."""
+    try:
+        conn.close()
+    except Exception as exc:
+        logger.warning("could not give back a lookup's connection: %s", describe(exc))

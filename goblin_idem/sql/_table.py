@@ -48,7 +48,7 @@ IN_ONE_SQL = (
     "COMMIT"
 )
 IN_ONE_MAX = 256 * 1024  # a larger record goes as a parameter (its hex text is twice its size)
-# psycopg's lookup that begins the run's transaction (`_drivers.begin_looking`): {begin} is
+# psycopg's lookup that begins the run's transaction (`_psycopg.lookup_text`): {begin} is
 # the BEGIN psycopg would send, the rest literals as in IN_ONE_SQL.
 LOOKUP_BEGIN_SQL = (
     "{begin}; SELECT record, expires_at FROM {table} WHERE key = decode('{key}', 'hex') "

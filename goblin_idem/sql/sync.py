@@ -95,6 +95,7 @@ class SyncRun:
         self.where = where
         self.advice = ADVICE
         self.conn: RunConnection | None = None
+        self.looked: RunConnection | None = None  # the lookup's, kept: conn on first use
         self.tx: RootTransaction | None = None
         self.sessions: list[Session] = []  # session()'s, and Flask-SQLAlchemy's joined ones
         self.adopted: list[Session] = []  # the app's own sessions on this connection
@@ -104,7 +105,11 @@ class SyncRun:
     # -- the work (goblin_idem._threads._records.ThreadWork) --
 
     def begin(self) -> None:
-        """Nothing yet: the connection is taken at the first ``connection()``."""
+        """Nothing sent: the connection is taken at the first ``connection()``; a run under
+        a won claim takes the one its lookup kept, in the run's transaction already
+        (`SyncSqlRecords.lookup_for_work`)."""
+        if self.where is not None:
+            self.looked = self.records.kept_for_work()
 
     def enter(self) -> object:
         return _current.set(self)
@@ -118,7 +123,7 @@ class SyncRun:
         it. A run that wrote nothing commits the row alone, one statement in autocommit."""
         try:
             try:
-                if self.conn is None and not self.ended:
+                if self.conn is None and self.looked is None and not self.ended:
                     self.ended = True  # connection() refuses from here on
                     committed = self.records.insert_alone(row)
                 else:
@@ -144,7 +149,8 @@ class SyncRun:
         """Whether the request's connection was invalidated, lost midway: SQLAlchemy answers
         every statement after that with PendingRollbackError, and an app that caught the
         first error goes on to meet only that, which says nothing of the database."""
-        return self.dropped or (self.conn is not None and self.conn.invalidated)
+        conn = self.conn or self.looked
+        return self.dropped or (conn is not None and conn.invalidated)
 
     def unavailable(self, exc: Exception, where: str) -> DatabaseUnavailableError | None:
         """`exc` (met `where`) as the database unavailable: by what it says (`_failures`),
@@ -161,7 +167,7 @@ class SyncRun:
         """Commit the work's writes without a record (a request without a claimed key),
         before its response goes out. Raises the database's error if nothing committed."""
         try:
-            if self.conn is not None and not self.ended:
+            if (self.conn or self.looked) is not None and not self.ended:
                 self._flushed()[1].commit()
         finally:
             self.rollback()
@@ -169,9 +175,9 @@ class SyncRun:
     def rollback(self) -> None:
         """Undo what did not commit and give the connection back; safe to repeat."""
         self.ended = True
-        if self.conn is None and not self.sessions:
+        if self.conn is None and self.looked is None and not self.sessions:
             return
-        conn, self.conn = self.conn, None
+        conn, self.conn, self.looked = self.conn or self.looked, None, None
         self.dropped = self.dropped or (conn is not None and conn.invalidated)
         sessions, self.sessions = self.sessions, []
         self.adopted.clear()  # the app's: it closes them
@@ -199,7 +205,7 @@ class SyncRun:
             )
         if self.conn is None:
             with connecting("for the request's connection()"):
-                conn = RunConnection(self.engine)
+                conn, self.looked = self.looked or RunConnection(self.engine), None
                 try:
                     self.tx = Connection.begin(conn)  # the one begin allowed
                 except BaseException:
@@ -244,6 +250,8 @@ class SyncRun:
     def _flushed(self) -> tuple[RunConnection, RootTransaction]:
         """The connection with the work's pending ORM writes flushed into its transaction
         (a session's savepoint released), which must still be the one begun for it."""
+        if self.conn is None and self.looked is not None:
+            self.connection()  # the lookup's, whose transaction is the run's
         for s in [*self.sessions, *self.adopted]:
             if s.in_transaction() or s.new or s.dirty or s.deleted:
                 s.commit() if s.join_transaction_mode == "create_savepoint" else s.flush()

@@ -108,6 +108,9 @@ async def setup(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
 # -- sync records (a WSGI or Flask app's): a sync Engine on the same databases ------------
 
 SYNC_DATABASES = ["postgresql-psycopg", "sqlite-pysqlite"]
+# A key an attacker wrote as SQL (quotes, a statement, a comment), for the records' one-query
+# lookup and commit, which write their values into the text.
+FORGED = "o1'); DROP TABLE payments; -- \\' \"; COMMIT; SELECT '"
 
 
 @dataclass

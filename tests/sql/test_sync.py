@@ -25,7 +25,7 @@ from goblin_idem.flask import Idempotency
 from goblin_idem.sql import SyncSqlRecords
 from goblin_idem.sql import sync as sql_sync
 from goblin_idem.wsgi import IdempotencyMiddleware
-from tests.sql.conftest import SyncSetup, on_sync_postgres
+from tests.sql.conftest import FORGED, SyncSetup, on_sync_postgres
 from tests.support.apps.sync_sql_app import build_flask, build_wsgi
 from tests.support.servers import free_port
 from tests.support.wsgi import Reply, call
@@ -413,3 +413,102 @@ def test_forget_removes_a_sync_run_s_record_and_the_key_runs_again(
     again = pay(app, "forgotten", key="k-forget")
     assert again.code == 201 and not replayed(again)
     assert sync_setup.payment_count("forgotten") == 2
+
+
+@on_sync_postgres
+def test_a_run_writes_on_its_lookup_s_connection_in_the_engines_transaction(
+    sync_setup: SyncSetup, store: RedisStore
+) -> None:
+    """On psycopg the lookup begins the run's transaction itself, as psycopg's own BEGIN
+    would (the engine's isolation level), on the connection the run then writes through:
+    one pooled connection a request, and the run's snapshot is its lookup's (a row another
+    connection commits after the lookup is not seen). It goes back to the pool as it came:
+    not in autocommit, a write rolled back leaves nothing."""
+    engine = create_engine(
+        sync_setup.url, pool_size=1, max_overflow=0, isolation_level="REPEATABLE READ"
+    )
+    records = SyncSqlRecords(engine, table=sync_setup.records.table.name)
+    payments = sync_setup.payments
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        with sync_setup.engine.begin() as other:  # after the lookup, before the run's reads
+            other.execute(insert(payments).values(ref="other", amount=1))
+        conn = sql_sync.connection()
+        level = conn.execute(text("SELECT current_setting('transaction_isolation')")).scalar()
+        seen = conn.execute(text(f"SELECT count(*) FROM {payments.name}")).scalar()
+        conn.execute(insert(payments).values(ref="iso", amount=1))
+        start_response("201 Created", JSON)
+        return [f"{level} {seen}".encode()]
+
+    mw = IdempotencyMiddleware(app, store=store, records=records)
+    try:
+        first = call(mw, "POST", "/payments", b"{}", JSON, key="k-iso")
+        assert (first.code, first.body) == (201, b"repeatable read 0")
+        with sync_setup.redis.sync_client() as client:
+            client.flushall()  # the store lost everything: the database answers
+        again = call(mw, "POST", "/payments", b"{}", JSON, key="k-iso")
+        assert again.body == first.body and replayed(again)
+        assert sync_setup.payment_count("iso") == 1
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        with engine.connect() as conn:  # the pool's one connection, given back
+            assert conn.get_isolation_level() == "REPEATABLE READ"
+            conn.execute(insert(payments).values(ref="iso-2", amount=1))
+            conn.rollback()
+        assert sync_setup.payment_count("iso-2") == 0
+    finally:
+        engine.dispose()
+
+
+@on_sync_postgres
+def test_a_lookup_s_connection_no_run_took_is_given_back_at_the_request_s_end(
+    sync_setup: SyncSetup, store: RedisStore
+) -> None:
+    """The connection a lookup kept for its run (psycopg) goes back to the pool when the
+    request ends without a run (a claim not won), or at once when there is a record to
+    replay; a lookup asked again in the request gives back the first one's."""
+    records, ends = sync_setup.records, []
+    pool: Any = records.engine.pool
+    assert records.lookup_for_work(b"idem:{absent}:r", ends.append) is None
+    assert records.lookup_for_work(b"idem:{absent}:r", ends.append) is None
+    assert pool.checkedout() == 1 and len(ends) == 2
+    for end in ends:
+        end()
+    assert pool.checkedout() == 0 and records.kept_for_work() is None
+    pay(build_wsgi(store, records, sync_setup.payments), "kept", key="k-kept")
+    key = bytes(sync_setup.rows()[0][0])
+    found = records.lookup_for_work(key, ends.append)
+    assert found is not None and pool.checkedout() == 0 and len(ends) == 2
+
+
+@on_sync_postgres
+def test_a_record_too_large_for_one_query_commits_through_the_pipeline(
+    sync_setup: SyncSetup, store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record past what the one-query commit writes as hex goes through psycopg's
+    pipeline (its values as parameters): committed with the run's writes all the same."""
+    monkeypatch.setattr("goblin_idem.sql._table.IN_ONE_MAX", 0)
+    app = build_wsgi(store, sync_setup.records, sync_setup.payments)
+    first = pay(app, "large", key="k-large")
+    assert first.code == 201 and len(sync_setup.rows()) == 1
+    with sync_setup.redis.sync_client() as client:
+        client.flushall()
+    again = pay(app, "large", key="k-large")
+    assert again.body == first.body and replayed(again)
+    assert sync_setup.payment_count("large") == 1
+
+
+def test_a_key_written_as_sql_is_only_a_key_on_a_sync_engine(
+    sync_setup: SyncSetup, store: RedisStore
+) -> None:
+    """The sync records' one-query lookup and commit (psycopg) write their values into the
+    text too: a key an attacker chose as SQL is a key like any other."""
+    app = build_wsgi(store, sync_setup.records, sync_setup.payments)
+    body = json.dumps({"ref": "forged", "amount": 5}).encode()
+    first = call(app, "POST", "/payments", body, JSON, key=FORGED)
+    assert first.code == 201 and len(sync_setup.rows()) == 1
+    with sync_setup.redis.sync_client() as client:
+        client.flushall()
+    again = call(app, "POST", "/payments", body, JSON, key=FORGED)
+    assert again.code == 201 and again.body == first.body  # from the database, by that key
+    assert again.header("idempotent-replayed") == "true"
+    assert sync_setup.payment_count("forged") == 1  # the table stands, written once
