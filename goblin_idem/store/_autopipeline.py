@@ -32,6 +32,7 @@ import asyncio
 import collections
 import functools
 import logging
+from asyncio import get_running_loop
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
@@ -42,8 +43,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._redis_compat import BaseParser, retries
 from ._replay_cache import ReplayCache
+from ._wire import Wire, pack
 from ._wire import _pack_in_python as _pack_in_python  # where it was, for its test
-from ._wire import pack
 
 try:
     import hiredis
@@ -330,24 +331,25 @@ class AutoPipeline:
     def address(self) -> str:
         return self.path or f"{self.host}:{self.port}"
 
-    def execute(self, commands: Sequence[Sequence[Any]]) -> Awaitable[list[Any]]:
-        """Send `commands` back to back; their replies, errors in place (only a broken or
-        timed-out connection raises). Without retries, the reply future itself: awaited at
-        once by its caller, with no coroutine of its own on the hot path."""
-        packed = pack(commands)
+    def execute(self, commands: Sequence[Sequence[Any]] | Wire) -> Awaitable[list[Any]]:
+        """Send `commands` (or a step's `Wire`, as it is) back to back; their replies,
+        errors in place (only a broken or timed-out connection raises). Without retries,
+        the reply future itself: awaited at once by its caller, with no coroutine of its
+        own on the hot path."""
+        if type(commands) is tuple and type(commands[0]) is bytes:
+            packed, count = commands
+        else:
+            packed, count = pack(cast(Sequence[Sequence[Any]], commands)), len(commands)
         if self.retry is None:
-            return self._send(packed, len(commands))
-        return self.retry.call_with_retry(lambda: self._send(packed, len(commands)), _ignore)
+            return self._send(packed, count)
+        return self.retry.call_with_retry(lambda: self._send(packed, count), _ignore)
 
     def _send(self, packed: bytes, count: int) -> Awaitable[list[Any]]:
         """The reply future itself on a usable connection: no coroutine per call."""
         conn = self._conn
-        if conn is None or conn.broken is not None:
+        if conn is None or conn.broken is not None or conn.loop is not get_running_loop():
             return self._send_on_new(packed, count)
-        loop = conn.loop
-        if loop is not asyncio.get_running_loop():
-            return self._send_on_new(packed, count)
-        now = loop.time()
+        now = conn.loop.time()
         waiting = conn.waiting
         if waiting:  # stalled? (`_Connection.stalled`, inline: the hot path's one test)
             waited = now - waiting[0][2]

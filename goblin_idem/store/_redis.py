@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import weakref
+from asyncio import get_running_loop
 from collections.abc import Awaitable, Sequence
 from typing import Any, Final, TypeVar, cast
 
@@ -45,7 +46,7 @@ from ._redis_compat import copy_client, startup_nodes
 from ._replay_cache import DEFAULT_REPLAY_CACHE_BYTES
 from ._server_errors import normalize, renewal_reply, unwrap
 from ._single import Direct, Pipelined
-from ._wire import claim_step, publish_step
+from ._wire import claim_step, claim_wire, publish_step, publish_wire
 
 __all__ = ["AnyRedis", "Mode", "RedisStore"]
 
@@ -561,34 +562,38 @@ class RedisStore(_StoreCommands):
         error, NOSCRIPT or a result that outlived its claim take the general way."""
         ck = claim_key if type(claim_key) is bytes else as_bytes(claim_key)
         rk = result_key if type(result_key) is bytes else as_bytes(result_key)
-        tok = check_size(
-            token if type(token) is bytes else as_bytes(token, "token"), self.max_value_bytes
-        )
+        tok = token if type(token) is bytes else as_bytes(token, "token")
+        if len(tok) > self.max_value_bytes:
+            check_size(tok, self.max_value_bytes)  # refused, as the native command does
         lease = claim_seconds(seconds)
-        executor = self._executor
+        try:  # `_executor`, inline
+            executor = self._loops[get_running_loop()]
+        except (KeyError, RuntimeError):
+            executor = self._executor
         replays = executor.replays
         if replays is not None and (kept := replays.cached(rk)) is not None:
             return kept  # the bytes the store holds: see `_replay_cache`
         detection = self._detection
         if not detection.done:
             await self._ready()
-        step = claim_step(detection.mode == "native", ck, rk, tok, lease)
+        native = detection.mode == "native"
         shared = executor.shared
         if shared is None:
-            replies, acked = await executor.send_durably(ck, step)
+            replies, acked = await executor.send_durably(ck, claim_step(native, ck, rk, tok, lease))
+            return await self._claimed(replies, acked, ck, rk, tok, lease)
+        replies = await shared.execute(claim_wire(native, ck, rk, tok, lease))
+        reply, result_ttl = replies
+        if type(result_ttl) is int and (reply is None or type(reply) is bytes):
+            if reply != _CLAIMED_WIRE:  # in flight (None), or the stored result
+                if reply is not None and replays is not None:
+                    replays.fill(rk, ck)  # later duplicates: from memory, once tracked
+                return reply
+            if result_ttl == -2:  # won, and no result stored
+                return CLAIMED
         else:
-            replies, acked = await shared.execute(step), NOT_WAITED
-            reply, result_ttl = replies
-            if type(result_ttl) is int and (reply is None or type(reply) is bytes):
-                if reply != _CLAIMED_WIRE:  # in flight (None), or the stored result
-                    if reply is not None and replays is not None:
-                        replays.fill(rk, ck)  # later duplicates: from memory, once tracked
-                    return reply
-                if result_ttl == -2:  # won, and no result stored
-                    return CLAIMED
-            else:
-                replies = await executor.resent(ck, step, replies)
-        return await self._claimed(replies, acked, ck, rk, tok, lease)
+            step = claim_step(native, ck, rk, tok, lease)
+            replies = await executor.resent(ck, step, replies)
+        return await self._claimed(replies, NOT_WAITED, ck, rk, tok, lease)
 
     async def caexpire(self, key: KeyT, expected: KeyT, ms: int) -> int:
         """Atomically: if GET key == expected, PEXPIRE key ms (ms <= 0 deletes)."""
@@ -635,23 +640,27 @@ class RedisStore(_StoreCommands):
         in the transaction failed (`claim_unless_done`)."""
         rk = result_key if type(result_key) is bytes else as_bytes(result_key)
         ck = claim_key if type(claim_key) is bytes else as_bytes(claim_key)
-        v = check_size(
-            value if type(value) is bytes else as_bytes(value, "value"), self.max_value_bytes
-        )
+        v = value if type(value) is bytes else as_bytes(value, "value")
+        if len(v) > self.max_value_bytes:
+            check_size(v, self.max_value_bytes)  # refused, as the native command does
         tok = token if type(token) is bytes else as_bytes(token, "token")
         ttl = publish_ttl(ttl_ms)
         detection = self._detection
         if not detection.done:
             await self._ready()
-        executor = self._executor
+        try:  # `_executor`, inline
+            executor = self._loops[get_running_loop()]
+        except (KeyError, RuntimeError):
+            executor = self._executor
         if self.replay_cache_bytes:
             self._forget((rk, ck))  # changed below: what this process kept of them is over
-        step = publish_step(detection.mode == "native", rk, v, ttl, ck, tok)
+        native = detection.mode == "native"
         shared = executor.shared
         if shared is None:
+            step = publish_step(native, rk, v, ttl, ck, tok)
             replies, acked = await executor.send_durably(ck, step)
         else:
-            replies, acked = await shared.execute(step), NOT_WAITED
+            replies = await shared.execute(publish_wire(native, rk, v, ttl, ck, tok))
             done = replies[-1]  # EXEC's: a list only if MULTI and both commands were queued
             if (
                 type(done) is list
@@ -663,7 +672,8 @@ class RedisStore(_StoreCommands):
                 if stored is not None:
                     return WRITTEN[renewed]
                 return await self._stood(rk, v, ck, tok, renewed)
-            replies = await executor.resent(ck, step, replies)
+            step = publish_step(native, rk, v, ttl, ck, tok)
+            replies, acked = await executor.resent(ck, step, replies), NOT_WAITED
         written, renewed = self._published(replies, acked)
         return WRITTEN[renewed] if written else await self._stood(rk, v, ck, tok, renewed)
 

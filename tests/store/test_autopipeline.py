@@ -30,7 +30,7 @@ from goblin_idem.store._autopipeline import (
     _pack_in_python,
     pack,
 )
-from goblin_idem.store._wire import Packed, claim_step, publish_step
+from goblin_idem.store._wire import Packed, claim_step, claim_wire, publish_step, publish_wire
 from tests.support.proxy import Proxy
 from tests.support.servers import Server, start_server
 from tests.support.waits import until
@@ -87,6 +87,18 @@ def test_a_first_runs_steps_are_sent_as_their_commands_pack(native: bool) -> Non
             assert type(step) is Packed
             assert step.wire == b"".join(_pack_in_python(command) for command in step)
             assert pack(step) is step.wire and pack(list(step)) == step.wire
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "script"])
+def test_a_steps_wire_is_its_commands_bytes_for_every_lease_and_ttl(native: bool) -> None:
+    """What the shared connection writes (`Wire`) is the step's packed commands, also for
+    more leases and TTLs than the formatted ones kept (`_wire._KEPT`)."""
+    for n in (1, 30, 10**15, *range(100, 200)):
+        step = claim_step(native, b"c", b"r", b"t", n)
+        assert claim_wire(native, b"c", b"r", b"t", n) == (step.wire, len(step))
+        step = publish_step(native, b"r", b"v", n, b"c", b"t")
+        assert publish_wire(native, b"r", b"v", n, b"c", b"t") == (step.wire, len(step))
+        assert step.wire == b"".join(_pack_in_python(command) for command in step)
 
 
 async def test_concurrent_calls_share_writes_and_get_their_own_replies(
