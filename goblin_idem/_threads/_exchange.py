@@ -83,7 +83,17 @@ DONE: Any = object()  # what `next` returns once the coroutine has ended without
 class Exchange:
     """A coroutine on the loop thread and the thread that waits for it."""
 
-    __slots__ = ("_abandoned", "_at_end", "_jobs", "_last", "_task", "done", "loop", "thread")
+    __slots__ = (
+        "_abandoned",
+        "_at_end",
+        "_jobs",
+        "_last",
+        "_over",
+        "_task",
+        "done",
+        "loop",
+        "thread",
+    )
 
     def __init__(self, thread: LoopThread) -> None:
         self.thread = thread
@@ -91,6 +101,7 @@ class Exchange:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._task: asyncio.Task[None] | None = None
         self._abandoned = False  # the caller's thread stopped waiting
+        self._over = False  # the coroutine ended (loop side)
         self.done: _Done | None = None  # set in the caller's thread, once it has seen the end
         self._at_end: list[Callable[[], object]] | None = None
         self._last: Any = _NOTHING  # posted as the last item, held for the end (loop side)
@@ -189,15 +200,21 @@ class Exchange:
         try:
             result = await coro
         except BaseException as exc:  # the caller's thread re-raises it; the task ends
+            self._over = True  # no thread reads calls put after the end
             self._jobs.put(_Done(None, exc, self._take_last()))
             if not isinstance(exc, (Exception, asyncio.CancelledError)):
                 raise
         else:
+            self._over = True
             self._jobs.put(_Done(result, None, self._take_last()))
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` run in the caller's thread, after every item posted before."""
-        if self._abandoned:
+        """`fn(*args)` run in the caller's thread, after every item posted before; cancelled
+        once the caller's thread stopped waiting or the coroutine ended (a task it started
+        that outlives it, such as a records lookup a replay did not need, would otherwise
+        wait forever). A call put before the end is run first: both are put by this loop's
+        thread, in order."""
+        if self._abandoned or self._over:
             raise asyncio.CancelledError
         future: asyncio.Future[T] = self.loop.create_future()
         if self._last is not _NOTHING:

@@ -10,6 +10,7 @@ import secrets
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Table, create_engine, func, insert, select, text
@@ -86,6 +87,20 @@ def database_url(
     return postgres.url(database, name.split("-")[1]), postgres
 
 
+def forgotten_here() -> list[asyncio.Future[Any]]:
+    """The lookups left to end (`_recording._forgotten`) of this event loop: a sync app's
+    run on the process's loop thread, in another test, are not this loop's to wait for."""
+    loop = asyncio.get_running_loop()
+    return [task for task in _recording._forgotten if task.get_loop() is loop]
+
+
+async def forgotten_ended(timeout: float | None = None) -> None:
+    """Wait for this loop's lookups left to end (a kept connection given back)."""
+    pending = forgotten_here()
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
+
+
 @pytest.fixture(params=PAIRS, ids=[f"{d}+{s}" for d, s in PAIRS])
 async def setup(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Setup]:
     db, store_name = request.param
@@ -99,8 +114,7 @@ async def setup(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     store = RedisStore.from_url(server.url, mode=store_name.split("-")[1])  # type: ignore[arg-type]
     await store.client.flushall()  # type: ignore[union-attr]
     yield Setup(db, url, engine, records, payments, store, postgres)
-    if _recording._forgotten:  # lookups that duplicates did not need: they end on their own
-        await asyncio.wait(list(_recording._forgotten))
+    await forgotten_ended()  # lookups that duplicates did not need: they end on their own
     await store.aclose()
     await engine.dispose()
 

@@ -16,13 +16,13 @@ from sqlalchemy import event, insert, update
 from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.types import Receive, Scope, Send
 
-from goblin_idem import IdempotencyMiddleware, _recording
+from goblin_idem import IdempotencyMiddleware
 from goblin_idem._keys import key_names
 from goblin_idem._recording import Looked
 from goblin_idem.records._format import decode
 from goblin_idem.sql import SqlRecords, connection
 from goblin_idem.sql._context import RunTransaction
-from tests.sql.conftest import Setup, on_postgres
+from tests.sql.conftest import Setup, forgotten_ended, forgotten_here, on_postgres
 from tests.support.apps.sql_app import BIG, Gate, build
 from tests.support.asgi import Reply, problem, request
 
@@ -224,8 +224,7 @@ async def test_a_duplicate_answered_by_the_store_leaves_no_transaction_open(setu
     await pay(app, "k1", "p1")
     for _ in range(20):
         assert replayed(await pay(app, "k1", "p1"))
-    if _recording._forgotten:  # the lookups the duplicates did not need, until they end
-        await asyncio.wait(list(_recording._forgotten))
+    await forgotten_ended()  # the lookups the duplicates did not need, until they end
     args = {"connect_args": {"timeout": 0.5}} if setup.name.startswith("sqlite") else {}
     other = create_async_engine(setup.url, **args)  # type: ignore[arg-type]
     try:
@@ -455,14 +454,13 @@ async def test_a_lookup_a_duplicate_no_longer_needs_is_left_to_finish(
     monkeypatch.setattr(setup.records, "lookup_for_run", slow)
     again = await pay(app, "k1", "p1")
     assert replayed(again) and again.body == first.body
-    assert asked.is_set() and _recording._forgotten, "no lookup alongside the claim step"
-    pending = list(_recording._forgotten)
+    pending = forgotten_here()
+    assert asked.is_set() and pending, "no lookup alongside the claim step"
     gate.set()
     await asyncio.wait(pending, timeout=10)
     assert not any(task.cancelled() for task in pending)
     assert len(ended) == 1 and ended[0] is not None and decode(ended[0][0]).body == first.body
-    if _recording._forgotten:  # its kept connection being given back
-        await asyncio.wait(list(_recording._forgotten), timeout=10)
+    await forgotten_ended(timeout=10)  # its kept connection being given back
     assert setup.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     other = create_async_engine(setup.url)
     try:

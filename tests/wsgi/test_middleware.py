@@ -217,6 +217,37 @@ class CountedJobs(queue.SimpleQueue[Any]):
         super().put(item)
 
 
+def test_a_call_put_after_the_exchange_ended_is_cancelled_not_left_waiting() -> None:
+    """A task the coroutine started that outlives it (a records lookup that a duplicate
+    answered by the store did not need) and then asks the request's thread for a call: no
+    thread reads it any more, so the call is cancelled at once and the task ends, rather
+    than waiting forever (a task, and what it holds, kept for the life of the process)."""
+    thread = loop_thread()
+    exchange = Exchange(thread)
+    gates: list[asyncio.Future[None]] = []
+    outcome: list[str] = []
+    ended = threading.Event()
+
+    def finished(task: asyncio.Task[None]) -> None:
+        outcome.append("cancelled" if task.cancelled() else "done")
+        ended.set()
+
+    async def outliving(gate: asyncio.Future[None]) -> None:
+        await gate
+        await exchange.call(lambda: None)
+
+    async def main() -> None:
+        gate = asyncio.get_running_loop().create_future()
+        gates.append(gate)
+        asyncio.get_running_loop().create_task(outliving(gate)).add_done_callback(finished)
+
+    exchange.start(main())
+    exchange.wait()  # the coroutine ended: this thread reads no more calls
+    thread.loop.call_soon_threadsafe(gates[0].set_result, None)
+    assert ended.wait(10), "the call put after the end was left waiting"
+    assert outcome == ["cancelled"]
+
+
 def test_a_response_in_one_piece_comes_with_the_exchange_s_end_in_one_hand_over(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
