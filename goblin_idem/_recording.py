@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,18 +116,25 @@ class Lookup:
     the key would use, and keep that connection for the run (one pooled connection per
     run, not two): handed to the run by `settle`, given back otherwise."""
 
-    __slots__ = ("key", "records", "task")
+    __slots__ = ("coro", "key", "records", "task")
 
     def __init__(self, records: Records, key: bytes) -> None:
         self.records, self.key = records, key
-        self.task: asyncio.Future[Looked]
         keeping = getattr(records, "lookup_for_run", None)
-        self.task = asyncio.ensure_future(keeping(key) if keeping else _alone(records, key))
+        coro = keeping(key) if keeping else _alone(records, key)
+        self.coro: object = coro
+        self.task: asyncio.Future[Looked] = asyncio.ensure_future(coro)
 
     def forget(self) -> None:
-        """Not needed (the claim step answered without a won claim, or failed). Left to
+        """Not needed (the claim step answered without a won claim, or failed). A lookup
+        not yet started (the store answered without waiting: a replay from its replay
+        cache) is cancelled before it runs, so it sends nothing; one under way is left to
         end, not cancelled: a query cut off midway can leave its connection in a
         transaction (on SQLite, holding a lock that stops every writer)."""
+        coro = self.coro
+        if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            self.task.cancel()  # its first step throws at its first line: nothing ran
+            return
         _forgotten.add(self.task)
         self.task.add_done_callback(_quiet)
 
